@@ -1,0 +1,34 @@
+"""Meta-SGD (Li et al., 2017): MAML with a learned inner learning rate per parameter element.
+
+For every adapted parameter ``p`` the learner gains a meta-parameter ``alpha_p`` of p's shape,
+initialised to ``meta.inner_lr``; the inner step is ``p - alpha_p * grad`` and both ``theta``
+and ``alpha`` receive second-order meta-gradients through the same ``engine.backward``.
+The rates live in the learner (``inner_lrs.<name with . -> __>``), so DeepSpeed owns,
+partitions and checkpoints them like any dense parameter.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gmeta_ds.algorithms.base import MetaAlgorithm
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class MetaSGD(MetaAlgorithm):
+    """Second-order MAML with meta-learned per-element inner learning rates."""
+
+    first_order = False
+
+    def init_learner(self, learner) -> None:
+        params = dict(learner.net.named_parameters())
+        learner.inner_lrs = nn.ParameterDict({
+            _key(n): nn.Parameter(torch.full_like(params[n], self.inner_lr))
+            for n in learner.adapted
+        })
+
+    def learning_rates(self, learner):
+        return {n: learner.inner_lrs[_key(n)] for n in learner.adapted}

@@ -1,0 +1,30 @@
+"""Reptile (Nichol et al., 2018).
+
+Meta-gradient of each adapted parameter: ``theta - mean_t(phi_t)`` (the average move of the
+inner loop, phi after ``inner_steps`` first-order SGD steps on the support set). It enters
+``engine.backward`` through the surrogate ``sum <theta, (theta - mean phi).detach()>``, whose
+gradient is exactly that; with an outer SGD step of size eps this is
+``theta <- theta + eps (mean phi - theta)``.
+
+Parameters that are not adapted (e.g. embedding tables) get the first-order gradient of the
+query loss at phi, as in FOMAML, so they still learn; the query loss is also what is logged.
+"""
+from __future__ import annotations
+
+from gmeta_ds.algorithms.base import MetaAlgorithm, MetaOutput, _output
+
+
+class Reptile(MetaAlgorithm):
+    """First-order Reptile with the surrogate outer loss described above."""
+
+    first_order = True
+
+    def outer_loss(self, learner, support, query) -> MetaOutput:
+        detach = lambda fast: {n: p.detach() for n, p in fast.items()}  # noqa: E731
+        out = self.run(learner, support, query, query_fast=detach)
+        params = dict(learner.net.named_parameters())
+        surrogate = sum(
+            (params[n] * (params[n] - out.fast[n].mean(dim=0)).detach()).sum()
+            for n in learner.adapted
+        )
+        return _output(out.query_loss.mean() + surrogate, out)

@@ -1,0 +1,276 @@
+"""Run configuration: dataclasses built from YAML, ``--set`` overrides, validation.
+
+Layer 0: no torch. Every problem is collected and raised at once as a `ConfigError` whose
+lines name the dotted key, the value and what is allowed. Defaults live here only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from gmeta_ds.errors import ConfigError
+
+ALGORITHMS = ("maml", "fomaml", "reptile", "metasgd")
+SHARDINGS = ("replicated",)
+DATA_SOURCES = ("synthetic",)
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+AUTO = "auto"
+
+
+@dataclass
+class ModelConfig:
+    """MeLU-style CTR model: per-field embeddings -> concat -> MLP decision layers -> logit."""
+
+    embed_dim: int = 16
+    hidden: list[int] = field(default_factory=lambda: [64, 32])
+
+
+@dataclass
+class MetaConfig:
+    """The meta-learning algorithm and how tasks are grouped."""
+
+    algorithm: str = "maml"
+    inner_steps: int = 1
+    inner_lr: float = 0.1
+    # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
+    adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
+    tasks_per_micro_batch: Union[int, str] = 32
+    tasks_per_meta_step: Union[int, str] = 64
+    vectorize: bool = True
+
+
+@dataclass
+class EmbeddingConfig:
+    """Where embedding tables live. ``replicated``: inside the DeepSpeed engine (data-parallel)."""
+
+    sharding: str = "replicated"
+
+
+@dataclass
+class SyntheticConfig:
+    """Synthetic cold-start CTR data: users (tasks) and items with latent preferences."""
+
+    num_users: int = 2000
+    num_items: int = 500
+    latent_dim: int = 8
+    min_interactions: int = 13
+    max_interactions: int = 100
+    query_size: int = 10
+    zipf_exponent: float = 1.1
+    test_fraction: float = 0.2
+    # How strongly categorical features reveal the latent vectors (0 = pure noise).
+    feature_signal: float = 2.0
+    # Std of the per-user click propensity that no feature reveals (learned from support).
+    user_bias_std: float = 1.0
+    preference_scale: float = 2.0
+    base_logit: float = -0.5
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from."""
+
+    source: str = "synthetic"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class TrainConfig:
+    """Outer loop."""
+
+    meta_steps: int = 200
+    lr: float = 1e-3
+    log_every: int = 10
+    # Threads per rank; "auto" = cores // local ranks.
+    threads: Union[int, str] = AUTO
+    collective_timeout_s: int = 600
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    """Cold-start evaluation on held-out users (adapt on support, score query)."""
+
+    enabled: bool = True
+    # Inner steps at evaluation; "auto" = meta.inner_steps.
+    inner_steps: Union[int, str] = AUTO
+    tasks_per_batch: int = 64
+    baseline: bool = True
+    baseline_epochs: int = 3
+    baseline_batch_size: int = 256
+    # Fine-tune the baseline on each test user's support before scoring (its own metric).
+    baseline_finetune: bool = True
+
+
+@dataclass
+class RunConfig:
+    """A whole run: sections ``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``,
+    ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    meta: MetaConfig = field(default_factory=MetaConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    deepspeed: Union[str, dict] = "ds_configs/zero0.json"
+    # Directory the config file was read from: relative paths resolve against it first.
+    config_dir: str = field(default=".", metadata={"internal": True})
+
+
+# ---------------------------------------------------------------- building from dicts
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{dotted}: unknown key; valid keys here: {', '.join(sorted(fields))}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", problems)
+        elif _type_ok(value, tp):
+            kwargs[key] = float(value) if tp is float else value
+        else:
+            problems.append(f"{dotted}: expected {_type_name(tp)}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _one_of(problems: list[str], key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = False) -> None:
+    if allow_auto and value == AUTO:
+        return
+    if isinstance(value, str) or value <= 0:
+        allowed = "a positive number" + (" or 'auto'" if allow_auto else "")
+        problems.append(f"{key}: {value!r} is not {allowed}")
+
+
+def _validate(cfg: RunConfig, problems: list[str]) -> None:
+    _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS)
+    _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
+    _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES)
+    for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
+                "train.log_every", "train.collective_timeout_s", "model.embed_dim",
+                "eval.tasks_per_batch", "eval.baseline_batch_size"):
+        section, name = key.split(".")
+        _positive(problems, key, getattr(getattr(cfg, section), name))
+    for key in ("meta.tasks_per_micro_batch", "meta.tasks_per_meta_step"):
+        _positive(problems, key, getattr(cfg.meta, key.split(".")[1]), allow_auto=True)
+    _positive(problems, "train.threads", cfg.train.threads, allow_auto=True)
+    _positive(problems, "eval.inner_steps", cfg.eval.inner_steps, allow_auto=True)
+    if cfg.eval.baseline_epochs < 0:
+        problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
+    if not cfg.meta.adapt:
+        problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
+    if any(h <= 0 for h in cfg.model.hidden):
+        problems.append(f"model.hidden: {cfg.model.hidden!r} must be positive layer widths")
+    _validate_synthetic(cfg.data.synthetic, problems)
+
+
+def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
+    p = "data.synthetic."
+    for name in ("num_users", "num_items", "latent_dim", "min_interactions", "query_size"):
+        _positive(problems, p + name, getattr(syn, name))
+    if syn.min_interactions <= syn.query_size:
+        problems.append(f"{p}min_interactions: {syn.min_interactions} must exceed "
+                        f"{p}query_size ({syn.query_size}) so every task keeps a support set")
+    if syn.max_interactions < syn.min_interactions:
+        problems.append(f"{p}max_interactions: {syn.max_interactions} must be >= "
+                        f"{p}min_interactions ({syn.min_interactions})")
+    if not 0.0 < syn.test_fraction < 1.0:
+        problems.append(f"{p}test_fraction: {syn.test_fraction!r} must be in (0, 1)")
+
+
+# ---------------------------------------------------------------- public API
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"meta.inner_lr=0.05"`` -> (["meta", "inner_lr"], 0.05); values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError([f"--set {text!r}: expected dotted.key=value"])
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of ``data`` with each ``dotted.key=value`` override applied."""
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {text!r}: {part!r} is not a section"])
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str | None = None, config_dir: str = ".") -> RunConfig:
+    """Build and validate a `RunConfig`; raises `ConfigError` listing every problem."""
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    _validate(cfg, problems)  # values with a wrong type kept their defaults: safe to check
+    if problems:
+        raise ConfigError(problems, source)
+    cfg.config_dir = config_dir
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config file, apply ``--set`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file {str(path)!r} does not exist"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], str(path)) from exc
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, str(path), str(path.parent))
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain dict of a config (for logging and summary files), without internal fields."""
+    out = dataclasses.asdict(cfg)
+    out.pop("config_dir", None)
+    return out

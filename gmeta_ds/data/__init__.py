@@ -1,0 +1,1 @@
+"""Tasks: storage, batching, sampling, synthetic data."""

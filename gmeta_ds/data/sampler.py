@@ -1,0 +1,38 @@
+"""Which tasks each rank processes in each meta-step, independent of the world size.
+
+Meta-step k takes B = tasks_per_meta_step tasks from a per-epoch permutation of all tasks
+(seeded by run seed and epoch; the tail that does not fill a meta-batch is left for the next
+epoch's permutation). Those B tasks are the same whatever the world size; rank r's
+micro-batch m gets the T tasks at positions ``(m * W + r) * T ...``. The position is the
+meta-step itself, so resuming needs no other state.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gmeta_ds.errors import ConfigError
+
+
+class MetaBatchSampler:
+    """Task indices per (meta-step, micro-batch) for one rank."""
+
+    def __init__(self, num_tasks: int, tasks_per_micro_batch: int, grad_accum_steps: int,
+                 world_size: int, rank: int, seed: int):
+        self.t, self.gas, self.world, self.rank = tasks_per_micro_batch, grad_accum_steps, world_size, rank
+        self.batch = tasks_per_micro_batch * grad_accum_steps * world_size
+        if num_tasks < self.batch:
+            raise ConfigError([f"meta.tasks_per_meta_step: {self.batch} tasks per meta-step but the "
+                               f"training set has only {num_tasks} tasks"])
+        self.num_tasks, self.seed = num_tasks, seed
+        self.per_epoch = num_tasks // self.batch
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """The B task indices of meta-step ``step`` (same on every rank and world size)."""
+        epoch, within = divmod(step, self.per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)
+        return order[within * self.batch:(within + 1) * self.batch]
+
+    def micro_batches(self, step: int) -> list[np.ndarray]:
+        """This rank's GAS micro-batches of T task indices for meta-step ``step``."""
+        tasks = self.global_batch(step)
+        return [tasks[(m * self.world + self.rank) * self.t:][: self.t] for m in range(self.gas)]

@@ -1,0 +1,119 @@
+"""Ragged task storage and padded task batches.
+
+A *task* is one user's interactions, already split into a support part (used by the
+inner loop) and a query part (scored by the outer loss). `TaskSet` stores many tasks
+contiguously; `collate` pads a list of tasks into a `TaskBatch`.
+
+Example (2 tasks, F=2 fields)::
+
+    offsets     = [0, 3, 7]        # task 0 = rows 0..2, task 1 = rows 3..6
+    support_len = [2, 3]           # task 0: rows 0,1 support, row 2 query
+    collate([0, 1]) -> support_ids (2, 3, 2), query_ids (2, 1, 2), masks mark real rows
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item."""
+
+    name: str
+    num_ids: int
+    side: str
+
+
+@dataclass
+class TaskSet:
+    """Tasks stored back to back.
+
+    ids: int32 (N, F); labels: float32 (N,); offsets: int64 (U+1,);
+    support_len: int64 (U,) — the first ``support_len[t]`` rows of task t are its support;
+    task_keys: int64 (U,) — e.g. the user id of each task.
+    """
+
+    fields: list[FieldSpec]
+    ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    support_len: np.ndarray
+    task_keys: np.ndarray
+
+    def __post_init__(self) -> None:
+        n_tasks = len(self.offsets) - 1
+        assert self.ids.ndim == 2 and self.ids.shape[1] == len(self.fields)
+        assert len(self.labels) == len(self.ids) == self.offsets[-1]
+        assert len(self.support_len) == len(self.task_keys) == n_tasks
+        lengths = np.diff(self.offsets)
+        assert np.all(self.support_len >= 1) and np.all(self.support_len < lengths)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_interactions(self) -> int:
+        return int(self.offsets[-1])
+
+    def split(self, task: int) -> tuple[slice, slice]:
+        """Row slices of the support and query parts of one task."""
+        start, end = int(self.offsets[task]), int(self.offsets[task + 1])
+        mid = start + int(self.support_len[task])
+        return slice(start, mid), slice(mid, end)
+
+    def subset(self, tasks: np.ndarray) -> "TaskSet":
+        """A new TaskSet holding only ``tasks`` (in that order)."""
+        lengths = np.diff(self.offsets)[tasks]
+        rows = np.concatenate([np.arange(self.offsets[t], self.offsets[t + 1]) for t in tasks])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return TaskSet(self.fields, self.ids[rows], self.labels[rows], offsets,
+                       self.support_len[tasks].copy(), self.task_keys[tasks].copy())
+
+
+@dataclass
+class TaskBatch:
+    """T tasks padded to the longest support (S) and query (Q) in the batch.
+
+    support_ids: int64 (T, S, F); support_y: float32 (T, S); support_mask: float32 (T, S)
+    query_ids: int64 (T, Q, F);   query_y: float32 (T, Q);   query_mask: float32 (T, Q)
+    task_ids: int64 (T,) — indices into the TaskSet, for error messages and logs.
+    Masks are 1.0 on real rows and 0.0 on padding; padded ids are 0 (a valid row).
+    """
+
+    support_ids: torch.Tensor
+    support_y: torch.Tensor
+    support_mask: torch.Tensor
+    query_ids: torch.Tensor
+    query_y: torch.Tensor
+    query_mask: torch.Tensor
+    task_ids: torch.Tensor
+
+    @property
+    def num_tasks(self) -> int:
+        return self.support_ids.shape[0]
+
+
+def _pad(task_set: TaskSet, slices: list[slice]) -> tuple[torch.Tensor, ...]:
+    width = max(s.stop - s.start for s in slices)
+    n_fields = task_set.ids.shape[1]
+    ids = np.zeros((len(slices), width, n_fields), dtype=np.int64)
+    labels = np.zeros((len(slices), width), dtype=np.float32)
+    mask = np.zeros((len(slices), width), dtype=np.float32)
+    for i, rows in enumerate(slices):
+        n = rows.stop - rows.start
+        ids[i, :n] = task_set.ids[rows]
+        labels[i, :n] = task_set.labels[rows]
+        mask[i, :n] = 1.0
+    return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask)
+
+
+def collate(task_set: TaskSet, tasks: np.ndarray | list[int]) -> TaskBatch:
+    """Pad the given tasks of ``task_set`` into one `TaskBatch`."""
+    splits = [task_set.split(int(t)) for t in tasks]
+    s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in splits])
+    q_ids, q_y, q_mask = _pad(task_set, [q for _, q in splits])
+    return TaskBatch(s_ids, s_y, s_mask, q_ids, q_y, q_mask,
+                     torch.as_tensor(np.asarray(tasks, dtype=np.int64)))

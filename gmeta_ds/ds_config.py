@@ -1,0 +1,132 @@
+"""Resolve a DeepSpeed config against the run config (layer 0: no torch, no deepspeed).
+
+DeepSpeed's batch keys map onto tasks:
+  train_micro_batch_size_per_gpu = meta.tasks_per_micro_batch (T, tasks per micro-batch)
+  gradient_accumulation_steps    = micro-batches per meta-step on each rank (GAS)
+  train_batch_size               = meta.tasks_per_meta_step (B = T x GAS x world size)
+"auto" values are filled from the run config; values that contradict it are errors.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gmeta_ds.config import AUTO, SUPPORTED_ZERO_STAGES, RunConfig
+from gmeta_ds.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MICRO_BATCH = 32
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Tasks per micro-batch (T), micro-batches per meta-step per rank (GAS), world size (W);
+    tasks per meta-step over all ranks = T x GAS x W."""
+
+    tasks_per_micro_batch: int
+    grad_accum_steps: int
+    world_size: int
+
+    @property
+    def tasks_per_meta_step(self) -> int:
+        return self.tasks_per_micro_batch * self.grad_accum_steps * self.world_size
+
+    def describe(self) -> str:
+        return (f"{self.tasks_per_micro_batch} tasks/micro-batch x {self.grad_accum_steps} "
+                f"accumulation steps x {self.world_size} ranks = {self.tasks_per_meta_step} "
+                "tasks/meta-step")
+
+
+def find_ds_config_file(name: str, config_dir: str) -> Path:
+    """Resolve a ``deepspeed:`` path: as given (absolute or from cwd), next to the run config,
+    or inside the gmeta_ds checkout (``ds_configs/zero2.json``)."""
+    candidates = [Path(name), Path(config_dir) / name, REPO_ROOT / name]
+    for path in candidates:
+        if path.is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise ConfigError([f"deepspeed: file {name!r} not found (tried {tried})"])
+
+
+def load_ds_config(cfg: RunConfig) -> tuple[dict, str]:
+    """The raw DeepSpeed config dict and where it came from."""
+    if isinstance(cfg.deepspeed, dict):
+        return copy.deepcopy(cfg.deepspeed), "deepspeed (inline)"
+    path = find_ds_config_file(cfg.deepspeed, cfg.config_dir)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"deepspeed: {path} is not valid JSON: {exc}"]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError([f"deepspeed: {path} must hold a JSON object, got {type(data).__name__}"])
+    return data, str(path)
+
+
+def _as_int(value, key: str, problems: list[str]):
+    if value == AUTO or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        problems.append(f"deepspeed.{key}: {value!r} is not a positive integer or 'auto'")
+        return None
+    return value
+
+
+def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str]) -> BatchPlan | None:
+    ds_mb = _as_int(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", problems)
+    ds_tb = _as_int(ds.get("train_batch_size"), "train_batch_size", problems)
+    ds_gas = _as_int(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", problems)
+    meta_t, meta_b = cfg.meta.tasks_per_micro_batch, cfg.meta.tasks_per_meta_step
+    t = meta_t if meta_t != AUTO else (ds_mb or DEFAULT_MICRO_BATCH)
+    if meta_t != AUTO and ds_mb is not None and ds_mb != meta_t:
+        problems.append(f"meta.tasks_per_micro_batch ({meta_t}) contradicts "
+                        f"deepspeed.train_micro_batch_size_per_gpu ({ds_mb}); set one to 'auto'")
+    b = meta_b if meta_b != AUTO else (ds_tb or t * (ds_gas or 1) * world)
+    if meta_b != AUTO and ds_tb is not None and ds_tb != meta_b:
+        problems.append(f"meta.tasks_per_meta_step ({meta_b}) contradicts "
+                        f"deepspeed.train_batch_size ({ds_tb}); set one to 'auto'")
+    if b % (t * world):
+        problems.append(f"meta.tasks_per_meta_step ({b}) must be a multiple of "
+                        f"meta.tasks_per_micro_batch ({t}) x world size ({world}) = {t * world}")
+        return None
+    gas = b // (t * world)
+    if ds_gas is not None and ds_gas != gas:
+        problems.append(f"deepspeed.gradient_accumulation_steps ({ds_gas}) contradicts "
+                        f"{b} tasks/meta-step / ({t} tasks/micro-batch x {world} ranks) = {gas}; "
+                        "set it to 'auto'")
+    return BatchPlan(t, gas, world)
+
+
+def _fill_optimizer(ds: dict, lr: float) -> None:
+    opt = ds.get("optimizer")
+    if opt is None:
+        return
+    params = opt.setdefault("params", {})
+    if params.get("lr", AUTO) == AUTO:
+        params["lr"] = lr
+
+
+def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]:
+    """The DeepSpeed config to pass to ``deepspeed.initialize``, with every "auto" filled.
+
+    Raises `ConfigError` listing every contradiction; called on every rank before any
+    collective so a bad config fails everywhere the same way.
+    """
+    ds, source = load_ds_config(cfg)
+    problems: list[str] = []
+    plan = _resolve_batch(cfg, ds, world_size, problems)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in SUPPORTED_ZERO_STAGES:
+        problems.append(f"deepspeed.zero_optimization.stage: {stage!r} is not supported; "
+                        f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))} "
+                        "(stage 3 partitions parameters outside the engine's forward hooks, "
+                        "which the functional inner loop cannot see yet)")
+    _fill_optimizer(ds, cfg.train.lr)
+    if problems:
+        raise ConfigError(problems, source)
+    ds["train_micro_batch_size_per_gpu"] = plan.tasks_per_micro_batch
+    ds["gradient_accumulation_steps"] = plan.grad_accum_steps
+    ds["train_batch_size"] = plan.tasks_per_meta_step
+    ds.setdefault("steps_per_print", 10**9)  # gmeta_ds logs its own metrics
+    return ds, plan

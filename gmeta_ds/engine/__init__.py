@@ -1,0 +1,1 @@
+"""Distributed plumbing and the one adapter to DeepSpeed."""

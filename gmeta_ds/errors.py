@@ -1,0 +1,13 @@
+"""Exceptions that gmeta_ds raises for bad user input (config, data, launcher arguments)."""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid; ``problems`` lists every problem found, one per line,
+    each naming the dotted key, the value given and what is allowed."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration{where} ({len(self.problems)} problem(s)):\n{lines}")

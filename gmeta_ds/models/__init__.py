@@ -1,0 +1,1 @@
+"""Single-device models."""

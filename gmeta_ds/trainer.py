@@ -1,0 +1,169 @@
+"""The meta-training loop on a DeepSpeed engine, written out top to bottom.
+
+Per meta-step, each rank runs its GAS micro-batches (T tasks each): fused embedding lookup,
+inner loop per task, outer loss -> ``engine.backward`` -> ``engine.step`` (DeepSpeed applies
+the update at the accumulation boundary, after averaging across ranks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from gmeta_ds.algorithms import MetaLearner, build_algorithm
+from gmeta_ds.config import RunConfig, config_to_dict
+from gmeta_ds.data.sampler import MetaBatchSampler
+from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic
+from gmeta_ds.data.tasks import collate
+from gmeta_ds.ds_config import BatchPlan
+from gmeta_ds.engine import ds_engine
+from gmeta_ds.engine.dist import all_mean
+from gmeta_ds.evaluation import evaluate, train_baseline
+from gmeta_ds.models.melu import MeLU
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def build_data(cfg: RunConfig) -> SyntheticData:
+    """The run's tasks (deterministic by seed: every rank builds the same ones)."""
+    return generate_synthetic(cfg.data.synthetic, cfg.seed)
+
+
+def build_learner(cfg: RunConfig, fields) -> MetaLearner:
+    """Model + algorithm, initialised from the run seed (identical on every rank)."""
+    torch.manual_seed(cfg.seed)
+    net = MeLU(fields, cfg.model.embed_dim, cfg.model.hidden)
+    return MetaLearner(net, build_algorithm(cfg.meta))
+
+
+def eval_inner_steps(cfg: RunConfig) -> int:
+    return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
+
+
+class MetricsLog:
+    """Rank 0's ``metrics.jsonl``: one JSON object per logged meta-step, flushed as written."""
+
+    def __init__(self, output_dir: Path, enabled: bool):
+        self.file = open(output_dir / "metrics.jsonl", "w") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+@dataclass
+class StepStats:
+    query_loss: float
+    support_loss: float
+
+
+def meta_step(engine, data: SyntheticData, sampler: MetaBatchSampler, step: int) -> StepStats:
+    """One outer step: every micro-batch of this rank through backward, then the update."""
+    query, support = [], []
+    for tasks in sampler.micro_batches(step):
+        out = engine(collate(data.train, tasks))
+        engine.backward(out.loss)
+        engine.step()
+        query.append(out.query_loss.item())
+        support.append(out.support_loss.item())
+    return StepStats(sum(query) / len(query), sum(support) / len(support))
+
+
+def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
+    """Bytes each rank sends per meta-step in a ring all-reduce of the gradients."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
+
+
+def train_loop(cfg: RunConfig, engine, data: SyntheticData, plan: BatchPlan, rank: int) -> dict:
+    """Run ``train.meta_steps`` meta-steps; returns the last logged record."""
+    sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
+                               plan.world_size, rank, cfg.seed)
+    log = MetricsLog(Path(cfg.output_dir), rank == 0)
+    comm = dense_allreduce_bytes(engine.module, plan.world_size)
+    bar = tqdm(total=cfg.train.meta_steps, disable=rank != 0 or not cfg.train.progress,
+               desc="meta-train", unit="step")
+    record, window_start, window_steps = {}, time.perf_counter(), 0
+    try:
+        for step in range(cfg.train.meta_steps):
+            stats = meta_step(engine, data, sampler, step)
+            window_steps += 1
+            last = step + 1 == cfg.train.meta_steps
+            if (step + 1) % cfg.train.log_every and not last:
+                bar.update(1)
+                continue
+            query, support = all_mean([stats.query_loss, stats.support_loss])
+            elapsed = time.perf_counter() - window_start
+            record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
+                      "query_loss": query, "support_loss": support,
+                      "tasks_per_s": window_steps * plan.tasks_per_meta_step / elapsed,
+                      "dense_allreduce_bytes": comm * window_steps, "embedding_comm_bytes": 0}
+            log.write(record)
+            bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
+            bar.update(1)
+            window_start, window_steps = time.perf_counter(), 0
+    finally:
+        bar.close()
+        log.close()
+    return record
+
+
+def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) -> dict:
+    """Cold-start metrics of the meta-learned model and of the non-meta baseline."""
+    steps = eval_inner_steps(cfg)
+    lrs = learner.algorithm.learning_rates(learner)
+    result = evaluate(learner.net, learner.adapted, lrs, data.test, steps, cfg.eval.tasks_per_batch)
+    if cfg.eval.baseline:
+        baseline = build_learner(cfg, data.fields).net
+        train_baseline(baseline, data.train, cfg.eval.baseline_epochs,
+                       cfg.eval.baseline_batch_size, cfg.train.lr, cfg.seed)
+        base = evaluate(baseline, learner.adapted, {n: cfg.meta.inner_lr for n in learner.adapted},
+                        data.test, steps, cfg.eval.tasks_per_batch)
+        result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"])
+        if cfg.eval.baseline_finetune:
+            result.update(baseline_finetune_auc=base["auc"], baseline_finetune_logloss=base["logloss"])
+    return result
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically: readers never see a half-written file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
+    """Meta-train, evaluate (rank 0) and write ``summary.json``; returns the summary."""
+    start = time.perf_counter()
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = build_data(cfg)
+    learner = build_learner(cfg, data.fields)
+    engine = ds_engine.initialize(learner, ds_config)
+    last = train_loop(cfg, engine, data, plan, rank)
+    dense, embedding = ds_engine.checksums(engine.module)
+    summary = {}
+    if rank == 0:
+        ds_engine.save_weights(engine.module, out_dir / WEIGHTS_FILE)
+        evaluation = run_evaluation(cfg, engine.module, data) if cfg.eval.enabled else {}
+        summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
+                   "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
+                   "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
+                   "embedding_checksum": embedding, "eval": evaluation,
+                   "batch": plan.describe(), "ds_config": ds_config,
+                   "config": config_to_dict(cfg), "elapsed_s": time.perf_counter() - start}
+        write_json(out_dir / "summary.json", summary)
+    if dist.is_initialized():
+        dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
+    return summary

@@ -1,0 +1,166 @@
+"""Meta-gradients of every algorithm against finite differences and closed forms."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import FIELDS, tiny_batch
+
+from gmeta_ds.algorithms import ALGORITHMS, FOMAML, MAML, MetaLearner, MetaSGD, Reptile
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.functional import masked_bce
+from gmeta_ds.models.melu import MeLU
+
+
+def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0):
+    torch.manual_seed(seed)
+    net = MeLU(FIELDS, embed_dim=3, hidden=[5]).double()
+    for p in net.parameters():  # larger weights so second-order terms are not negligible
+        p.data.normal_(0, 0.5)
+    return MetaLearner(net, cls(steps, lr, list(adapt), vectorize)).double()
+
+
+def meta_grads(learner, batch):
+    learner.zero_grad()
+    out = learner(batch)
+    out.loss.backward()
+    return {n: p.grad.clone() for n, p in learner.named_parameters()}, out
+
+
+def outer_value(learner, batch):
+    """The MAML objective (mean query loss after adaptation), used for finite differences."""
+    return learner(batch).query_loss.item()
+
+
+def as_double(batch):
+    for name in ("support_y", "support_mask", "query_y", "query_mask"):
+        setattr(batch, name, getattr(batch, name).double())
+    return batch
+
+
+@pytest.mark.parametrize("cls", [MAML, MetaSGD])
+def test_second_order_meta_gradient_matches_finite_differences(cls):
+    learner = make_learner(cls)
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    params = dict(learner.named_parameters())
+    checked = 0
+    for name in ["net.mlp.0.weight", "net.mlp.2.bias", "net.embedding.tables.item_id.weight",
+                 *(["inner_lrs.mlp__0__weight"] if cls is MetaSGD else [])]:
+        p = params[name]
+        for idx in [(0,) * p.dim(), tuple(s - 1 for s in p.shape)]:
+            eps = 1e-6
+            with torch.no_grad():
+                p[idx] += eps
+            up = outer_value(learner, batch)
+            with torch.no_grad():
+                p[idx] -= 2 * eps
+            down = outer_value(learner, batch)
+            with torch.no_grad():
+                p[idx] += eps
+            fd = (up - down) / (2 * eps)
+            assert grads[name][idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-8), name
+            checked += 1
+    assert checked >= 6
+
+
+def manual_adapt(learner, batch, task, steps, lr):
+    """Independent first-order inner loop on a deep copy of the net (plain autograd, no torch.func)."""
+    net = copy.deepcopy(learner.net)
+    rows_s = net.embed(batch.support_ids[task]).detach()
+    for _ in range(steps):
+        loss = masked_bce(net(rows_s), batch.support_y[task], batch.support_mask[task])
+        grads = torch.autograd.grad(loss, [net.get_parameter(n) for n in learner.adapted])
+        with torch.no_grad():
+            for n, g in zip(learner.adapted, grads):
+                net.get_parameter(n).sub_(lr * g)
+    return net
+
+
+def test_fomaml_equals_query_gradient_at_adapted_parameters():
+    learner = make_learner(FOMAML)
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    expected = {n: torch.zeros_like(p) for n, p in learner.net.named_parameters()}
+    for t in range(batch.num_tasks):
+        net = manual_adapt(learner, batch, t, 2, 0.3)
+        rows_q = net.embed(batch.query_ids[t])
+        loss = masked_bce(net(rows_q), batch.query_y[t], batch.query_mask[t]) / batch.num_tasks
+        names = [n for n, _ in net.named_parameters()]
+        for n, g in zip(names, torch.autograd.grad(loss, list(net.parameters()))):
+            expected[n] += g
+    for n in learner.adapted:
+        torch.testing.assert_close(grads[f"net.{n}"], expected[n], rtol=1e-9, atol=1e-12)
+    # embeddings: only through the query loss (first order ignores the support path)
+    name = "embedding.tables.item_id.weight"
+    torch.testing.assert_close(grads[f"net.{name}"], expected[name], rtol=1e-9, atol=1e-12)
+
+
+def test_reptile_equals_theta_minus_mean_adapted():
+    learner = make_learner(Reptile)
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    nets = [manual_adapt(learner, batch, t, 2, 0.3) for t in range(batch.num_tasks)]
+    for n in learner.adapted:
+        theta = learner.net.get_parameter(n)
+        phi = torch.stack([net.get_parameter(n) for net in nets]).mean(0)
+        torch.testing.assert_close(grads[f"net.{n}"], (theta - phi).detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_first_and_second_order_differ_on_adapted_parameters():
+    batch = as_double(tiny_batch())
+    g2, out2 = meta_grads(make_learner(MAML), batch)
+    g1, out1 = meta_grads(make_learner(FOMAML), batch)
+    assert out1.query_loss.item() == pytest.approx(out2.query_loss.item(), rel=1e-12)
+    diff = (g2["net.mlp.0.weight"] - g1["net.mlp.0.weight"]).abs().max().item()
+    assert diff > 1e-4 * g2["net.mlp.0.weight"].abs().max().item()
+    # with zero inner steps' effect (lr 0) they coincide: the difference is the Hessian term
+    g2z, _ = meta_grads(make_learner(MAML, lr=1e-12), batch)
+    g1z, _ = meta_grads(make_learner(FOMAML, lr=1e-12), batch)
+    torch.testing.assert_close(g2z["net.mlp.0.weight"], g1z["net.mlp.0.weight"])
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_vmap_and_loop_paths_agree(name):
+    batch = as_double(tiny_batch(tasks=4))
+    gv, ov = meta_grads(make_learner(ALGORITHMS[name], vectorize=True), batch)
+    gl, ol = meta_grads(make_learner(ALGORITHMS[name], vectorize=False), batch)
+    torch.testing.assert_close(ov.task_query_loss, ol.task_query_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ov.support_loss, ol.support_loss, rtol=1e-10, atol=1e-12)
+    for n in gv:
+        torch.testing.assert_close(gv[n], gl[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_padding_does_not_change_the_result():
+    """A task padded with extra masked rows gives the same losses and meta-gradient."""
+    batch = as_double(tiny_batch(tasks=2, ragged=False))
+    wide = copy.deepcopy(batch)
+    for part in ("support", "query"):
+        for suffix, fill in (("ids", 0), ("y", 1.0), ("mask", 0.0)):
+            t = getattr(wide, f"{part}_{suffix}")
+            pad = torch.full((t.shape[0], 3, *t.shape[2:]), fill, dtype=t.dtype)
+            setattr(wide, f"{part}_{suffix}", torch.cat([t, pad], dim=1))
+    g, o = meta_grads(make_learner(MAML), batch)
+    gw, ow = meta_grads(make_learner(MAML), wide)
+    torch.testing.assert_close(o.task_query_loss, ow.task_query_loss)
+    for n in g:
+        torch.testing.assert_close(g[n], gw[n], msg=n)
+
+
+def test_adapt_patterns_that_match_tables_or_nothing_are_rejected():
+    with pytest.raises(ConfigError, match="matches embedding tables"):
+        make_learner(MAML, adapt=("*",))
+    with pytest.raises(ConfigError, match=r"matches no parameter; parameters are: .*mlp\.0\.weight"):
+        make_learner(MAML, adapt=("decoder.*",))
+
+
+def test_partial_adaptation_only_moves_matched_parameters():
+    learner = make_learner(Reptile, adapt=("mlp.2.*",))
+    assert learner.adapted == ["mlp.2.weight", "mlp.2.bias"]
+    grads, _ = meta_grads(learner, as_double(tiny_batch()))
+    nets = [manual_adapt(learner, as_double(tiny_batch()), t, 2, 0.3) for t in range(3)]
+    # mlp.0 is not adapted: its Reptile gradient is the query-loss gradient, not theta - phi
+    for net in nets:
+        torch.testing.assert_close(net.mlp[0].weight, learner.net.mlp[0].weight)
+    assert grads["net.mlp.0.weight"].abs().sum() > 0
