@@ -1,0 +1,64 @@
+"""Helpers for tests that run real launchers as subprocesses (every wait has a timeout)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(tmp_path: Path, **sections) -> Path:
+    """A small run config (few users, few meta-steps, no evaluation) written to tmp_path."""
+    cfg = {
+        "output_dir": str(tmp_path / "run"),
+        "seed": 3,
+        "model": {"embed_dim": 4, "hidden": [8]},
+        "meta": {"algorithm": "maml", "inner_steps": 2, "inner_lr": 0.1,
+                 "tasks_per_micro_batch": 4, "tasks_per_meta_step": 8},
+        "data": {"synthetic": {"num_users": 80, "num_items": 50, "max_interactions": 30}},
+        "train": {"meta_steps": 4, "log_every": 2, "lr": 0.01, "progress": False},
+        "eval": {"enabled": False},
+        "deepspeed": str(REPO / "ds_configs" / "zero0.json"),
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and key in cfg else value
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
+        expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run a command with a hard timeout; on failure show its output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=REPO)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def summary(config: Path) -> dict:
+    out_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]

@@ -1,0 +1,42 @@
+"""The real ``deepspeed`` launcher with 2 CPU ranks gives the same model as one process."""
+from __future__ import annotations
+
+import pytest
+from conftest import BIN, REPO, deepspeed_cmd, run, summary, tiny_config
+
+pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    assert a["tasks_seen"] == b["tasks_seen"]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    path = tiny_config(tmp_path_factory.mktemp("single"))
+    run([str(BIN / "python"), "-m", "gmeta_ds.cli", "train", "--config", str(path)])
+    result = summary(path)
+    assert result["world_size"] == 1 and result["batch"].startswith("4 tasks/micro-batch x 2")
+    return result
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_two_ranks_equal_one_process(tmp_path, single_process, stage):
+    path = tiny_config(tmp_path, deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"))
+    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path)))
+    result = summary(path)
+    assert result["world_size"] == 2 and result["batch"].startswith("4 tasks/micro-batch x 1")
+    assert result["ds_config"]["zero_optimization"]["stage"] == stage
+    assert_same_model(result, single_process)
+
+
+def test_deepspeed_module_form_with_reptile(tmp_path):
+    """``deepspeed --module gmeta_ds.cli`` (the launcher inserts --local_rank first)."""
+    overrides = {"meta": {"algorithm": "reptile", "tasks_per_micro_batch": 4, "tasks_per_meta_step": 8}}
+    single = tiny_config(tmp_path / "one", **overrides)
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(single)])
+    double = tiny_config(tmp_path / "two", **overrides)
+    run(deepspeed_cmd(2, "--module", "gmeta_ds.cli", "train", "--config", str(double)))
+    assert_same_model(summary(double), summary(single))
