@@ -1,0 +1,33 @@
+# One-command set-up: every target creates (once) and reuses a local virtualenv in .venv.
+# TORCH_SPEC pins the CPU build found on our CI machines; override it for your own torch,
+# e.g. `make test TORCH_SPEC="torch>=2.4"`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+
+.PHONY: install demo test test-all bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml
+
+test: install
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-all: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/inner_loop.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

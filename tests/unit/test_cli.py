@@ -1,0 +1,79 @@
+"""The CLI contract: validate's dry run, documented errors, --local_rank, train -> eval."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gmeta_ds.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"model": {"embed_dim": 4, "hidden": [8]},
+        "meta": {"tasks_per_micro_batch": 4, "tasks_per_meta_step": 8},
+        "data": {"synthetic": {"num_users": 60, "num_items": 40, "max_interactions": 25}},
+        "train": {"meta_steps": 3, "progress": False},
+        "eval": {"baseline_epochs": 1, "tasks_per_batch": 8},
+        "deepspeed": "ds_configs/zero1.json"}
+
+
+def write(tmp_path: Path, cfg: dict) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), **cfg}))
+    return str(path)
+
+
+def test_validate_prints_resolved_plan(tmp_path, capsys):
+    assert main(["--local_rank=0", "validate", "--config", write(tmp_path, TINY),
+                 "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 tasks/micro-batch x 1 accumulation steps x 2 ranks = 8 tasks/meta-step" in out
+    assert '"gradient_accumulation_steps": 1' in out and "config OK" in out
+    assert "adapted in the inner loop: mlp.0.weight, mlp.0.bias, mlp.2.weight, mlp.2.bias" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["meta.algorithm=protonet"], "meta.algorithm: 'protonet' is not one of maml, fomaml, reptile, metasgd"),
+    (["meta.bogus=1"], "meta.bogus: unknown key; valid keys here:"),
+    (["deepspeed={zero_optimization: {stage: 3}}"], "supported stages: 0, 1, 2"),
+    (["meta.tasks_per_meta_step=6"], "must be a multiple of meta.tasks_per_micro_batch (4)"),
+    (["meta.adapt=[embedding.*]"], "matches embedding tables"),
+])
+def test_bad_input_exits_2_with_the_documented_message(tmp_path, capsys, overrides, message):
+    args = ["validate", "--config", write(tmp_path, TINY)]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_then_eval_in_one_plain_process(tmp_path):
+    config = write(tmp_path, TINY)
+    cmd = [sys.executable, "-m", "gmeta_ds.cli", "train", "--config", config]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("world_size", "meta_steps", "tasks_seen", "final_query_loss", "dense_checksum",
+                "embedding_checksum", "eval", "elapsed_s"):
+        assert key in summary, key
+    assert summary["tasks_seen"] == 24 and summary["world_size"] == 1
+    for key in ("auc", "logloss", "auc_no_adapt", "baseline_auc", "baseline_finetune_auc"):
+        assert 0.0 < summary["eval"][key] < 1.5, key
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3] and records[0]["tasks"] == 24
+    proc = subprocess.run([sys.executable, "-m", "gmeta_ds.cli", "eval", "--config", config],
+                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = json.loads((out / "eval.json").read_text())
+    assert evaluated["auc"] == pytest.approx(summary["eval"]["auc"], rel=1e-6)
+
+
+def test_eval_without_weights_names_the_missing_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gmeta_ds.cli", "eval", "--config",
+                           write(tmp_path, TINY)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode != 0
+    assert "model.safetensors does not exist" in proc.stderr
