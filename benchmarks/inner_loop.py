@@ -240,7 +240,7 @@ def main(argv=None) -> int:
               "algorithm": "maml (second order)", "fields": len(synthetic_fields(SyntheticConfig())),
               "batch_shapes": [list(b.support_ids.shape) + [b.query_ids.shape[1]] for b in batches]}
     write_json(params, rows)
-    print(f"wrote {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    print(f"wrote {RESULTS}")
     return 0
 
 

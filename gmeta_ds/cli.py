@@ -14,9 +14,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 # Ranks share few cores: busy-waiting OpenMP threads starve each other (set before torch loads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# DeepSpeed's ZeRO calls a torch collective that torch has renamed; the warning is theirs, not ours.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
 from gmeta_ds.errors import ConfigError  # noqa: E402

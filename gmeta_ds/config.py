@@ -103,7 +103,8 @@ class EvalConfig:
     tasks_per_batch: int = 64
     baseline: bool = True
     baseline_epochs: int = 3
-    baseline_batch_size: int = 256
+    baseline_batch_size: int = 512
+    baseline_lr: float = 1e-3
     # Fine-tune the baseline on each test user's support before scoring (its own metric).
     baseline_finetune: bool = True
 
@@ -192,7 +193,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES)
     for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
                 "train.log_every", "train.collective_timeout_s", "model.embed_dim",
-                "eval.tasks_per_batch", "eval.baseline_batch_size"):
+                "eval.tasks_per_batch", "eval.baseline_batch_size", "eval.baseline_lr"):
         section, name = key.split(".")
         _positive(problems, key, getattr(getattr(cfg, section), name))
     for key in ("meta.tasks_per_micro_batch", "meta.tasks_per_meta_step"):

@@ -20,7 +20,7 @@ def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: 
                     rows_q: Tensor) -> Tensor:
     def one(xs, ys, ms, xq):
         fast, _ = inner.adapt_func(theta, lrs, xs, ys, ms)
-        return functional_call(inner.module, fast, (xq,))
+        return functional_call(inner.module, fast, (xq,), tie_weights=inner.tied)
 
     return vmap(one)(*support, rows_q)
 

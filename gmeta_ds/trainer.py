@@ -127,7 +127,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) ->
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields).net
         train_baseline(baseline, data.train, cfg.eval.baseline_epochs,
-                       cfg.eval.baseline_batch_size, cfg.train.lr, cfg.seed)
+                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed)
         base = evaluate(baseline, learner.adapted, {n: cfg.meta.inner_lr for n in learner.adapted},
                         data.test, steps, cfg.eval.tasks_per_batch)
         result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"])

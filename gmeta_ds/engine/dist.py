@@ -24,7 +24,8 @@ def env_world() -> tuple[int, int, int]:
     """(rank, world size, local world size) as the launcher set them; (0, 1, 1) without one."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world))))
     return rank, world, local_world
 
 

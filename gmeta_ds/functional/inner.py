@@ -50,9 +50,17 @@ class InnerLoop:
     first_order: bool
     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = masked_bce
 
+    def __post_init__(self) -> None:
+        # functional_call re-checks weight tying on every call by walking every parameter
+        # (embedding tables included): ~16% of the loop path. Check once here instead.
+        unique = {n for n, _ in self.module.named_parameters()}
+        every = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        self.tied = unique != every
+
     def task_loss(self, fast: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
         """Loss of one task with the adapted ("fast") parameters ``fast``."""
-        return self.loss_fn(functional_call(self.module, fast, (x,)), y, mask)
+        logits = functional_call(self.module, fast, (x,), tie_weights=self.tied)
+        return self.loss_fn(logits, y, mask)
 
     def _update(self, fast: Params, grads: Params, lrs: LearningRates) -> Params:
         if self.first_order:
