@@ -45,13 +45,13 @@ except ImportError:  # not installed: run from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gmeta_ds.algorithms.base import MetaLearner  # noqa: E402
 from gmeta_ds.algorithms.maml import MAML  # noqa: E402
-from gmeta_ds.config import ModelConfig, SyntheticConfig  # noqa: E402
+from gmeta_ds.config import EmbeddingConfig, ModelConfig, SyntheticConfig  # noqa: E402
 from gmeta_ds.data.synthetic import generate_synthetic, synthetic_fields  # noqa: E402
 from gmeta_ds.data.tasks import collate  # noqa: E402
-from gmeta_ds.models.melu import MeLU  # noqa: E402
+from gmeta_ds.models.melu import build_melu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inner_loop.json"
-CHECKED = ("mlp.0.weight", "embedding.tables.item_id.weight")
+CHECKED = ("mlp.0.weight", "embedding.weights.item_id")
 
 
 # ------------------------------------------------------------------ references (no gmeta_ds)
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     mc = ModelConfig()
-    net = MeLU(synthetic_fields(SyntheticConfig()), mc.embed_dim, mc.hidden)
+    net = build_melu(synthetic_fields(SyntheticConfig()), mc.embed_dim, mc.hidden, EmbeddingConfig(), seed=0)
     batches = make_batches(args.tasks, args.batches)
     variants = make_variants(net, args.inner_steps, args.inner_lr)
     problems = check_agreement(net, variants, batches[0])

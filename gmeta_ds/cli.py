@@ -51,12 +51,14 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_validate(cfg: RunConfig, world_size: int | None) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import env_world
-    from gmeta_ds.trainer import build_data, build_learner
+    from gmeta_ds.trainer import build_data, build_learner, embedding_plan
 
     world = world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
     data = build_data(cfg)
-    learner = build_learner(cfg, data.fields)
+    sharded = cfg.embedding.sharding == "sharded"
+    tables = embedding_plan(cfg, data.fields, world) if sharded else None
+    learner = build_learner(cfg, data.fields, with_tables=not sharded)
     n_params = sum(p.numel() for p in learner.parameters())
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
@@ -64,8 +66,12 @@ def _cmd_validate(cfg: RunConfig, world_size: int | None) -> int:
     print(f"tasks: {len(data.train)} train, {len(data.test)} test users; "
           f"{data.train.num_interactions + data.test.num_interactions} interactions")
     print(f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted)}")
-    print(f"embedding: {cfg.embedding.sharding} (every rank holds every table: "
-          f"{sum(p.numel() * 4 for n, p in learner.named_parameters() if '.embedding.' in n)} bytes)")
+    if tables is not None:
+        print(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
+    else:
+        table_bytes = sum(p.numel() * 4 for n, p in learner.named_parameters() if ".embedding." in n)
+        print(f"embedding: replicated inside the DeepSpeed engine (every rank holds every table: "
+              f"{table_bytes / 2**20:.2f} MiB, plus DeepSpeed's optimizer state)")
     print("config OK")
     return 0
 

@@ -17,7 +17,11 @@ import yaml
 from gmeta_ds.errors import ConfigError
 
 ALGORITHMS = ("maml", "fomaml", "reptile", "metasgd")
-SHARDINGS = ("replicated",)
+SHARDINGS = ("replicated", "sharded")
+PLANS = ("auto", "row_wise", "table_wise", "replicated")
+ROW_OWNERS = ("modulo", "block")
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+BAD_ID_POLICIES = ("error", "hash")
 DATA_SOURCES = ("synthetic",)
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 AUTO = "auto"
@@ -46,10 +50,35 @@ class MetaConfig:
 
 
 @dataclass
+class TableOverride:
+    """Per-table settings under ``embedding.tables.<name>`` (unset = the section's default)."""
+
+    plan: str = "auto"
+    optimizer: Union[str, None] = None
+    lr: Union[float, None] = None
+
+
+@dataclass
 class EmbeddingConfig:
-    """Where embedding tables live. ``replicated``: inside the DeepSpeed engine (data-parallel)."""
+    """Where embedding tables live.
+
+    ``replicated``: plain tables inside the DeepSpeed engine (dense gradients all-reduced; the
+    DMAML-like baseline). ``sharded``: gmeta_ds's own sharded tables outside DeepSpeed, looked
+    up by all-to-all, trained by sparse optimizers on owned rows.
+    """
 
     sharding: str = "replicated"
+    # Sharded mode: plan kind for tables without an override; "auto" replicates tables with
+    # fewer than replicate_below_rows rows and shards the rest row-wise.
+    plan: str = "auto"
+    row_owner: str = "modulo"
+    replicate_below_rows: int = 1024
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    init_std: float = 0.05
+    bad_ids: str = "error"
+    dedup: bool = True
+    tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,8 +168,10 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is dict:
+    if tp is dict or typing.get_origin(tp) is dict:
         return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
     return isinstance(value, tp)
 
 
@@ -165,7 +196,13 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             problems.append(f"{dotted}: unknown key; valid keys here: {', '.join(sorted(fields))}")
             continue
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        inner = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if inner is not None and dataclasses.is_dataclass(inner):
+            if not isinstance(value, dict):
+                problems.append(f"{dotted}: expected a mapping of name -> settings, got {value!r}")
+                continue
+            kwargs[key] = {k: _build(inner, v or {}, f"{dotted}.{k}.", problems) for k, v in value.items()}
+        elif dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", problems)
         elif _type_ok(value, tp):
             kwargs[key] = float(value) if tp is float else value
@@ -191,6 +228,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS)
     _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
     _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES)
+    _validate_embedding(cfg.embedding, problems)
     for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
                 "train.log_every", "train.collective_timeout_s", "model.embed_dim",
                 "eval.tasks_per_batch", "eval.baseline_batch_size", "eval.baseline_lr"):
@@ -207,6 +245,24 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if any(h <= 0 for h in cfg.model.hidden):
         problems.append(f"model.hidden: {cfg.model.hidden!r} must be positive layer widths")
     _validate_synthetic(cfg.data.synthetic, problems)
+
+
+def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
+    _one_of(problems, "embedding.plan", emb.plan, PLANS)
+    _one_of(problems, "embedding.row_owner", emb.row_owner, ROW_OWNERS)
+    _one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS)
+    _one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
+    _positive(problems, "embedding.lr", emb.lr)
+    _positive(problems, "embedding.init_std", emb.init_std)
+    for name, table in emb.tables.items():
+        _one_of(problems, f"embedding.tables.{name}.plan", table.plan, PLANS)
+        if table.optimizer is not None:
+            _one_of(problems, f"embedding.tables.{name}.optimizer", table.optimizer, SPARSE_OPTIMIZERS)
+        if table.lr is not None:
+            _positive(problems, f"embedding.tables.{name}.lr", table.lr)
+    if emb.sharding == "replicated" and (emb.tables or emb.plan != "auto"):
+        problems.append("embedding.plan / embedding.tables apply to embedding.sharding: sharded; "
+                        "with 'replicated' every table lives inside the DeepSpeed engine")
 
 
 def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:

@@ -17,15 +17,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
+from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic
 from gmeta_ds.data.tasks import collate
 from gmeta_ds.ds_config import BatchPlan
 from gmeta_ds.engine import ds_engine
+from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine.dist import all_mean
 from gmeta_ds.evaluation import evaluate, train_baseline
-from gmeta_ds.models.melu import MeLU
+from gmeta_ds.models.melu import build_melu, melu_tables
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -35,11 +38,26 @@ def build_data(cfg: RunConfig) -> SyntheticData:
     return generate_synthetic(cfg.data.synthetic, cfg.seed)
 
 
-def build_learner(cfg: RunConfig, fields) -> MetaLearner:
-    """Model + algorithm, initialised from the run seed (identical on every rank)."""
+def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearner:
+    """Model + algorithm, initialised from the run seed (identical on every rank). Without
+    tables when they are sharded outside the engine."""
     torch.manual_seed(cfg.seed)
-    net = MeLU(fields, cfg.model.embed_dim, cfg.model.hidden)
+    net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
     return MetaLearner(net, build_algorithm(cfg.meta))
+
+
+def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
+    """The sharding plan of the model's tables (``embedding.sharding: sharded``)."""
+    return plan_from_config(melu_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
+                            world_size)
+
+
+def build_sharded(cfg: RunConfig, fields, rank: int, world_size: int) -> ShardedEmbeddingCollection | None:
+    """This rank's shards, or None when tables are replicated inside the engine."""
+    if cfg.embedding.sharding != "sharded":
+        return None
+    return ShardedEmbeddingCollection(embedding_plan(cfg, fields, world_size), rank, cfg.seed,
+                                      cfg.embedding.bad_ids, cfg.embedding.dedup)
 
 
 def eval_inner_steps(cfg: RunConfig) -> int:
@@ -68,15 +86,22 @@ class StepStats:
     support_loss: float
 
 
-def meta_step(engine, data: SyntheticData, sampler: MetaBatchSampler, step: int) -> StepStats:
-    """One outer step: every micro-batch of this rank through backward, then the update."""
+def meta_step(engine, sharded: ShardedEmbeddingCollection | None, data: SyntheticData,
+              sampler: MetaBatchSampler, step: int) -> StepStats:
+    """One outer step: every micro-batch of this rank through backward, then the updates
+    (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one)."""
     query, support = [], []
+    fields = [f.name for f in data.fields]
     for tasks in sampler.micro_batches(step):
-        out = engine(collate(data.train, tasks))
+        batch = collate(data.train, tasks)
+        rows = embed_batch(lambda ids: sharded.lookup_fields(ids, fields), batch) if sharded else None
+        out = engine(batch, rows)
         engine.backward(out.loss)
         engine.step()
         query.append(out.query_loss.item())
         support.append(out.support_loss.item())
+    if sharded is not None:
+        sharded.step()
     return StepStats(sum(query) / len(query), sum(support) / len(support))
 
 
@@ -86,7 +111,7 @@ def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
 
 
-def train_loop(cfg: RunConfig, engine, data: SyntheticData, plan: BatchPlan, rank: int) -> dict:
+def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int) -> dict:
     """Run ``train.meta_steps`` meta-steps; returns the last logged record."""
     sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
                                plan.world_size, rank, cfg.seed)
@@ -97,7 +122,7 @@ def train_loop(cfg: RunConfig, engine, data: SyntheticData, plan: BatchPlan, ran
     record, window_start, window_steps = {}, time.perf_counter(), 0
     try:
         for step in range(cfg.train.meta_steps):
-            stats = meta_step(engine, data, sampler, step)
+            stats = meta_step(engine, sharded, data, sampler, step)
             window_steps += 1
             last = step + 1 == cfg.train.meta_steps
             if (step + 1) % cfg.train.log_every and not last:
@@ -108,7 +133,11 @@ def train_loop(cfg: RunConfig, engine, data: SyntheticData, plan: BatchPlan, ran
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                       "query_loss": query, "support_loss": support,
                       "tasks_per_s": window_steps * plan.tasks_per_meta_step / elapsed,
-                      "dense_allreduce_bytes": comm * window_steps, "embedding_comm_bytes": 0}
+                      "dense_allreduce_bytes": comm * window_steps,
+                      "embedding_comm_bytes": sharded.stats.total_sent() if sharded else 0}
+            if sharded:
+                record["embedding_comm"] = sharded.stats.as_dict()
+                sharded.stats.reset()
             log.write(record)
             bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
             bar.update(1)
@@ -136,6 +165,22 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) ->
     return result
 
 
+def full_state(module: torch.nn.Module, tables: dict) -> dict:
+    """The learner's state dict with sharded tables (gathered) under their unsharded names."""
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    state.update({f"net.embedding.weights.{name}": t for name, t in tables.items()})
+    return state
+
+
+def eval_learner(cfg: RunConfig, module: MetaLearner, data: SyntheticData, state: dict) -> MetaLearner:
+    """A single-process learner with unsharded tables holding ``state``."""
+    if module.net.embedding is not None:
+        return module
+    learner = build_learner(cfg, data.fields, with_tables=True)
+    learner.load_state_dict(state)
+    return learner
+
+
 def write_json(path: Path, data: dict) -> None:
     """Write JSON atomically: readers never see a half-written file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -149,14 +194,21 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = build_data(cfg)
-    learner = build_learner(cfg, data.fields)
+    sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
+    learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     engine = ds_engine.initialize(learner, ds_config)
-    last = train_loop(cfg, engine, data, plan, rank)
+    last = train_loop(cfg, engine, sharded, data, plan, rank)
     dense, embedding = ds_engine.checksums(engine.module)
+    tables = {}
+    if sharded is not None:
+        embedding = sharded.checksum()
+        tables = sharded.gather_tables() or {}
     summary = {}
     if rank == 0:
-        ds_engine.save_weights(engine.module, out_dir / WEIGHTS_FILE)
-        evaluation = run_evaluation(cfg, engine.module, data) if cfg.eval.enabled else {}
+        state = full_state(engine.module, tables)
+        ds_engine.save_weights(state, out_dir / WEIGHTS_FILE)
+        evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state),
+                                    data) if cfg.eval.enabled else {}
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from gmeta_ds.config import EmbeddingConfig
 from gmeta_ds.data.tasks import FieldSpec, TaskBatch
+from gmeta_ds.models.melu import MeLU, build_melu
 
 FIELDS = [FieldSpec("age", 5, "user"), FieldSpec("item_id", 11, "item"), FieldSpec("cat", 4, "item")]
+
+
+def tiny_melu(embed_dim: int = 3, hidden=(5,), fields=FIELDS, seed: int = 0) -> MeLU:
+    """A MeLU with its own (unsharded) tables."""
+    return build_melu(fields, embed_dim, list(hidden), EmbeddingConfig(), seed)
 
 
 def tiny_batch(tasks: int = 3, support: int = 6, query: int = 4, seed: int = 0,

@@ -96,6 +96,15 @@ def _output(loss: Tensor, out: TaskOutputs) -> MetaOutput:
                       out.query_loss.detach())
 
 
+def embed_batch(lookup, batch: TaskBatch) -> tuple[Tensor, Tensor]:
+    """One fused lookup of support and query ids with ``lookup`` (ids (N, F) -> (N, F, d)):
+    (T, S, F) + (T, Q, F) -> rows (T, S, F, d), (T, Q, F, d)."""
+    t, s, f = batch.support_ids.shape
+    ids = torch.cat([batch.support_ids.reshape(-1, f), batch.query_ids.reshape(-1, f)])
+    rows = lookup(ids)
+    return rows[: t * s].reshape(t, s, f, -1), rows[t * s:].reshape(t, -1, f, rows.shape[-1])
+
+
 class MetaLearner(nn.Module):
     """The dense module handed to DeepSpeed: the model plus algorithm-owned meta-parameters.
 
@@ -110,15 +119,10 @@ class MetaLearner(nn.Module):
         self.adapted = match_adapted(net, algorithm.adapt)
         algorithm.init_learner(self)
 
-    def embed_batch(self, batch: TaskBatch) -> tuple[Tensor, Tensor]:
-        """One lookup for support and query ids: (T, S, F) + (T, Q, F) -> (T, S, F, d), (T, Q, F, d)."""
-        t, s, f = batch.support_ids.shape
-        ids = torch.cat([batch.support_ids.reshape(-1, f), batch.query_ids.reshape(-1, f)])
-        rows = self.net.embed(ids)
-        return rows[: t * s].reshape(t, s, f, -1), rows[t * s:].reshape(t, -1, f, rows.shape[-1])
-
-    def forward(self, batch: TaskBatch) -> MetaOutput:
-        rows_s, rows_q = self.embed_batch(batch)
+    def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
+        """``rows``: support and query rows looked up outside (sharded tables); by default the
+        net's own embedding module looks them up."""
+        rows_s, rows_q = rows if rows is not None else embed_batch(self.net.embed, batch)
         support = (rows_s, batch.support_y, batch.support_mask)
         query = (rows_q, batch.query_y, batch.query_mask)
         return self.algorithm.outer_loss(self, support, query)

@@ -36,13 +36,13 @@ def checksums(module: nn.Module, embedding_prefix: str = "net.embedding.") -> tu
     return dense, embedding
 
 
-def save_weights(module: nn.Module, path: str | Path) -> Path:
-    """Write the module's full state dict as safetensors, atomically (tmp file + rename)."""
+def save_weights(state: dict, path: str | Path) -> Path:
+    """Write a full state dict as safetensors (float32), atomically (tmp file + rename)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    state = {k: v.detach().float().contiguous().cpu() for k, v in module.state_dict().items()}
+    state = {k: v.detach().float().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(tmp))
     os.replace(tmp, path)
     return path

@@ -1,48 +1,46 @@
 """MeLU-style meta CTR model (Lee et al., KDD 2019): per-field embeddings -> concat -> MLP -> logit.
 
-Single-device code that knows nothing of ranks. Embedding lookup (`embed`) and the decision
-layers (`forward`) are separate so the trainer can look up support and query ids in one fused
-call and hand the rows to the functional inner loop, which adapts only the decision layers.
+Single-device code that knows nothing of ranks. It receives its embedding module from the
+trainer: an unsharded `EmbeddingCollection` (replicated tables, trained by DeepSpeed with the
+dense parameters), or none at all when the tables are sharded outside the engine and the
+trainer hands in looked-up rows. Lookup (`embed`) and the decision layers (`forward`) are
+separate so support and query ids are looked up in one fused call and the functional inner
+loop adapts only the decision layers.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
+from gmeta_ds.config import EmbeddingConfig
 from gmeta_ds.data.tasks import FieldSpec
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 
 
-class ReplicatedEmbeddings(nn.Module):
-    """One `nn.Embedding` table per field, replicated on every rank (data-parallel).
-
-    ids: int64 (..., F) -> rows (..., F, d).
-    """
-
-    def __init__(self, fields: list[FieldSpec], dim: int):
-        super().__init__()
-        self.field_names = [f.name for f in fields]
-        self.tables = nn.ModuleDict({f.name: nn.Embedding(f.num_ids, dim) for f in fields})
-        for table in self.tables.values():
-            nn.init.normal_(table.weight, std=0.05)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        if ids.shape[-1] != len(self.field_names):
-            raise ValueError(f"ids have {ids.shape[-1]} fields, expected {len(self.field_names)} "
-                             f"({', '.join(self.field_names)})")
-        rows = [self.tables[name](ids[..., i]) for i, name in enumerate(self.field_names)]
-        return torch.stack(rows, dim=-2)
+def melu_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list[TableConfig]:
+    """One table per field (named after it), with the per-table optimizer overrides of ``cfg``."""
+    tables = []
+    for f in fields:
+        override = cfg.tables.get(f.name)
+        tables.append(TableConfig(
+            f.name, f.num_ids, dim, (f.name,), pooling="sum", init_std=cfg.init_std,
+            optimizer=(override and override.optimizer) or cfg.optimizer,
+            lr=(override and override.lr) or cfg.lr))
+    return tables
 
 
 class MeLU(nn.Module):
-    """Embeddings for every field, concatenated, through an MLP to one click logit.
+    """Concatenated field embeddings through an MLP to one click logit.
 
-    `embed`: ids (..., F) -> rows (..., F, d). `forward`: rows (N, F, d) -> logits (N,).
-    Parameter names: ``embedding.tables.<field>.weight`` and ``mlp.<i>.weight|bias``.
+    `embed`: ids (..., F) -> rows (..., F, d) (needs an embedding module).
+    `forward`: rows (N, F, d) -> logits (N,).
+    Parameter names: ``embedding.weights.<field>`` (when owned) and ``mlp.<i>.weight|bias``.
     """
 
-    def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int]):
+    def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int],
+                 embedding: EmbeddingCollection | None = None):
         super().__init__()
-        self.embedding = ReplicatedEmbeddings(fields, embed_dim)
+        self.field_names = [f.name for f in fields]
+        self.embedding = embedding
         layers: list[nn.Module] = []
         width = len(fields) * embed_dim
         for h in hidden:
@@ -52,7 +50,19 @@ class MeLU(nn.Module):
         self.mlp = nn.Sequential(*layers)
 
     def embed(self, ids: Tensor) -> Tensor:
-        return self.embedding(ids)
+        if self.embedding is None:
+            raise RuntimeError("this MeLU has no embedding module: its tables are sharded, so "
+                               "pass looked-up rows instead of ids")
+        return self.embedding.lookup_fields(ids, self.field_names)
 
     def forward(self, rows: Tensor) -> Tensor:
         return self.mlp(rows.flatten(start_dim=-2)).squeeze(-1)
+
+
+def build_melu(fields: list[FieldSpec], embed_dim: int, hidden: list[int], emb: EmbeddingConfig,
+               seed: int, with_tables: bool = True) -> MeLU:
+    """A MeLU whose own unsharded tables are initialised from ``seed`` (``with_tables``), or
+    one without tables whose rows come from a sharded collection."""
+    embedding = (EmbeddingCollection(melu_tables(fields, embed_dim, emb), seed, emb.bad_ids)
+                 if with_tables else None)
+    return MeLU(fields, embed_dim, hidden, embedding)

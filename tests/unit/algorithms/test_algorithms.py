@@ -5,17 +5,16 @@ import copy
 
 import pytest
 import torch
-from helpers import FIELDS, tiny_batch
+from helpers import tiny_batch, tiny_melu
 
 from gmeta_ds.algorithms import ALGORITHMS, FOMAML, MAML, MetaLearner, MetaSGD, Reptile
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import masked_bce
-from gmeta_ds.models.melu import MeLU
 
 
 def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0):
     torch.manual_seed(seed)
-    net = MeLU(FIELDS, embed_dim=3, hidden=[5]).double()
+    net = tiny_melu(embed_dim=3, hidden=[5]).double()
     for p in net.parameters():  # larger weights so second-order terms are not negligible
         p.data.normal_(0, 0.5)
     return MetaLearner(net, cls(steps, lr, list(adapt), vectorize)).double()
@@ -46,7 +45,7 @@ def test_second_order_meta_gradient_matches_finite_differences(cls):
     grads, _ = meta_grads(learner, batch)
     params = dict(learner.named_parameters())
     checked = 0
-    for name in ["net.mlp.0.weight", "net.mlp.2.bias", "net.embedding.tables.item_id.weight",
+    for name in ["net.mlp.0.weight", "net.mlp.2.bias", "net.embedding.weights.item_id",
                  *(["inner_lrs.mlp__0__weight"] if cls is MetaSGD else [])]:
         p = params[name]
         for idx in [(0,) * p.dim(), tuple(s - 1 for s in p.shape)]:
@@ -93,7 +92,7 @@ def test_fomaml_equals_query_gradient_at_adapted_parameters():
     for n in learner.adapted:
         torch.testing.assert_close(grads[f"net.{n}"], expected[n], rtol=1e-9, atol=1e-12)
     # embeddings: only through the query loss (first order ignores the support path)
-    name = "embedding.tables.item_id.weight"
+    name = "embedding.weights.item_id"
     torch.testing.assert_close(grads[f"net.{name}"], expected[name], rtol=1e-9, atol=1e-12)
 
 

@@ -1,0 +1,1 @@
+"""Embedding tables: unsharded twin, sharding plans, sharded collection, sparse optimizers."""

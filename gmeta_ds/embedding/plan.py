@@ -1,0 +1,140 @@
+"""Sharding plans: which rank owns which rows of each table.
+
+- ``row_wise``: every rank owns a slice of the rows — by ``modulo`` (row i on rank i % W,
+  local index i // W) or contiguous ``block`` (ceil(rows / W) rows per rank). At most
+  ceil(rows / W) rows per rank either way.
+- ``table_wise``: a whole table on one rank (tables placed largest first on the least loaded rank).
+- ``replicated``: every rank holds the whole (small) table; gradients are all-reduced.
+
+`plan_tables` turns per-table requests (or ``auto``: replicate tables below a row count,
+row-wise for the rest) into a validated `ShardingPlan`. Pure torch, no communication.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gmeta_ds.embedding.tables import TableConfig
+
+KINDS = ("row_wise", "table_wise", "replicated")
+# Optimizer state per row, in floats per embedding dimension (row-wise Adagrad: one per row).
+STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """Where one table's rows live; ``owner`` is set for table-wise tables."""
+
+    table: TableConfig
+    kind: str
+    world_size: int
+    row_owner: str = "modulo"
+    owner: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"table {self.table.name!r}: plan {self.kind!r} is not one of {', '.join(KINDS)}")
+        if not 0 <= self.owner < self.world_size:
+            raise ValueError(f"table {self.table.name!r}: owner rank {self.owner} outside world size "
+                             f"{self.world_size}")
+
+    @property
+    def block(self) -> int:
+        return math.ceil(self.table.num_rows / self.world_size)
+
+    def owners(self, ids: Tensor) -> Tensor:
+        """Owning rank of each global id (replicated: this rank, so lookups stay local)."""
+        if self.kind == "table_wise":
+            return torch.full_like(ids, self.owner)
+        if self.kind == "replicated":
+            raise ValueError("replicated tables have no single owner")
+        return ids % self.world_size if self.row_owner == "modulo" else ids // self.block
+
+    def local_index(self, ids: Tensor) -> Tensor:
+        """Row of each global id inside its owner's shard."""
+        if self.kind != "row_wise":
+            return ids
+        return ids // self.world_size if self.row_owner == "modulo" else ids % self.block
+
+    def global_ids(self, rank: int) -> Tensor:
+        """Global ids of the rows rank ``rank`` stores, in local order."""
+        rows = self.table.num_rows
+        if self.kind == "replicated":
+            return torch.arange(rows)
+        if self.kind == "table_wise":
+            return torch.arange(rows) if rank == self.owner else torch.arange(0)
+        if self.row_owner == "modulo":
+            return torch.arange(rank, rows, self.world_size)
+        return torch.arange(rank * self.block, min(rows, (rank + 1) * self.block))
+
+    def local_rows(self, rank: int) -> int:
+        return len(self.global_ids(rank)) if self.kind != "replicated" else self.table.num_rows
+
+    def bytes_on(self, rank: int) -> int:
+        """Parameter + optimizer-state bytes this table costs rank ``rank`` (float32)."""
+        rows, dim = self.local_rows(rank), self.table.dim
+        if self.table.optimizer == "rowwise_adagrad":
+            state = rows
+        else:
+            state = rows * dim * STATE_FLOATS[self.table.optimizer]
+        return int(4 * (rows * dim + state))
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """A `TablePlan` per table, all for the same world size."""
+
+    tables: dict[str, TablePlan]
+    world_size: int
+
+    def bytes_per_rank(self) -> list[int]:
+        return [sum(p.bytes_on(r) for p in self.tables.values()) for r in range(self.world_size)]
+
+    def describe(self) -> str:
+        lines = []
+        for name, p in self.tables.items():
+            where = {"row_wise": f"row-wise ({p.row_owner}, <= {p.block} rows/rank)",
+                     "table_wise": f"table-wise on rank {p.owner}",
+                     "replicated": "replicated on every rank"}[p.kind]
+            lines.append(f"  {name}: {p.table.num_rows} x {p.table.dim}, {where}, "
+                         f"{p.table.optimizer} lr {p.table.lr}")
+        per_rank = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(self.bytes_per_rank()))
+        return "\n".join(lines + [f"  memory (rows + optimizer state): {per_rank}"])
+
+
+def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],
+                row_owner: str = "modulo", replicate_below_rows: int = 1024) -> ShardingPlan:
+    """Plan every table. ``kinds`` maps table name -> plan kind or ``auto``; missing = auto."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    unknown = set(kinds) - {t.name for t in tables}
+    if unknown:
+        raise ValueError(f"embedding.tables: unknown table(s) {sorted(unknown)}; tables are "
+                         f"{', '.join(t.name for t in tables)}")
+    chosen = {}
+    for t in tables:
+        kind = kinds.get(t.name, "auto")
+        if kind == "auto":
+            kind = "replicated" if t.num_rows < replicate_below_rows else "row_wise"
+        chosen[t.name] = kind
+    load = [0] * world_size
+    plans = {}
+    for t in sorted(tables, key=lambda t: -t.num_rows * t.dim):
+        owner = 0
+        if chosen[t.name] == "table_wise":
+            owner = min(range(world_size), key=lambda r: load[r])
+            load[owner] += t.num_rows * t.dim
+        plans[t.name] = TablePlan(t, chosen[t.name], world_size, row_owner, owner)
+    return ShardingPlan({t.name: plans[t.name] for t in tables}, world_size)
+
+
+def plan_from_config(tables: list[TableConfig], cfg, world_size: int) -> ShardingPlan:
+    """The plan an `EmbeddingConfig` asks for: ``tables.<name>.plan``, else ``plan``."""
+    kinds = {name: o.plan for name, o in cfg.tables.items() if o.plan != "auto"}
+    default = cfg.plan
+    if default != "auto":
+        kinds = {**{t.name: default for t in tables}, **kinds}
+    return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows)

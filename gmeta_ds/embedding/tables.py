@@ -1,0 +1,173 @@
+"""Embedding tables: configs, deterministic initialisation, jagged ids, and the unsharded
+`EmbeddingCollection` — the single-process twin and correctness oracle of the sharded one.
+
+Ids come per feature as a `Jagged` (EmbeddingBag layout). Example, 3 samples of a multi-hot
+feature::
+
+    values  = [4, 9, 9, 1]     # sample 0 -> [4, 9], sample 1 -> [], sample 2 -> [9, 1]
+    offsets = [0, 2, 2, 4]     # (N + 1,)
+    pooling sum  -> (3, d): rows[4] + rows[9], zeros, rows[9] + rows[1]
+    pooling none -> (4, d): one row per id
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+POOLINGS = ("sum", "mean", "none")
+INIT_BLOCK_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One table: ``num_rows`` x ``dim``, used by ``features``; multi-hot features pool by
+    ``pooling``; rows start N(0, init_std); ``optimizer``/``lr`` train its rows (sharded mode)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    features: tuple[str, ...]
+    pooling: str = "sum"
+    init_std: float = 0.05
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.num_rows <= 0 or self.dim <= 0:
+            raise ValueError(f"table {self.name!r}: num_rows and dim must be positive, got "
+                             f"{self.num_rows} x {self.dim}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"table {self.name!r}: pooling {self.pooling!r} is not one of "
+                             f"{', '.join(POOLINGS)}")
+
+
+def _block_seed(seed: int, table: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{table}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def init_rows(table: TableConfig, seed: int, ids: Tensor) -> Tensor:
+    """Initial rows for global row ids ``ids`` (any order): (len(ids), dim) float32.
+
+    Rows are drawn in fixed blocks seeded by (seed, table name, block), so a row's initial value
+    does not depend on which rank owns it or how the table is sharded; memory stays bounded
+    by one block beyond the result.
+    """
+    out = torch.empty(len(ids), table.dim)
+    if len(ids) == 0:
+        return out
+    blocks = ids // INIT_BLOCK_ROWS
+    for block in torch.unique(blocks).tolist():
+        g = torch.Generator().manual_seed(_block_seed(seed, table.name, block))
+        start = block * INIT_BLOCK_ROWS
+        size = min(INIT_BLOCK_ROWS, table.num_rows - start)
+        rows = torch.randn(size, table.dim, generator=g) * table.init_std
+        sel = blocks == block
+        out[sel] = rows[ids[sel] - start]
+    return out
+
+
+@dataclass
+class Jagged:
+    """Ids of one feature for N samples: values (nnz,) int64, offsets (N + 1,) int64."""
+
+    values: Tensor
+    offsets: Tensor
+
+    @staticmethod
+    def single(ids: Tensor) -> "Jagged":
+        """One id per sample: ids (N,) -> offsets [0, 1, ..., N]."""
+        ids = ids.reshape(-1).long()
+        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets) - 1
+
+    def segment_ids(self) -> Tensor:
+        """Sample index of every value: (nnz,)."""
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        return torch.repeat_interleave(torch.arange(self.num_samples), lengths)
+
+
+def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> Tensor:
+    """Ids checked against the table's rows: ``error`` names the feature, table and value;
+    ``hash`` maps every id into range by modulo. Nothing is silently clamped."""
+    if policy == "hash":
+        return torch.remainder(values, table.num_rows)
+    if len(values):
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= table.num_rows:
+            bad = low if low < 0 else high
+            raise ValueError(f"feature {feature!r}: id {bad} is out of range for table "
+                             f"{table.name!r} with {table.num_rows} rows (valid: 0..{table.num_rows - 1}); "
+                             "set embedding.bad_ids: hash to map ids by modulo")
+    return values
+
+
+def pool(rows: Tensor, jagged: Jagged, pooling: str) -> Tensor:
+    """Pool looked-up rows (nnz, d) per sample: (N, d) for sum/mean, unchanged for none."""
+    if pooling == "none":
+        return rows
+    out = rows.new_zeros(jagged.num_samples, rows.shape[1])
+    out = out.index_add(0, jagged.segment_ids(), rows)
+    if pooling == "mean":
+        lengths = (jagged.offsets[1:] - jagged.offsets[:-1]).clamp(min=1)
+        out = out / lengths.unsqueeze(1).to(rows.dtype)
+    return out
+
+
+def feature_tables(tables: list[TableConfig]) -> dict[str, TableConfig]:
+    """feature name -> its table; a feature used by two tables is an error."""
+    owners: dict[str, TableConfig] = {}
+    for table in tables:
+        for feature in table.features:
+            if feature in owners:
+                raise ValueError(f"feature {feature!r} is assigned to tables {owners[feature].name!r} "
+                                 f"and {table.name!r}")
+            owners[feature] = table
+    return owners
+
+
+class EmbeddingCollection(nn.Module):
+    """Unsharded tables (``weights.<table>``: (num_rows, dim)), one per `TableConfig`.
+
+    forward(features: {feature: Jagged}) -> {feature: (N, d) pooled or (nnz, d) for none}.
+    `lookup_fields` is the single-hot shortcut the CTR model uses.
+    """
+
+    def __init__(self, tables: list[TableConfig], seed: int = 0, bad_ids: str = "error"):
+        super().__init__()
+        self.tables = {t.name: t for t in tables}
+        self.by_feature = feature_tables(tables)
+        self.bad_ids = bad_ids
+        self.weights = nn.ParameterDict({
+            t.name: nn.Parameter(init_rows(t, seed, torch.arange(t.num_rows))) for t in tables
+        })
+
+    def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
+        out = {}
+        for feature, jagged in features.items():
+            table = self.by_feature[feature]
+            ids = check_ids(jagged.values, feature, table, self.bad_ids)
+            rows = torch.nn.functional.embedding(ids, self.weights[table.name])
+            out[feature] = pool(rows, jagged, table.pooling)
+        return out
+
+    def lookup_fields(self, ids: Tensor, fields: list[str]) -> Tensor:
+        """Single-hot ids (..., F) for ``fields`` -> rows (..., F, d)."""
+        return lookup_fields(self, ids, fields)
+
+
+def lookup_fields(collection, ids: Tensor, fields: list[str]) -> Tensor:
+    """Single-hot shortcut over any collection with ``forward({feature: Jagged})``:
+    ids (..., F) -> rows (..., F, d), one lookup call for all fields."""
+    if ids.shape[-1] != len(fields):
+        raise ValueError(f"ids have {ids.shape[-1]} fields, expected {len(fields)} ({', '.join(fields)})")
+    lead = ids.shape[:-1]
+    flat = ids.reshape(-1, len(fields))
+    rows = collection({f: Jagged.single(flat[:, i]) for i, f in enumerate(fields)})
+    return torch.stack([rows[f] for f in fields], dim=1).reshape(*lead, len(fields), -1)

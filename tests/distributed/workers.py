@@ -1,0 +1,94 @@
+"""Worker functions run on every rank by `ranks.run_ranks` (``python -m distributed.workers NAME``)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+
+TABLES = [
+    TableConfig("a", 37, 4, ("a_multi", "a_single"), pooling="sum"),
+    TableConfig("b", 23, 4, ("b_mean",), pooling="mean"),
+    TableConfig("c", 11, 4, ("c_seq",), pooling="none"),
+    TableConfig("d", 7, 4, ("d_rep",), pooling="sum"),
+    TableConfig("e", 29, 3, ("e_dim3",), pooling="sum"),
+]
+
+
+def mixed_plan(world: int) -> ShardingPlan:
+    kinds = {"a": ("row_wise", "modulo"), "b": ("row_wise", "block"), "c": ("table_wise", "modulo"),
+             "d": ("replicated", "modulo"), "e": ("row_wise", "block")}
+    plans = {t.name: TablePlan(t, kinds[t.name][0], world, kinds[t.name][1], owner=world - 1)
+             for t in TABLES}
+    return ShardingPlan(plans, world)
+
+
+def features(rank: int, world: int) -> dict[str, Jagged]:
+    """Different ids per rank, duplicates, empty bags; rank 0 asks table a only for rows it owns."""
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def jag(rows: int, n: int, max_len: int, multiple_of: int = 1) -> Jagged:
+        lengths = torch.randint(0, max_len + 1, (n,), generator=g)
+        values = torch.randint(0, rows // multiple_of, (int(lengths.sum()),), generator=g) * multiple_of
+        return Jagged(values, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+
+    only_own = world if rank == 0 else 1
+    return {"a_multi": jag(37, 6, 4, only_own), "a_single": Jagged.single(torch.tensor([5, 5, 2, 36])),
+            "b_mean": jag(23, 5, 3), "c_seq": jag(11, 4, 3), "d_rep": jag(7, 3, 2), "e_dim3": jag(29, 5, 2)}
+
+
+def loss_of(out: dict, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + rank)
+    return sum((v * torch.randn(v.shape, generator=g)).sum() for _, v in sorted(out.items()))
+
+
+def sharded_equals_unsharded() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = mixed_plan(world)
+    sharded = ShardedEmbeddingCollection(plan, rank, seed=5)
+    twin = EmbeddingCollection(TABLES, seed=5)
+    feats = features(rank, world)
+    out_s, out_u = sharded(feats), twin(feats)
+    for name in feats:
+        torch.testing.assert_close(out_s[name], out_u[name], msg=f"forward {name}")
+    loss_of(out_s, rank).backward()
+    loss_of(out_u, rank).backward()
+    sharded.finish_gradients()
+    for name, weight in twin.weights.items():
+        ref = weight.grad.clone()
+        dist.all_reduce(ref)
+        ref /= world
+        shard = sharded.shards[name]
+        ids = plan.tables[name].global_ids(rank)
+        assert shard.shape == (len(ids), plan.tables[name].table.dim), name
+        got = shard.grad.to_dense() if shard.grad is not None else torch.zeros_like(shard)
+        torch.testing.assert_close(got, ref[ids], msg=f"gradient {name}")
+        torch.testing.assert_close(shard.detach(), weight.detach()[ids], msg=f"init {name}")
+    assert abs(sharded.checksum() - sum(w.double().sum().item() for w in twin.weights.values())) < 1e-9
+    full = sharded.gather_tables()
+    if rank == 0:
+        for name, weight in twin.weights.items():
+            torch.testing.assert_close(full[name], weight.detach(), msg=f"gather {name}")
+    stats = sharded.stats.as_dict()
+    if world > 1:
+        assert stats["input_dist"]["collectives"] == 4 and stats["output_dist"]["collectives"] == 2, stats
+        assert stats["output_dist_backward"]["collectives"] == 2, stats
+    else:
+        assert stats == {}, stats
+    print("ok", rank)
+
+
+def main() -> None:
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    globals()[sys.argv[1]](*sys.argv[2:])
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
