@@ -20,6 +20,8 @@ import warnings
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # DeepSpeed's ZeRO calls a torch collective that torch has renamed; the warning is theirs, not ours.
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+# torch's sparse optimizers build COO tensors without opting in or out of invariant checks.
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
 from gmeta_ds.errors import ConfigError  # noqa: E402
@@ -65,7 +67,7 @@ def _cmd_validate(cfg: RunConfig, world_size: int | None) -> int:
     print(f"batch: {plan.describe()}")
     print(f"tasks: {len(data.train)} train, {len(data.test)} test users; "
           f"{data.train.num_interactions + data.test.num_interactions} interactions")
-    print(f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted)}")
+    print(f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}")
     if tables is not None:
         print(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
     else:
@@ -80,8 +82,11 @@ def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
 
+    from gmeta_ds.trainer import preflight
+
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
+    preflight(cfg, plan.world_size)
     set_threads(cfg.train.threads)
     try:
         rank, world = init_process_group(cfg.train.collective_timeout_s)

@@ -10,19 +10,19 @@ import numpy as np
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
+from gmeta_ds.algorithms.base import MetaLearner, embed_batch
 from gmeta_ds.data.tasks import TaskSet, collate
 from gmeta_ds.functional.inner import InnerLoop, LearningRates, masked_bce
 
 
-def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple,
-                    rows_q: Tensor) -> Tensor:
+def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple, xq) -> Tensor:
     def one(xs, ys, ms, xq):
         fast, _ = inner.adapt_func(theta, lrs, xs, ys, ms)
-        return functional_call(inner.module, fast, (xq,), tie_weights=inner.tied)
+        return inner.logits(fast, xq)
 
-    return vmap(one)(*support, rows_q)
+    return vmap(one)(*support, xq)
 
 
 def _scores(labels: np.ndarray, probs: np.ndarray) -> dict:
@@ -30,26 +30,26 @@ def _scores(labels: np.ndarray, probs: np.ndarray) -> dict:
     return {"auc": auc, "logloss": float(log_loss(labels, probs, labels=[0, 1]))}
 
 
-def evaluate(net: nn.Module, adapted: list[str], lrs: LearningRates, tasks: TaskSet,
-             inner_steps: int, tasks_per_batch: int = 64) -> dict:
+def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
+             tasks_per_batch: int = 64) -> dict:
     """AUC and logloss over all query rows of ``tasks``, with and without adaptation.
 
-    net: a MeLU-like model (``embed`` + ``forward``); adapted / lrs: which parameters adapt and
-    their inner learning rates (floats or tensors); ``inner_steps`` first-order steps.
+    learner: a `MetaLearner` whose net owns its (unsharded) tables; lrs: inner learning rate of
+    every adapted name (floats or tensors); ``inner_steps`` first-order steps per task.
     Returns ``{"auc", "logloss", "auc_no_adapt", "logloss_no_adapt", "tasks", "query_rows"}``.
     """
-    params = dict(net.named_parameters())
-    theta = {n: params[n].detach() for n in adapted}
+    net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
-    inner = InnerLoop(net, inner_steps, first_order=True)
+    inner = learner.algorithm.inner_loop(learner, inner_steps, first_order=True)
     labels, adapted_p, plain_p = [], [], []
     for start in range(0, len(tasks), tasks_per_batch):
         batch = collate(tasks, np.arange(start, min(start + tasks_per_batch, len(tasks))))
         with torch.no_grad():
-            rows_s, rows_q = net.embed(batch.support_ids), net.embed(batch.query_ids)
+            rows_s, rows_q = embed_batch(net.embed, batch)
             plain = net(rows_q)
-        adapted_logits = _adapted_logits(inner, theta, lrs, (rows_s, batch.support_y,
-                                                             batch.support_mask), rows_q).detach()
+            theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
+        theta = {n: v.detach() for n, v in theta.items()}
+        adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
         real = batch.query_mask.bool()
         labels.append(batch.query_y[real].numpy())
         adapted_p.append(torch.sigmoid(adapted_logits[real]).double().numpy())

@@ -20,7 +20,7 @@ from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic
+from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
 from gmeta_ds.data.tasks import collate
 from gmeta_ds.ds_config import BatchPlan
 from gmeta_ds.engine import ds_engine
@@ -36,6 +36,15 @@ WEIGHTS_FILE = "model.safetensors"
 def build_data(cfg: RunConfig) -> SyntheticData:
     """The run's tasks (deterministic by seed: every rank builds the same ones)."""
     return generate_synthetic(cfg.data.synthetic, cfg.seed)
+
+
+def preflight(cfg: RunConfig, world_size: int) -> None:
+    """Checks that need the model's shape but no data or process group (run on every rank
+    before the first collective): the embedding plan and what ``meta.adapt`` matches."""
+    fields = synthetic_fields(cfg.data.synthetic)
+    if cfg.embedding.sharding == "sharded":
+        embedding_plan(cfg, fields, world_size)
+    build_learner(cfg, fields, with_tables=False)
 
 
 def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearner:
@@ -152,13 +161,13 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) ->
     """Cold-start metrics of the meta-learned model and of the non-meta baseline."""
     steps = eval_inner_steps(cfg)
     lrs = learner.algorithm.learning_rates(learner)
-    result = evaluate(learner.net, learner.adapted, lrs, data.test, steps, cfg.eval.tasks_per_batch)
+    result = evaluate(learner, lrs, data.test, steps, cfg.eval.tasks_per_batch)
     if cfg.eval.baseline:
-        baseline = build_learner(cfg, data.fields).net
-        train_baseline(baseline, data.train, cfg.eval.baseline_epochs,
+        baseline = build_learner(cfg, data.fields)
+        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed)
-        base = evaluate(baseline, learner.adapted, {n: cfg.meta.inner_lr for n in learner.adapted},
-                        data.test, steps, cfg.eval.tasks_per_batch)
+        fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
+        base = evaluate(baseline, fixed, data.test, steps, cfg.eval.tasks_per_batch)
         result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"])
         if cfg.eval.baseline_finetune:
             result.update(baseline_finetune_auc=base["auc"], baseline_finetune_logloss=base["logloss"])

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
+from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 
 
 @dataclass
@@ -31,25 +32,23 @@ class MetaOutput:
     task_query_loss: Tensor
 
 
-def match_adapted(net: nn.Module, patterns: list[str]) -> list[str]:
-    """Names of ``net``'s parameters matched by any glob in ``patterns`` (``meta.adapt``).
+def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[int, str]]:
+    """What ``meta.adapt`` globs select: (dense parameter names, {field position: field name}).
 
-    Embedding tables are looked up before the inner loop, so adapting them would have no
-    effect: patterns that match them are rejected instead of being silently ignored.
+    Candidates are the dense parameters (e.g. ``mlp.0.weight``) and, per feature field, its
+    looked-up rows (``embedding.<field>``, see functional/rows.py). Whole tables
+    (``embedding.weights.*``) are never candidates: they are looked up before the inner loop.
     """
-    names = [n for n, _ in net.named_parameters()]
-    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    problems = []
-    tables = [n for n in chosen if n.startswith("embedding.")]
-    if tables:
-        problems.append(f"meta.adapt: {patterns!r} matches embedding tables ({', '.join(tables)}); "
-                        "only dense decision layers can be adapted, e.g. ['mlp.*']")
-    if not chosen:
-        problems.append(f"meta.adapt: {patterns!r} matches no parameter; parameters are: "
-                        f"{', '.join(names)}")
-    if problems:
-        raise ConfigError(problems)
-    return chosen
+    dense = [n for n, _ in net.named_parameters() if not n.startswith(ROW_PREFIX)]
+    fields = list(getattr(net, "field_names", []))
+    matches = lambda n: any(fnmatch.fnmatchcase(n, p) for p in patterns)  # noqa: E731
+    chosen = [n for n in dense if matches(n)]
+    rows = {j: f for j, f in enumerate(fields) if matches(row_param_name(f))}
+    if not chosen and not rows:
+        candidates = dense + [row_param_name(f) for f in fields]
+        raise ConfigError([f"meta.adapt: {patterns!r} matches nothing; candidates are: "
+                           f"{', '.join(candidates)}"])
+    return chosen, rows
 
 
 class MetaAlgorithm:
@@ -71,23 +70,24 @@ class MetaAlgorithm:
         """Add algorithm-owned meta-parameters to the learner (none by default)."""
 
     def learning_rates(self, learner: "MetaLearner") -> LearningRates:
-        return {n: self.inner_lr for n in learner.adapted}
+        return {n: self.inner_lr for n in learner.adapted_names()}
 
-    def inner_loop(self, net: nn.Module, steps: int | None = None,
+    def inner_loop(self, learner: "MetaLearner", steps: int | None = None,
                    first_order: bool | None = None) -> InnerLoop:
-        return InnerLoop(net, steps or self.inner_steps,
-                         self.first_order if first_order is None else first_order)
+        return InnerLoop(learner.net, steps or self.inner_steps,
+                         self.first_order if first_order is None else first_order,
+                         row_fields=learner.adapted_fields)
 
-    def run(self, learner: "MetaLearner", support: tuple, query: tuple,
+    def run(self, learner: "MetaLearner", theta: Params, support: tuple, query: tuple,
             query_fast=lambda f: f) -> TaskOutputs:
-        params = dict(learner.net.named_parameters())
-        theta: Params = {n: params[n] for n in learner.adapted}
-        return run_tasks(self.inner_loop(learner.net), theta, self.learning_rates(learner),
+        return run_tasks(self.inner_loop(learner), theta, self.learning_rates(learner),
                          support, query, self.vectorize, query_fast)
 
-    def outer_loss(self, learner: "MetaLearner", support: tuple, query: tuple) -> MetaOutput:
-        """Default (MAML family): the mean query loss after adaptation."""
-        out = self.run(learner, support, query)
+    def outer_loss(self, learner: "MetaLearner", theta: Params, support: tuple,
+                   query: tuple) -> MetaOutput:
+        """Default (MAML family): the mean query loss after adaptation. ``theta``: the
+        meta-parameters that adapt (dense parameters and deduplicated rows)."""
+        out = self.run(learner, theta, support, query)
         return _output(out.query_loss.mean(), out)
 
 
@@ -116,13 +116,28 @@ class MetaLearner(nn.Module):
         super().__init__()
         self.net = net
         self.algorithm = algorithm
-        self.adapted = match_adapted(net, algorithm.adapt)
+        self.adapted, self.adapted_fields = match_adapted(net, algorithm.adapt)
         algorithm.init_learner(self)
+
+    def adapted_names(self) -> list[str]:
+        """Names of everything the inner loop adapts: dense parameters, then field rows."""
+        return self.adapted + [row_param_name(f) for f in self.adapted_fields.values()]
+
+    def task_inputs(self, batch: TaskBatch, rows_s: Tensor, rows_q: Tensor) -> tuple[Params, tuple, tuple]:
+        """theta (adapted meta-parameters), support and query tuples for the inner loop."""
+        params = dict(self.net.named_parameters())
+        theta = {n: params[n] for n in self.adapted}
+        xs, xq = rows_s, rows_q
+        if self.adapted_fields:
+            table_rows, index_s, index_q = unique_rows(batch.support_ids, batch.query_ids, rows_s,
+                                                       rows_q, self.adapted_fields)
+            theta.update(table_rows)
+            xs, xq = (rows_s, index_s), (rows_q, index_q)
+        return theta, (xs, batch.support_y, batch.support_mask), (xq, batch.query_y, batch.query_mask)
 
     def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
         """``rows``: support and query rows looked up outside (sharded tables); by default the
         net's own embedding module looks them up."""
         rows_s, rows_q = rows if rows is not None else embed_batch(self.net.embed, batch)
-        support = (rows_s, batch.support_y, batch.support_mask)
-        query = (rows_q, batch.query_y, batch.query_mask)
-        return self.algorithm.outer_loss(self, support, query)
+        theta, support, query = self.task_inputs(batch, rows_s, rows_q)
+        return self.algorithm.outer_loss(self, theta, support, query)

@@ -25,10 +25,11 @@ class MetaSGD(MetaAlgorithm):
 
     def init_learner(self, learner) -> None:
         params = dict(learner.net.named_parameters())
-        learner.inner_lrs = nn.ParameterDict({
-            _key(n): nn.Parameter(torch.full_like(params[n], self.inner_lr))
-            for n in learner.adapted
-        })
+        rates = {_key(n): torch.full_like(params[n], self.inner_lr) for n in learner.adapted}
+        # Deduplicated rows vary in number per micro-batch: one rate per embedding dimension.
+        for name in learner.adapted_names()[len(learner.adapted):]:
+            rates[_key(name)] = torch.full((learner.net.embed_dim,), self.inner_lr)
+        learner.inner_lrs = nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})
 
     def learning_rates(self, learner):
-        return {n: learner.inner_lrs[_key(n)] for n in learner.adapted}
+        return {n: learner.inner_lrs[_key(n)] for n in learner.adapted_names()}

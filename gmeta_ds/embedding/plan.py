@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.errors import ConfigError
 
 KINDS = ("row_wise", "table_wise", "replicated")
 # Optimizer state per row, in floats per embedding dimension (row-wise Adagrad: one per row).
@@ -133,6 +134,10 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
 
 def plan_from_config(tables: list[TableConfig], cfg, world_size: int) -> ShardingPlan:
     """The plan an `EmbeddingConfig` asks for: ``tables.<name>.plan``, else ``plan``."""
+    unknown = sorted(set(cfg.tables) - {t.name for t in tables})
+    if unknown:
+        raise ConfigError([f"embedding.tables: unknown table(s) {unknown}; tables are "
+                           f"{', '.join(t.name for t in tables)}"])
     kinds = {name: o.plan for name, o in cfg.tables.items() if o.plan != "auto"}
     default = cfg.plan
     if default != "auto":

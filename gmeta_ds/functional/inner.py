@@ -15,12 +15,14 @@ differentiates through the inner loop. First order: inner gradients are detached
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 from torch.func import functional_call, grad_and_value, vmap
+
+from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
 # A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
@@ -49,6 +51,8 @@ class InnerLoop:
     steps: int
     first_order: bool
     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = masked_bce
+    # Field position -> name of fields whose looked-up rows adapt too (see functional/rows.py).
+    row_fields: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # functional_call re-checks weight tying on every call by walking every parameter
@@ -57,10 +61,16 @@ class InnerLoop:
         every = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         self.tied = unique != every
 
-    def task_loss(self, fast: Params, x: Tensor, y: Tensor, mask: Tensor) -> Tensor:
-        """Loss of one task with the adapted ("fast") parameters ``fast``."""
-        logits = functional_call(self.module, fast, (x,), tie_weights=self.tied)
-        return self.loss_fn(logits, y, mask)
+    def logits(self, fast: Params, x) -> Tensor:
+        """Model output of one task with the adapted ("fast") parameters ``fast``; ``x`` is
+        rows, or (rows, index) when embedding rows adapt too."""
+        params = {n: v for n, v in fast.items() if not n.startswith(ROW_PREFIX)}
+        inputs = compose_rows(fast, x, self.row_fields)
+        return functional_call(self.module, params, (inputs,), tie_weights=self.tied)
+
+    def task_loss(self, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
+        """Loss of one task with the adapted parameters ``fast``."""
+        return self.loss_fn(self.logits(fast, x), y, mask)
 
     def _update(self, fast: Params, grads: Params, lrs: LearningRates) -> Params:
         if self.first_order:
@@ -132,8 +142,8 @@ def loop_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tup
     """Run the T tasks one after another (`torch.autograd.grad`); same contract as `vmap_tasks`."""
     results = [
         _one_task(inner, theta, lrs, query_fast, inner.adapt_autograd,
-                  *(t[i] for t in support), *(t[i] for t in query))
-        for i in range(support[0].shape[0])
+                  *(select_task(t, i) for t in support), *(select_task(t, i) for t in query))
+        for i in range(support[1].shape[0])
     ]
     query_loss = torch.stack([r[0] for r in results])
     support_loss = torch.stack([r[1] for r in results]).detach()

@@ -40,6 +40,7 @@ class MeLU(nn.Module):
                  embedding: EmbeddingCollection | None = None):
         super().__init__()
         self.field_names = [f.name for f in fields]
+        self.embed_dim = embed_dim
         self.embedding = embedding
         layers: list[nn.Module] = []
         width = len(fields) * embed_dim

@@ -49,17 +49,22 @@ SHARDED = {"sharding": "sharded", "plan": "row_wise",
                       "age": {"optimizer": "rowwise_adagrad"}, "region": {"optimizer": "sgd"}}}
 
 
+# Item rows adapt per task too (deduplicated rows of the fused lookup, functional/rows.py).
+ROW_ADAPT = {"adapt": ["mlp.*", "embedding.item_id"]}
+
+
 @pytest.fixture(scope="module")
 def single_process_sharded(tmp_path_factory):
-    path = tiny_config(tmp_path_factory.mktemp("single_sharded"), embedding=SHARDED)
+    path = tiny_config(tmp_path_factory.mktemp("single_sharded"), embedding=SHARDED, meta=ROW_ADAPT)
     run([str(BIN / "gmeta-ds"), "train", "--config", str(path)])
     return summary(path)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_sharded_tables_two_ranks_equal_one_process(tmp_path, single_process_sharded, stage):
-    """Row-wise/table-wise/replicated tables outside DeepSpeed + ZeRO for the dense part."""
-    path = tiny_config(tmp_path, embedding=SHARDED,
+    """Row-wise/table-wise/replicated tables outside DeepSpeed + ZeRO for the dense part,
+    with item rows adapted in the inner loop."""
+    path = tiny_config(tmp_path, embedding=SHARDED, meta=ROW_ADAPT,
                        deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"))
     run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path)))
     result = summary(path)

@@ -40,7 +40,8 @@ def test_validate_prints_resolved_plan(tmp_path, capsys):
     (["meta.bogus=1"], "meta.bogus: unknown key; valid keys here:"),
     (["deepspeed={zero_optimization: {stage: 3}}"], "supported stages: 0, 1, 2"),
     (["meta.tasks_per_meta_step=6"], "must be a multiple of meta.tasks_per_micro_batch (4)"),
-    (["meta.adapt=[embedding.*]"], "matches embedding tables"),
+    (["meta.adapt=[decoder.*]"], "matches nothing; candidates are: mlp.0.weight"),
+    (["embedding.sharding=sharded", "embedding.tables.nope.plan=row_wise"], "unknown table(s) ['nope']"),
 ])
 def test_bad_input_exits_2_with_the_documented_message(tmp_path, capsys, overrides, message):
     args = ["validate", "--config", write(tmp_path, TINY)]

@@ -8,6 +8,8 @@ import torch
 from helpers import tiny_batch, tiny_melu
 
 from gmeta_ds.algorithms import ALGORITHMS, FOMAML, MAML, MetaLearner, MetaSGD, Reptile
+from gmeta_ds.algorithms.base import embed_batch
+from gmeta_ds.functional.rows import compose_rows, select_task
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import masked_bce
 
@@ -147,11 +149,64 @@ def test_padding_does_not_change_the_result():
         torch.testing.assert_close(g[n], gw[n], msg=n)
 
 
-def test_adapt_patterns_that_match_tables_or_nothing_are_rejected():
-    with pytest.raises(ConfigError, match="matches embedding tables"):
-        make_learner(MAML, adapt=("*",))
-    with pytest.raises(ConfigError, match=r"matches no parameter; parameters are: .*mlp\.0\.weight"):
+def test_adapt_patterns_that_match_nothing_list_the_candidates():
+    with pytest.raises(ConfigError, match=r"matches nothing; candidates are: mlp\.0\.weight, .*"
+                                          r"embedding\.item_id"):
         make_learner(MAML, adapt=("decoder.*",))
+    # whole tables are not candidates: a pattern naming them matches nothing
+    with pytest.raises(ConfigError, match="matches nothing"):
+        make_learner(MAML, adapt=("embedding.weights.*",))
+
+
+ROWS = ("mlp.*", "embedding.item_id", "embedding.age")
+
+
+def test_row_adaptation_meta_gradient_matches_finite_differences():
+    learner = make_learner(MAML, adapt=ROWS)
+    assert learner.adapted_fields == {0: "age", 1: "item_id"}
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    table = learner.get_parameter("net.embedding.weights.item_id")
+    used = int(batch.support_ids[0, 0, 1])
+    for idx in [(used, 0), (used, 2)]:
+        eps = 1e-6
+        with torch.no_grad():
+            table[idx] += eps
+        up = outer_value(learner, batch)
+        with torch.no_grad():
+            table[idx] -= 2 * eps
+        down = outer_value(learner, batch)
+        with torch.no_grad():
+            table[idx] += eps
+        fd = (up - down) / (2 * eps)
+        assert grads["net.embedding.weights.item_id"][idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_row_adaptation_vmap_equals_loop(name):
+    batch = as_double(tiny_batch(tasks=4))
+    gv, ov = meta_grads(make_learner(ALGORITHMS[name], adapt=ROWS, vectorize=True), batch)
+    gl, ol = meta_grads(make_learner(ALGORITHMS[name], adapt=ROWS, vectorize=False), batch)
+    torch.testing.assert_close(ov.task_query_loss, ol.task_query_loss, rtol=1e-10, atol=1e-12)
+    for n in gv:
+        torch.testing.assert_close(gv[n], gl[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_only_rows_seen_in_the_support_adapt():
+    """Adapting item rows only: a query row whose item is absent from the task's support keeps
+    its un-adapted value; one whose item is present changes."""
+    learner = make_learner(MAML, adapt=("embedding.item_id",), steps=1, lr=1.0)
+    batch = as_double(tiny_batch(tasks=1, support=3, query=2, ragged=False))
+    batch.support_ids[0, :, 1] = torch.tensor([2, 2, 5])
+    batch.query_ids[0, :, 1] = torch.tensor([5, 9])
+    rows_s, rows_q = embed_batch(learner.net.embed, batch)
+    theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
+    inner = learner.algorithm.inner_loop(learner)
+    fast, _ = inner.adapt_autograd(theta, {n: 1.0 for n in theta}, *(select_task(t, 0) for t in support))
+    adapted = compose_rows(fast, select_task(query[0], 0), learner.adapted_fields)
+    torch.testing.assert_close(adapted[1], rows_q[0, 1])          # item 9: untouched
+    assert not torch.allclose(adapted[0, 1], rows_q[0, 0, 1])     # item 5: adapted
+    torch.testing.assert_close(adapted[0, [0, 2]], rows_q[0, 0, [0, 2]])  # other fields untouched
 
 
 def test_partial_adaptation_only_moves_matched_parameters():

@@ -1,0 +1,339 @@
+"""Sharded embeddings: bytes moved per meta-step, per-rank memory, and trainer throughput.
+
+1. Bytes per meta-step at world 2 (real gloo ranks): one table of R x 32 (R = 1M, 20M), row-wise
+   modulo, Adagrad; per rank 32 tasks x (40 support + 10 query) ids, fixed lengths, Zipf(1.1)
+   over popularity ranks mapped through a seeded permutation of the row ids, different draws per
+   rank. Each variant runs forward, backward of ``sum(rows * fixed random weights)`` and
+   ``step()``; the bytes are every `CommStats` stage (forward and backward) sent to other ranks.
+   Variants: ``fused+dedup`` (support + query in one forward, as the trainer does), ``(a) no
+   dedup``, ``(b) separate`` (two forwards) and ``(c) replicated`` (the DMAML-like baseline:
+   ring all-reduce of the dense table gradient, 2(W-1)/W x R x 32 x 4 bytes per rank, computed
+   analytically). Wall time per variant is the median of a few repetitions (indicative only).
+2. Peak RSS per rank (ru_maxrss) for the 20M x 32 Adagrad table at world 1 vs world 2, after
+   building the collection and one step, next to a rank that imported torch and built nothing.
+3. Meta-step throughput of the real trainer (deepspeed launcher, 2 CPU ranks), replicated vs
+   sharded row-wise: median ``tasks_per_s`` of ``metrics.jsonl`` without the first record.
+
+Ranks are this script re-launched with RANK/WORLD_SIZE/MASTER_*; configurations run one after
+another. Results go to ``benchmarks/results/embedding_comm.json``.
+
+Run from the repo root:  python benchmarks/embedding_comm.py [--rows 1000000 20000000]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import gmeta_ds  # noqa: F401
+except ImportError:  # not installed: run from a checkout
+    sys.path.insert(0, str(ROOT))
+from gmeta_ds.embedding.plan import plan_tables  # noqa: E402
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection  # noqa: E402
+from gmeta_ds.embedding.tables import Jagged, TableConfig  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "embedding_comm.json"
+DIM, TASKS, SUPPORT, QUERY, ZIPF, WORLD = 32, 32, 40, 10, 1.1, 2
+VARIANTS = ("fused+dedup", "(a) no dedup", "(b) separate")
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------ ids and tables
+def make_ids(rows: int, world: int, seed: int = 0) -> dict:
+    """rank -> {support: (T*S,), query: (T*Q,)} Zipf ids; popularity rank k -> perm[k - 1]."""
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    out = {}
+    for rank in range(world):
+        rng, n = np.random.default_rng([seed, rank]), TASKS * (SUPPORT + QUERY)
+        ranks = np.empty(0, dtype=np.int64)
+        while len(ranks) < n:  # truncated Zipf by rejection: exact on 1..rows
+            draw = rng.zipf(ZIPF, 2 * n)
+            ranks = np.concatenate([ranks, draw[draw <= rows]])
+        ids = perm[torch.from_numpy(ranks[:n] - 1)]
+        out[rank] = {"support": ids[: TASKS * SUPPORT], "query": ids[TASKS * SUPPORT:]}
+    return out
+
+
+def id_counts(ids: dict, world: int) -> dict:
+    """Per rank: ids / unique ids owned by another rank, for support, query and both."""
+    def remote(t, r):
+        return t[t % world != r]
+    out = {}
+    for r, d in ids.items():
+        both = torch.cat([d["support"], d["query"]])
+        out[r] = {"remote_ids": len(remote(both, r)),
+                  **{f"remote_unique_{k}": len(torch.unique(remote(v, r)))
+                     for k, v in (("support", d["support"]), ("query", d["query"]), ("both", both))}}
+    return out
+
+
+def table(rows: int) -> TableConfig:
+    return TableConfig("items", rows, DIM, ("support", "query"), pooling="none", optimizer="adagrad")
+
+
+def build(rows: int, world: int, rank: int, dedup: bool = True) -> ShardedEmbeddingCollection:
+    plan = plan_tables([table(rows)], world, {"items": "row_wise"}, row_owner="modulo")
+    return ShardedEmbeddingCollection(plan, rank, seed=0, dedup=dedup)
+
+
+# ------------------------------------------------------------------ rank workers
+def one_step(coll, ids: dict, weights: dict, separate: bool) -> None:
+    """Forward (fused or one call per feature), backward of sum(rows * weights), step()."""
+    feats = {k: Jagged.single(v) for k, v in ids.items()}
+    calls = [{k: feats[k]} for k in feats] if separate else [feats]
+    out = {k: v for call in calls for k, v in coll(call).items()}
+    sum((out[k] * weights[k]).sum() for k in out).backward()
+    coll.step()
+
+
+def time_variant(coll, ids, weights, separate: bool, reps: int) -> dict:
+    coll.stats.reset()
+    one_step(coll, ids, weights, separate)  # warm-up; its bytes are the ones reported
+    stages = coll.stats.as_dict()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        one_step(coll, ids, weights, separate)
+        times.append(time.perf_counter() - start)
+    sent = sum(s["bytes_sent"] for s in stages.values())
+    return {"bytes_sent": sent, "stages": stages, "median_ms": 1e3 * statistics.median(times)}
+
+
+def comm_worker(ids_path: str, rows: str, reps: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = torch.load(ids_path)[rank]
+    g = torch.Generator().manual_seed(1000 + rank)
+    weights = {k: torch.randn(len(v), DIM, generator=g) for k, v in ids.items()}
+    res = {}
+    for dedup, variants in ((True, VARIANTS[0::2]), (False, VARIANTS[1:2])):
+        coll = build(int(rows), world, rank, dedup)
+        for v in variants:
+            res[v] = time_variant(coll, ids, weights, v == "(b) separate", int(reps))
+        del coll
+        gc.collect()
+    return res
+
+
+def rss_worker(rows: str, ids_path: str) -> dict:
+    """ru_maxrss after building the collection and one step (rows 0: build nothing)."""
+    rank, world, rows = dist.get_rank(), dist.get_world_size(), int(rows)
+    res = {"baseline_only": rows == 0}
+    if rows:
+        coll = build(rows, world, rank)
+        state = coll.optimizers["items"].state[coll.shards["items"]]
+        res["adagrad_state_eager"] = "sum" in state  # allocated by the constructor?
+        res["adagrad_state_mib"] = state["sum"].numel() * 4 / 2**20 if "sum" in state else 0.0
+        res["shard_mib"] = coll.shards["items"].numel() * 4 / 2**20
+        res["maxrss_after_build_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        ids = torch.load(ids_path)[rank]
+        one_step(coll, ids, {k: torch.ones(len(v), DIM) for k, v in ids.items()}, False)
+    res["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+def worker_main(name: str, args: list[str]) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    res = {"comm": comm_worker, "rss": rss_worker}[name](*args)
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), **res}), flush=True)
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ launching
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(name: str, world: int, *args: str, timeout: float = 300.0) -> list[dict]:
+    """This script's worker ``name`` on ``world`` gloo ranks; each rank's RESULT dict."""
+    port, procs = str(free_port()), []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", name, *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline, outs = time.monotonic() + timeout, []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise RankFailure(f"{name} {args} on {world} ranks did not finish in {timeout:.0f}s")
+    if any(p.returncode for p in procs):
+        detail = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-3000:]}"
+                           for r, (p, o) in enumerate(zip(procs, outs)))
+        raise RankFailure(f"{name} {args} failed on {world} ranks\n{detail}")
+    return [json.loads(line[7:]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
+
+
+def run_trainer(sharding: list[str], steps: int, timeout: float) -> dict:
+    """The real trainer through the deepspeed launcher; median tasks_per_s after the first record."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [str(ROOT / ".venv/bin/deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()),
+               str(ROOT / ".venv/bin/gmeta-ds"), "train", "--config", "examples/synthetic/config.yaml",
+               "--set", f"train.meta_steps={steps}", "--set", "train.log_every=10", "--set", "eval.enabled=false",
+               "--set", "train.progress=false", "--set", f"output_dir={out}"]
+        for s in sharding:
+            cmd += ["--set", s]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its own group: the launcher spawns the ranks
+        try:
+            log = proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RankFailure(f"trainer {sharding} did not finish in {timeout:.0f}s")
+        if proc.returncode:
+            raise RankFailure(f"trainer {sharding} exited {proc.returncode}\n{log[-3000:]}")
+        recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    per_step = lambda k: statistics.median(r[k] / 10 for r in recs[1:])  # noqa: E731
+    return {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in recs[1:]), "records": len(recs),
+            "dense_allreduce_bytes_per_step": per_step("dense_allreduce_bytes"),
+            "embedding_comm_bytes_per_step": per_step("embedding_comm_bytes")}
+
+
+# ------------------------------------------------------------------ the three parts
+def part_bytes(rows_list, reps, tmp) -> list[dict]:
+    print(f"\n1. bytes sent to other ranks per meta-step, world {WORLD}, per rank "
+          f"({TASKS} tasks x {SUPPORT}+{QUERY} ids, fixed lengths, Zipf {ZIPF}); time: median of {reps}, "
+          "INDICATIVE ONLY (2 shared cores)")
+    print(f"{'rows':>10} {'variant':<15} {'rank 0 B':>12} {'rank 1 B':>12} {'total B':>14} {'ms':>8}")
+    out = []
+    for rows in rows_list:
+        ids = make_ids(rows, WORLD)
+        path = os.path.join(tmp, f"ids_{rows}.pt")
+        torch.save(ids, path)
+        ranks = sorted(run_ranks("comm", WORLD, path, str(rows), str(reps)), key=lambda r: r["rank"])
+        ring = int(2 * (WORLD - 1) / WORLD * rows * DIM * 4)
+        res = {v: {"bytes_per_rank": [r[v]["bytes_sent"] for r in ranks],
+                   "median_ms_max_over_ranks": max(r[v]["median_ms"] for r in ranks),
+                   "stages_per_rank": [r[v]["stages"] for r in ranks]} for v in VARIANTS}
+        res["(c) replicated"] = {"bytes_per_rank": [ring] * WORLD, "median_ms_max_over_ranks": None,
+                                 "analytic": "ring all-reduce 2(W-1)/W x R x 32 x 4 B, not run"}
+        for v, r in res.items():
+            ms = f"{r['median_ms_max_over_ranks']:8.1f}" if r["median_ms_max_over_ranks"] else "analytic"
+            print(f"{rows:>10} {v:<15} {r['bytes_per_rank'][0]:>12,} {r['bytes_per_rank'][1]:>12,} "
+                  f"{sum(r['bytes_per_rank']):>14,} {ms:>8}")
+        tot = {v: sum(r["bytes_per_rank"]) for v, r in res.items()}
+        ratios = {"fused+dedup / (b)": tot["fused+dedup"] / tot["(b) separate"],
+                  "fused+dedup / (a)": tot["fused+dedup"] / tot["(a) no dedup"],
+                  "(c) / fused+dedup": tot["(c) replicated"] / tot["fused+dedup"]}
+        print(" " * 11 + "ratios: " + ", ".join(f"{k} = {x:.3g}" for k, x in ratios.items()))
+        out.append({"rows": rows, "variants": res, "ratios": ratios, "id_counts": id_counts(ids, WORLD)})
+    return out
+
+
+def part_rss(rows: int, tmp) -> list[dict]:
+    path = os.path.join(tmp, f"ids_{rows}.pt")
+    if not os.path.exists(path):
+        torch.save(make_ids(rows, WORLD), path)
+    print(f"\n2. peak RSS per rank (ru_maxrss, MiB), {rows:,} x {DIM} table + Adagrad, after build + one step")
+    print(f"{'world':>5} {'rank':>4} {'baseline':>9} {'peak':>9} {'peak-base':>10} {'shard+state':>12} {'plan':>9}")
+    out = []
+    for world in (1, WORLD):
+        base = {r["rank"]: r["maxrss_mib"] for r in run_ranks("rss", world, "0", path)}
+        plan = plan_tables([table(rows)], world, {"items": "row_wise"}).bytes_per_rank()
+        for r in sorted(run_ranks("rss", world, str(rows), path), key=lambda r: r["rank"]):
+            r.update(world=world, baseline_mib=base[r["rank"]], plan_mib=plan[r["rank"]] / 2**20,
+                     table_share_mib=r["maxrss_mib"] - base[r["rank"]])
+            print(f"{world:>5} {r['rank']:>4} {r['baseline_mib']:>9.0f} {r['maxrss_mib']:>9.0f} "
+                  f"{r['table_share_mib']:>10.0f} {r['shard_mib'] + r['adagrad_state_mib']:>12.0f} "
+                  f"{r['plan_mib']:>9.0f}")
+            out.append(r)
+    w1 = [r["table_share_mib"] for r in out if r["world"] == 1][0]
+    w2 = max(r["table_share_mib"] for r in out if r["world"] == WORLD)
+    print(f"      (peak - baseline) at world {WORLD} / world 1 = {w2 / w1:.3f}  (aim ~0.5); Adagrad state "
+          f"allocated in the constructor: {all(r['adagrad_state_eager'] for r in out)}")
+    return out
+
+
+def part_trainer(steps: int, timeout: float) -> dict:
+    print(f"\n3. real trainer, world {WORLD}, {steps} meta-steps, median tasks_per_s (first record skipped)")
+    res = {"replicated": run_trainer(["embedding.sharding=replicated"], steps, timeout),
+           "sharded": run_trainer(["embedding.sharding=sharded", "embedding.plan=row_wise"], steps, timeout)}
+    res["sharded / replicated"] = res["sharded"]["tasks_per_s"] / res["replicated"]["tasks_per_s"]
+    print(f"{'sharding':<12} {'tasks/s':>9} {'dense B/step':>13} {'emb B/step':>11}")
+    for k in ("replicated", "sharded"):
+        r = res[k]
+        print(f"{k:<12} {r['tasks_per_s']:>9.0f} {r['dense_allreduce_bytes_per_step']:>13,.0f} "
+              f"{r['embedding_comm_bytes_per_step']:>11,.0f}")
+    print(f"sharded / replicated tasks_per_s = {res['sharded / replicated']:.3f}")
+    return res
+
+
+def write_json(data: dict) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, RESULTS)
+
+
+def machine() -> dict:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "ram_gib": round(mem / 2**30, 1),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads_per_rank": 1}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 20_000_000])
+    ap.add_argument("--rss-rows", type=int, default=20_000_000)
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    ap.add_argument("--meta-steps", type=int, default=150)
+    ap.add_argument("--trainer-timeout", type=float, default=300.0)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    start, args = time.perf_counter(), parse_args(argv)
+    params = {**vars(args), "world": WORLD, "dim": DIM, "tasks": TASKS, "support": SUPPORT,
+              "query": QUERY, "lengths": "fixed", "zipf_exponent": ZIPF, "plan": "row_wise modulo",
+              "optimizer": "adagrad", "replicated_bytes": "analytic ring all-reduce"}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {"bytes": part_bytes(args.rows, args.reps, tmp), "rss": part_rss(args.rss_rows, tmp)}
+        results["trainer"] = part_trainer(args.meta_steps, args.trainer_timeout)
+    except RankFailure as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    results["runtime_s"] = time.perf_counter() - start
+    write_json({"machine": machine(), "parameters": params, "results": results})
+    print(f"\ntotal {results['runtime_s']:.0f}s; wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2], sys.argv[3:]))
+    sys.exit(main())
