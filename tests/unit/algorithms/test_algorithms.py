@@ -34,6 +34,18 @@ def outer_value(learner, batch):
     return learner(batch).query_loss.item()
 
 
+def finite_difference(learner, batch, param, idx, eps=1e-6) -> float:
+    """Central difference of the MAML objective in one element of ``param``."""
+    values = []
+    for step in (eps, -2 * eps):
+        with torch.no_grad():
+            param[idx] += step
+        values.append(outer_value(learner, batch))
+    with torch.no_grad():
+        param[idx] += eps
+    return (values[0] - values[1]) / (2 * eps)
+
+
 def as_double(batch):
     for name in ("support_y", "support_mask", "query_y", "query_mask"):
         setattr(batch, name, getattr(batch, name).double())
@@ -51,16 +63,7 @@ def test_second_order_meta_gradient_matches_finite_differences(cls):
                  *(["inner_lrs.mlp__0__weight"] if cls is MetaSGD else [])]:
         p = params[name]
         for idx in [(0,) * p.dim(), tuple(s - 1 for s in p.shape)]:
-            eps = 1e-6
-            with torch.no_grad():
-                p[idx] += eps
-            up = outer_value(learner, batch)
-            with torch.no_grad():
-                p[idx] -= 2 * eps
-            down = outer_value(learner, batch)
-            with torch.no_grad():
-                p[idx] += eps
-            fd = (up - down) / (2 * eps)
+            fd = finite_difference(learner, batch, p, idx)
             assert grads[name][idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-8), name
             checked += 1
     assert checked >= 6
@@ -169,16 +172,7 @@ def test_row_adaptation_meta_gradient_matches_finite_differences():
     table = learner.get_parameter("net.embedding.weights.item_id")
     used = int(batch.support_ids[0, 0, 1])
     for idx in [(used, 0), (used, 2)]:
-        eps = 1e-6
-        with torch.no_grad():
-            table[idx] += eps
-        up = outer_value(learner, batch)
-        with torch.no_grad():
-            table[idx] -= 2 * eps
-        down = outer_value(learner, batch)
-        with torch.no_grad():
-            table[idx] += eps
-        fd = (up - down) / (2 * eps)
+        fd = finite_difference(learner, batch, table, idx)
         assert grads["net.embedding.weights.item_id"][idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
 
 
