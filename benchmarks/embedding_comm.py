@@ -1,56 +1,52 @@
 """Sharded embeddings: bytes moved per meta-step, per-rank memory, and trainer throughput.
 
-1. Bytes per meta-step at world 2 (real gloo ranks): one table of R x 32 (R = 1M, 20M), row-wise
-   modulo, Adagrad; per rank 32 tasks x (40 support + 10 query) ids, fixed lengths, Zipf(1.1)
-   over popularity ranks mapped through a seeded permutation of the row ids, different draws per
-   rank. Each variant runs forward, backward of ``sum(rows * fixed random weights)`` and
-   ``step()``; the bytes are every `CommStats` stage (forward and backward) sent to other ranks.
-   Variants: ``fused+dedup`` (support + query in one forward, as the trainer does), ``(a) no
-   dedup``, ``(b) separate`` (two forwards) and ``(c) replicated`` (the DMAML-like baseline:
-   ring all-reduce of the dense table gradient, 2(W-1)/W x R x 32 x 4 bytes per rank, computed
-   analytically). Wall time per variant is the median of a few repetitions (indicative only).
-2. Peak RSS per rank (ru_maxrss) for the 20M x 32 Adagrad table at world 1 vs world 2, after
-   building the collection and one step, next to a rank that imported torch and built nothing.
-3. Meta-step throughput of the real trainer (deepspeed launcher, 2 CPU ranks), replicated vs
-   sharded row-wise: median ``tasks_per_s`` of ``metrics.jsonl`` without the first record.
+1. Bytes per meta-step at world 2 (real gloo ranks): one R x 32 table (R = 1M, 20M), row-wise
+   modulo, Adagrad; per rank 32 tasks x (40 support + 10 query) ids (fixed lengths), Zipf(1.1)
+   over popularity ranks mapped through a seeded permutation of the row ids, drawn per rank.
+   Each variant: forward, backward of ``sum(rows * fixed random weights)``, ``step()``; bytes =
+   all `CommStats` stages sent to other ranks. ``fused+dedup`` (support + query in one forward,
+   as the trainer), ``(a) no dedup``, ``(b) separate`` (two forwards), ``(c) replicated``
+   (DMAML-like: ring all-reduce of the dense gradient, 2(W-1)/W x R x 32 x 4 B/rank, analytic).
+   Wall time per variant: median of --reps repetitions, indicative only (2 shared cores).
+2. Peak RSS per rank for the 20M x 32 Adagrad table at world 1 vs 2 after build + one step, next
+   to a rank that built nothing. ru_maxrss survives exec on Linux (a child starts at its
+   launcher's peak), so VmHWM (the process's own peak) is reported too and used for the share.
+3. Real trainer (deepspeed launcher, 2 CPU ranks), replicated vs sharded row-wise: median
+   ``tasks_per_s`` of ``metrics.jsonl`` after the first record.
 
-Ranks are this script re-launched with RANK/WORLD_SIZE/MASTER_*; configurations run one after
-another. Results go to ``benchmarks/results/embedding_comm.json``.
-
-Run from the repo root:  python benchmarks/embedding_comm.py [--rows 1000000 20000000]
+Run from the repo root:  python benchmarks/embedding_comm.py   (-> benchmarks/results/embedding_comm.json)
 """
 from __future__ import annotations
 
+import argparse
+import gc
+import json
 import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
     import gmeta_ds  # noqa: F401
 except ImportError:  # not installed: run from a checkout
     sys.path.insert(0, str(ROOT))
-from gmeta_ds.embedding.plan import plan_tables  # noqa: E402
-from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection  # noqa: E402
-from gmeta_ds.embedding.tables import Jagged, TableConfig  # noqa: E402
+from gmeta_ds.embedding.plan import plan_tables
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.embedding.tables import Jagged, TableConfig
 
 RESULTS = ROOT / "benchmarks" / "results" / "embedding_comm.json"
 DIM, TASKS, SUPPORT, QUERY, ZIPF, WORLD = 32, 32, 40, 10, 1.1, 2
@@ -58,7 +54,7 @@ VARIANTS = ("fused+dedup", "(a) no dedup", "(b) separate")
 
 
 class RankFailure(RuntimeError):
-    pass
+    """A rank or the trainer failed or timed out."""
 
 
 # ------------------------------------------------------------------ ids and tables
@@ -79,23 +75,19 @@ def make_ids(rows: int, world: int, seed: int = 0) -> dict:
 
 def id_counts(ids: dict, world: int) -> dict:
     """Per rank: ids / unique ids owned by another rank, for support, query and both."""
-    def remote(t, r):
-        return t[t % world != r]
     out = {}
     for r, d in ids.items():
-        both = torch.cat([d["support"], d["query"]])
-        out[r] = {"remote_ids": len(remote(both, r)),
-                  **{f"remote_unique_{k}": len(torch.unique(remote(v, r)))
-                     for k, v in (("support", d["support"]), ("query", d["query"]), ("both", both))}}
+        parts = {**d, "both": torch.cat([d["support"], d["query"]])}
+        parts = {k: v[v % world != r] for k, v in parts.items()}
+        out[r] = {"remote_ids": len(parts["both"]), **{f"remote_unique_{k}": len(torch.unique(v))
+                                                      for k, v in parts.items()}}
     return out
 
 
-def table(rows: int) -> TableConfig:
-    return TableConfig("items", rows, DIM, ("support", "query"), pooling="none", optimizer="adagrad")
-
-
 def build(rows: int, world: int, rank: int, dedup: bool = True) -> ShardedEmbeddingCollection:
-    plan = plan_tables([table(rows)], world, {"items": "row_wise"}, row_owner="modulo")
+    """One R x 32 table (features support, query), row-wise modulo, Adagrad."""
+    table = TableConfig("items", rows, DIM, ("support", "query"), pooling="none", optimizer="adagrad")
+    plan = plan_tables([table], world, {"items": "row_wise"}, row_owner="modulo")
     return ShardedEmbeddingCollection(plan, rank, seed=0, dedup=dedup)
 
 
@@ -138,21 +130,26 @@ def comm_worker(ids_path: str, rows: str, reps: str) -> dict:
     return res
 
 
+def peaks() -> dict:
+    """ru_maxrss and VmHWM (this process's own peak RSS), MiB."""
+    hwm = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM:"))
+    return {"ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "vmhwm_mib": int(hwm.split()[1]) / 1024}
+
+
 def rss_worker(rows: str, ids_path: str) -> dict:
-    """ru_maxrss after building the collection and one step (rows 0: build nothing)."""
+    """Peak RSS after building the collection and one step (rows 0: build nothing)."""
     rank, world, rows = dist.get_rank(), dist.get_world_size(), int(rows)
-    res = {"baseline_only": rows == 0}
-    if rows:
-        coll = build(rows, world, rank)
-        state = coll.optimizers["items"].state[coll.shards["items"]]
-        res["adagrad_state_eager"] = "sum" in state  # allocated by the constructor?
-        res["adagrad_state_mib"] = state["sum"].numel() * 4 / 2**20 if "sum" in state else 0.0
-        res["shard_mib"] = coll.shards["items"].numel() * 4 / 2**20
-        res["maxrss_after_build_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        ids = torch.load(ids_path)[rank]
-        one_step(coll, ids, {k: torch.ones(len(v), DIM) for k, v in ids.items()}, False)
-    res["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return res
+    if not rows:
+        return peaks()
+    coll = build(rows, world, rank)
+    state = coll.optimizers["items"].state[coll.shards["items"]]
+    res = {"adagrad_state_eager": "sum" in state,  # allocated by the constructor?
+           "adagrad_state_mib": state["sum"].numel() * 4 / 2**20 if "sum" in state else 0.0,
+           "shard_mib": coll.shards["items"].numel() * 4 / 2**20, "after_build": peaks()}
+    ids = torch.load(ids_path)[rank]
+    one_step(coll, ids, {k: torch.ones(len(v), DIM) for k, v in ids.items()}, False)
+    return {**res, **peaks()}
 
 
 def worker_main(name: str, args: list[str]) -> int:
@@ -203,8 +200,7 @@ def run_trainer(sharding: list[str], steps: int, timeout: float) -> dict:
                str(ROOT / ".venv/bin/gmeta-ds"), "train", "--config", "examples/synthetic/config.yaml",
                "--set", f"train.meta_steps={steps}", "--set", "train.log_every=10", "--set", "eval.enabled=false",
                "--set", "train.progress=false", "--set", f"output_dir={out}"]
-        for s in sharding:
-            cmd += ["--set", s]
+        cmd += [a for s in sharding for a in ("--set", s)]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its own group: the launcher spawns the ranks
         try:
@@ -216,7 +212,7 @@ def run_trainer(sharding: list[str], steps: int, timeout: float) -> dict:
         if proc.returncode:
             raise RankFailure(f"trainer {sharding} exited {proc.returncode}\n{log[-3000:]}")
         recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    per_step = lambda k: statistics.median(r[k] / 10 for r in recs[1:])  # noqa: E731
+    per_step = lambda k: statistics.median(r[k] / 10 for r in recs[1:])
     return {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in recs[1:]), "records": len(recs),
             "dense_allreduce_bytes_per_step": per_step("dense_allreduce_bytes"),
             "embedding_comm_bytes_per_step": per_step("embedding_comm_bytes")}
@@ -257,34 +253,36 @@ def part_rss(rows: int, tmp) -> list[dict]:
     path = os.path.join(tmp, f"ids_{rows}.pt")
     if not os.path.exists(path):
         torch.save(make_ids(rows, WORLD), path)
-    print(f"\n2. peak RSS per rank (ru_maxrss, MiB), {rows:,} x {DIM} table + Adagrad, after build + one step")
-    print(f"{'world':>5} {'rank':>4} {'baseline':>9} {'peak':>9} {'peak-base':>10} {'shard+state':>12} {'plan':>9}")
+    print(f"\n2. peak RSS per rank (MiB), {rows:,} x {DIM} table + Adagrad, after build + one step; "
+          "base = a rank that imported torch, joined gloo, built nothing; share = VmHWM - base VmHWM")
+    print(f"{'world':>5} {'rank':>4} {'base maxrss':>11} {'base HWM':>9} {'ru_maxrss':>9} {'VmHWM':>7} "
+          f"{'share':>7} {'shard+state':>11}")
     out = []
     for world in (1, WORLD):
-        base = {r["rank"]: r["maxrss_mib"] for r in run_ranks("rss", world, "0", path)}
-        plan = plan_tables([table(rows)], world, {"items": "row_wise"}).bytes_per_rank()
+        base = {r["rank"]: r for r in run_ranks("rss", world, "0", path)}
         for r in sorted(run_ranks("rss", world, str(rows), path), key=lambda r: r["rank"]):
-            r.update(world=world, baseline_mib=base[r["rank"]], plan_mib=plan[r["rank"]] / 2**20,
-                     table_share_mib=r["maxrss_mib"] - base[r["rank"]])
-            print(f"{world:>5} {r['rank']:>4} {r['baseline_mib']:>9.0f} {r['maxrss_mib']:>9.0f} "
-                  f"{r['table_share_mib']:>10.0f} {r['shard_mib'] + r['adagrad_state_mib']:>12.0f} "
-                  f"{r['plan_mib']:>9.0f}")
+            b = base[r["rank"]]
+            r.update(world=world, baseline=b, table_share_mib=r["vmhwm_mib"] - b["vmhwm_mib"])
+            print(f"{world:>5} {r['rank']:>4} {b['ru_maxrss_mib']:>11.0f} {b['vmhwm_mib']:>9.0f} "
+                  f"{r['ru_maxrss_mib']:>9.0f} {r['vmhwm_mib']:>7.0f} {r['table_share_mib']:>7.0f} "
+                  f"{r['shard_mib'] + r['adagrad_state_mib']:>11.0f}")
             out.append(r)
-    w1 = [r["table_share_mib"] for r in out if r["world"] == 1][0]
+    w1 = next(r["table_share_mib"] for r in out if r["world"] == 1)
     w2 = max(r["table_share_mib"] for r in out if r["world"] == WORLD)
-    print(f"      (peak - baseline) at world {WORLD} / world 1 = {w2 / w1:.3f}  (aim ~0.5); Adagrad state "
-          f"allocated in the constructor: {all(r['adagrad_state_eager'] for r in out)}")
+    print(f"      share at world {WORLD} / world 1 = {w2 / w1:.3f} (aim ~0.5); Adagrad state allocated "
+          f"in the constructor: {all(r['adagrad_state_eager'] for r in out)}")
     return out
 
 
 def part_trainer(steps: int, timeout: float) -> dict:
     print(f"\n3. real trainer, world {WORLD}, {steps} meta-steps, median tasks_per_s (first record skipped)")
-    res = {"replicated": run_trainer(["embedding.sharding=replicated"], steps, timeout),
-           "sharded": run_trainer(["embedding.sharding=sharded", "embedding.plan=row_wise"], steps, timeout)}
+    # embedding.tables={}: drop the example's per-table plans (not allowed with replicated; all row-wise)
+    res = {"replicated": run_trainer(["embedding.sharding=replicated", "embedding.tables={}"], steps, timeout),
+           "sharded": run_trainer(["embedding.sharding=sharded", "embedding.plan=row_wise", "embedding.tables={}"],
+                                  steps, timeout)}
     res["sharded / replicated"] = res["sharded"]["tasks_per_s"] / res["replicated"]["tasks_per_s"]
     print(f"{'sharding':<12} {'tasks/s':>9} {'dense B/step':>13} {'emb B/step':>11}")
-    for k in ("replicated", "sharded"):
-        r = res[k]
+    for k, r in (("replicated", res["replicated"]), ("sharded", res["sharded"])):
         print(f"{k:<12} {r['tasks_per_s']:>9.0f} {r['dense_allreduce_bytes_per_step']:>13,.0f} "
               f"{r['embedding_comm_bytes_per_step']:>11,.0f}")
     print(f"sharded / replicated tasks_per_s = {res['sharded / replicated']:.3f}")
@@ -309,7 +307,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 20_000_000])
     ap.add_argument("--rss-rows", type=int, default=20_000_000)
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per variant")
+    ap.add_argument("--reps", type=int, default=9, help="timed repetitions per variant")
     ap.add_argument("--meta-steps", type=int, default=150)
     ap.add_argument("--trainer-timeout", type=float, default=300.0)
     return ap.parse_args(argv)

@@ -59,6 +59,20 @@ def init_rows(table: TableConfig, seed: int, ids: Tensor) -> Tensor:
     out = torch.empty(len(ids), table.dim)
     if len(ids) == 0:
         return out
+    # Sort once and walk the blocks in order: linear in len(ids) + rows generated.
+    order = torch.argsort(ids)
+    sorted_ids = ids[order]
+    blocks, counts = torch.unique_consecutive(sorted_ids // INIT_BLOCK_ROWS, return_counts=True)
+    cursor = 0
+    for block, count in zip(blocks.tolist(), counts.tolist()):
+        g = torch.Generator().manual_seed(_block_seed(seed, table.name, block))
+        start = block * INIT_BLOCK_ROWS
+        size = min(INIT_BLOCK_ROWS, table.num_rows - start)
+        rows = torch.randn(size, table.dim, generator=g) * table.init_std
+        picked = slice(cursor, cursor + count)
+        out[order[picked]] = rows[sorted_ids[picked] - start]
+        cursor += count
+    return out
     blocks = ids // INIT_BLOCK_ROWS
     for block in torch.unique(blocks).tolist():
         g = torch.Generator().manual_seed(_block_seed(seed, table.name, block))
