@@ -28,6 +28,7 @@ test-all: install
 
 bench: install
 	$(PY) benchmarks/inner_loop.py
+	$(PY) benchmarks/embedding_comm.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
