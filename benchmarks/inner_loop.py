@@ -64,7 +64,7 @@ def bce(logits, y, mask):
 def embed(net, b):
     """One lookup for support + query ids -> rows (T, S, F*d), (T, Q, F*d)."""
     t, s, f = b.support_ids.shape
-    rows = net.embed(torch.cat([b.support_ids.reshape(-1, f), b.query_ids.reshape(-1, f)]))
+    rows = net.embed(torch.cat([b.support_ids.reshape(-1, f), b.query_ids.reshape(-1, f)]), {})
     rows = rows.flatten(start_dim=-2)
     return rows[: t * s].reshape(t, s, -1), rows[t * s:].reshape(t, b.query_ids.shape[1], -1)
 

@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
-from gmeta_ds.errors import ConfigError  # noqa: E402
+from gmeta_ds.errors import ConfigError, DataError  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return _cmd_eval(cfg, args.weights)
         return _cmd_train(cfg)
-    except ConfigError as exc:
+    except (ConfigError, DataError) as exc:
         print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)
         return 2
 

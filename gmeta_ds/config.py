@@ -22,7 +22,9 @@ PLANS = ("auto", "row_wise", "table_wise", "replicated")
 ROW_OWNERS = ("modulo", "block")
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 BAD_ID_POLICIES = ("error", "hash")
-DATA_SOURCES = ("synthetic",)
+DATA_SOURCES = ("synthetic", "movielens-100k", "movielens-1m", "recbole", "table")
+SPLITS = ("random", "time")
+LABEL_KINDS = ("binary",)
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 AUTO = "auto"
 
@@ -102,11 +104,40 @@ class SyntheticConfig:
 
 
 @dataclass
+class SchemaConfig:
+    """Column roles of a generic CSV/Parquet log (``data.source: table``)."""
+
+    task_key: str = "user_id"
+    item_key: str = "item_id"
+    label: str = "rating"
+    timestamp: Union[str, None] = None
+    user_features: list[str] = field(default_factory=list)
+    item_features: list[str] = field(default_factory=list)
+    # multi-hot column -> separator inside a cell, e.g. {genres: "|"}
+    multi_hot: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class DataConfig:
-    """Where tasks come from."""
+    """Where tasks come from: ``synthetic`` (generated), or an interaction log on disk
+    (``movielens-100k``, ``movielens-1m``, ``recbole``, ``table``) at ``path``."""
 
     source: str = "synthetic"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    path: Union[str, None] = None
+    dataset_name: Union[str, None] = None     # recbole: <name>.inter, .user, .item
+    format: str = "auto"                      # table: auto | csv | parquet
+    sep: str = ","                            # table: CSV separator
+    schema: SchemaConfig = field(default_factory=SchemaConfig)
+    label: str = "binary"                     # binary: click = rating >= threshold
+    threshold: float = 4.0
+    query_size: int = 10
+    split: str = "random"                     # support/query: random (seeded) or time (query = latest)
+    min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
+    max_interactions: int = 100
+    min_count: int = 1                        # rarer categorical values share the OOV id 0
+    test_fraction: float = 0.2                # held-out (cold-start) users
+    cache_dir: str = "~/.cache/gmeta_ds"
 
 
 @dataclass
@@ -244,7 +275,10 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
     if any(h <= 0 for h in cfg.model.hidden):
         problems.append(f"model.hidden: {cfg.model.hidden!r} must be positive layer widths")
-    _validate_synthetic(cfg.data.synthetic, problems)
+    if cfg.data.source == "synthetic":
+        _validate_synthetic(cfg.data.synthetic, problems)
+    else:
+        _validate_log(cfg.data, problems)
 
 
 def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
@@ -265,18 +299,37 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
                         "with 'replicated' every table lives inside the DeepSpeed engine")
 
 
+def _validate_log(data: DataConfig, problems: list[str]) -> None:
+    if not data.path:
+        problems.append(f"data.path: required for data.source {data.source!r} (the folder or file "
+                        "holding the log)")
+    if data.source == "recbole" and not data.dataset_name:
+        problems.append("data.dataset_name: required for data.source 'recbole' (<name>.inter)")
+    _one_of(problems, "data.split", data.split, SPLITS)
+    _one_of(problems, "data.label", data.label, LABEL_KINDS)
+    _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
+    _positive(problems, "data.min_count", data.min_count)
+    _check_task_sizes(data, "data.", problems)
+
+
+def _check_task_sizes(section, p: str, problems: list[str]) -> None:
+    """Task-size keys shared by data and data.synthetic (``p`` is the dotted prefix)."""
+    for name in ("min_interactions", "query_size"):
+        _positive(problems, p + name, getattr(section, name))
+    if section.min_interactions <= section.query_size:
+        problems.append(f"{p}min_interactions: {section.min_interactions} must exceed "
+                        f"{p}query_size ({section.query_size}) so every task keeps a support set")
+    if section.max_interactions < section.min_interactions:
+        problems.append(f"{p}max_interactions: {section.max_interactions} must be >= "
+                        f"{p}min_interactions ({section.min_interactions})")
+    if not 0.0 < section.test_fraction < 1.0:
+        problems.append(f"{p}test_fraction: {section.test_fraction!r} must be in (0, 1)")
+
+
 def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
-    p = "data.synthetic."
-    for name in ("num_users", "num_items", "latent_dim", "min_interactions", "query_size"):
-        _positive(problems, p + name, getattr(syn, name))
-    if syn.min_interactions <= syn.query_size:
-        problems.append(f"{p}min_interactions: {syn.min_interactions} must exceed "
-                        f"{p}query_size ({syn.query_size}) so every task keeps a support set")
-    if syn.max_interactions < syn.min_interactions:
-        problems.append(f"{p}max_interactions: {syn.max_interactions} must be >= "
-                        f"{p}min_interactions ({syn.min_interactions})")
-    if not 0.0 < syn.test_fraction < 1.0:
-        problems.append(f"{p}test_fraction: {syn.test_fraction!r} must be in (0, 1)")
+    for name in ("num_users", "num_items", "latent_dim"):
+        _positive(problems, "data.synthetic." + name, getattr(syn, name))
+    _check_task_sizes(syn, "data.synthetic.", problems)
 
 
 # ---------------------------------------------------------------- public API

@@ -11,3 +11,8 @@ class ConfigError(ValueError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration{where} ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class DataError(ValueError):
+    """An interaction log on disk is missing, unreadable or malformed, or leaves no usable task;
+    the message names the file, the line or column, and what was expected."""

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch
-from gmeta_ds.data.tasks import TaskSet, collate
+from gmeta_ds.data.tasks import TaskSet, collate, take_rows
+from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import InnerLoop, LearningRates, masked_bce
 
 
@@ -72,7 +73,9 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
         order = torch.randperm(len(ids), generator=generator)
         for start in range(0, len(ids), batch_size):
             rows = order[start:start + batch_size]
-            loss = masked_bce(net(net.embed(ids[rows])), labels[rows], ones[: len(rows)])
+            multi = {name: Jagged(*(torch.from_numpy(a.astype(np.int64)) for a in take_rows(v, o, rows.numpy())))
+                     for name, (v, o) in tasks.multi.items()}
+            loss = masked_bce(net(net.embed(ids[rows], multi)), labels[rows], ones[: len(rows)])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -19,9 +19,10 @@ from tqdm import tqdm
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
+from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
-from gmeta_ds.data.tasks import collate
+from gmeta_ds.data.tasks import collate, single_fields
 from gmeta_ds.ds_config import BatchPlan
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
@@ -33,15 +34,21 @@ from gmeta_ds.models.melu import build_melu, melu_tables
 WEIGHTS_FILE = "model.safetensors"
 
 
-def build_data(cfg: RunConfig) -> SyntheticData:
-    """The run's tasks (deterministic by seed: every rank builds the same ones)."""
-    return generate_synthetic(cfg.data.synthetic, cfg.seed)
+def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
+    """The run's tasks (deterministic by seed: every rank builds the same ones): generated,
+    or built from an interaction log on disk (cached, data/builder.py)."""
+    if cfg.data.source == "synthetic":
+        return generate_synthetic(cfg.data.synthetic, cfg.seed)
+    return build_tasks(cfg.data, cfg.seed)
 
 
 def preflight(cfg: RunConfig, world_size: int) -> None:
     """Checks that need the model's shape but no data or process group (run on every rank
     before the first collective): the embedding plan and what ``meta.adapt`` matches."""
-    fields = synthetic_fields(cfg.data.synthetic)
+    if cfg.data.source == "synthetic":
+        fields = synthetic_fields(cfg.data.synthetic)
+    else:
+        fields = build_data(cfg).fields  # cached after the first build
     if cfg.embedding.sharding == "sharded":
         embedding_plan(cfg, fields, world_size)
     build_learner(cfg, fields, with_tables=False)
@@ -100,10 +107,11 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, data: Syntheti
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one)."""
     query, support = [], []
-    fields = [f.name for f in data.fields]
+    fields = [f.name for f in single_fields(data.fields)]
     for tasks in sampler.micro_batches(step):
         batch = collate(data.train, tasks)
-        rows = embed_batch(lambda ids: sharded.lookup_fields(ids, fields), batch) if sharded else None
+        rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
+                if sharded else None)
         out = engine(batch, rows)
         engine.backward(out.loss)
         engine.step()

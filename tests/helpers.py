@@ -31,3 +31,37 @@ def tiny_batch(tasks: int = 3, support: int = 6, query: int = 4, seed: int = 0,
 
     s, q = part(support), part(query)
     return TaskBatch(*s, *q, torch.arange(tasks))
+
+
+ML100K_GENRE_COUNT = 19
+
+
+def write_ml100k(folder, users: int = 60, items: int = 80, seed: int = 0, min_len: int = 15,
+                 max_len: int = 40) -> None:
+    """A small ml-100k-format folder (u.data, u.user, u.item; tab / '|' separated, latin-1)
+    with ratings from a latent-factor model, so there is something to learn."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    zu, zi = rng.normal(size=(users, 3)), rng.normal(size=(items, 3))
+    lines, t = [], 880_000_000
+    for u in range(users):
+        picked = rng.choice(items, size=int(rng.integers(min_len, max_len + 1)), replace=False)
+        for i in picked:
+            score = zu[u] @ zi[i] + rng.normal(scale=0.5)
+            rating = int(np.clip(np.round(3 + score), 1, 5))
+            t += int(rng.integers(1, 1000))
+            lines.append(f"{u + 1}\t{i + 1}\t{rating}\t{t}")
+    (folder / "u.data").write_text("\n".join(lines) + "\n", encoding="latin-1")
+    occupations = ["engineer", "student", "writer", "artist"]
+    (folder / "u.user").write_text("".join(
+        f"{u + 1}|{int(rng.integers(18, 60))}|{'MF'[u % 2]}|{occupations[u % 4]}|{10000 + 37 * u}\n"
+        for u in range(users)), encoding="latin-1")
+    item_lines = []
+    for i in range(items):
+        flags = (rng.random(ML100K_GENRE_COUNT) < 0.15).astype(int)
+        date = "" if i == 3 else f"01-Jan-{1990 + i % 9}"
+        title = "Café Society (1996)" if i == 0 else f"Movie {i + 1} ({1990 + i % 9})"
+        item_lines.append(f"{i + 1}|{title}|{date}||http://x|" + "|".join(map(str, flags)))
+    (folder / "u.item").write_text("\n".join(item_lines) + "\n", encoding="latin-1")

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gmeta_ds.data.tasks import TaskBatch
+from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
@@ -40,7 +41,7 @@ def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[
     (``embedding.weights.*``) are never candidates: they are looked up before the inner loop.
     """
     dense = [n for n, _ in net.named_parameters() if not n.startswith(ROW_PREFIX)]
-    fields = list(getattr(net, "field_names", []))
+    fields = list(getattr(net, "row_fields", []))
     matches = lambda n: any(fnmatch.fnmatchcase(n, p) for p in patterns)  # noqa: E731
     chosen = [n for n in dense if matches(n)]
     rows = {j: f for j, f in enumerate(fields) if matches(row_param_name(f))}
@@ -97,12 +98,19 @@ def _output(loss: Tensor, out: TaskOutputs) -> MetaOutput:
 
 
 def embed_batch(lookup, batch: TaskBatch) -> tuple[Tensor, Tensor]:
-    """One fused lookup of support and query ids with ``lookup`` (ids (N, F) -> (N, F, d)):
-    (T, S, F) + (T, Q, F) -> rows (T, S, F, d), (T, Q, F, d)."""
+    """One fused lookup of support and query ids with ``lookup(ids (N, F_single), multi) ->
+    (N, F, d)``: (T, S, ·) + (T, Q, ·) -> rows (T, S, F, d), (T, Q, F, d)."""
     t, s, f = batch.support_ids.shape
     ids = torch.cat([batch.support_ids.reshape(-1, f), batch.query_ids.reshape(-1, f)])
-    rows = lookup(ids)
-    return rows[: t * s].reshape(t, s, f, -1), rows[t * s:].reshape(t, -1, f, rows.shape[-1])
+    multi = {name: concat_jagged(bags, batch.query_multi[name]) for name, bags in batch.support_multi.items()}
+    rows = lookup(ids, multi)
+    width = rows.shape[1]
+    return rows[: t * s].reshape(t, s, width, -1), rows[t * s:].reshape(t, -1, width, rows.shape[-1])
+
+
+def concat_jagged(a: Jagged, b: Jagged) -> Jagged:
+    """The bags of ``a`` followed by those of ``b``."""
+    return Jagged(torch.cat([a.values, b.values]), torch.cat([a.offsets, b.offsets[1:] + a.offsets[-1]]))
 
 
 class MetaLearner(nn.Module):

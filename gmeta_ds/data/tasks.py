@@ -12,28 +12,47 @@ Example (2 tasks, F=2 fields)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from gmeta_ds.embedding.tables import Jagged
+
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item."""
+    """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item;
+    ``multi_hot`` fields hold a bag of ids per interaction (e.g. a movie's genres)."""
 
     name: str
     num_ids: int
     side: str
+    multi_hot: bool = False
+
+
+def single_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
+    return [f for f in fields if not f.multi_hot]
+
+
+def multi_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
+    return [f for f in fields if f.multi_hot]
+
+
+def model_field_order(fields: list[FieldSpec]) -> list[FieldSpec]:
+    """The order of fields in model inputs (..., F, d): single-hot, then multi-hot."""
+    return single_fields(fields) + multi_fields(fields)
 
 
 @dataclass
 class TaskSet:
     """Tasks stored back to back.
 
-    ids: int32 (N, F); labels: float32 (N,); offsets: int64 (U+1,);
+    ids: int32 (N, F_single) — one column per single-hot field, in `single_fields` order;
+    labels: float32 (N,); offsets: int64 (U+1,);
     support_len: int64 (U,) — the first ``support_len[t]`` rows of task t are its support;
-    task_keys: int64 (U,) — e.g. the user id of each task.
+    task_keys: int64 (U,) — e.g. the user id of each task;
+    multi: multi-hot field -> (values int32 (nnz,), row offsets int64 (N+1,)).
     """
 
     fields: list[FieldSpec]
@@ -42,10 +61,12 @@ class TaskSet:
     offsets: np.ndarray
     support_len: np.ndarray
     task_keys: np.ndarray
+    multi: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n_tasks = len(self.offsets) - 1
-        assert self.ids.ndim == 2 and self.ids.shape[1] == len(self.fields)
+        assert self.ids.ndim == 2 and self.ids.shape[1] == len(single_fields(self.fields))
+        assert set(self.multi) == {f.name for f in multi_fields(self.fields)}
         assert len(self.labels) == len(self.ids) == self.offsets[-1]
         assert len(self.support_len) == len(self.task_keys) == n_tasks
         lengths = np.diff(self.offsets)
@@ -69,16 +90,25 @@ class TaskSet:
         lengths = np.diff(self.offsets)[tasks]
         rows = np.concatenate([np.arange(self.offsets[t], self.offsets[t + 1]) for t in tasks])
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        multi = {name: take_rows(values, row_offsets, rows) for name, (values, row_offsets) in self.multi.items()}
         return TaskSet(self.fields, self.ids[rows], self.labels[rows], offsets,
-                       self.support_len[tasks].copy(), self.task_keys[tasks].copy())
+                       self.support_len[tasks].copy(), self.task_keys[tasks].copy(), multi)
+
+
+def take_rows(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bags of ``rows`` from a jagged (values, offsets): a new (values, offsets)."""
+    lengths = offsets[rows + 1] - offsets[rows]
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    picks = np.repeat(offsets[rows] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    return values[picks], new_offsets
 
 
 @dataclass
 class TaskBatch:
     """T tasks padded to the longest support (S) and query (Q) in the batch.
 
-    support_ids: int64 (T, S, F); support_y: float32 (T, S); support_mask: float32 (T, S)
-    query_ids: int64 (T, Q, F);   query_y: float32 (T, Q);   query_mask: float32 (T, Q)
+    support_ids: int64 (T, S, F_single); support_y: float32 (T, S); support_mask: float32 (T, S)
+    query_ids: int64 (T, Q, F_single);   query_y: float32 (T, Q);   query_mask: float32 (T, Q)
     task_ids: int64 (T,) — indices into the TaskSet, for error messages and logs.
     Masks are 1.0 on real rows and 0.0 on padding; padded ids are 0 (a valid row).
     """
@@ -90,6 +120,9 @@ class TaskBatch:
     query_y: torch.Tensor
     query_mask: torch.Tensor
     task_ids: torch.Tensor
+    # multi-hot field -> Jagged over the T*S (T*Q) padded rows, row-major; padding rows are empty bags
+    support_multi: dict = field(default_factory=dict)
+    query_multi: dict = field(default_factory=dict)
 
     @property
     def num_tasks(self) -> int:
@@ -110,10 +143,28 @@ def _pad(task_set: TaskSet, slices: list[slice]) -> tuple[torch.Tensor, ...]:
     return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask)
 
 
+def _pad_multi(task_set: TaskSet, slices: list[slice], width: int) -> dict:
+    """Multi-hot bags of the padded rows (len(slices) * width rows, row-major) as Jagged."""
+    out = {}
+    for name, (values, offsets) in task_set.multi.items():
+        rows = np.full(len(slices) * width, -1, dtype=np.int64)
+        for i, sl in enumerate(slices):
+            rows[i * width: i * width + sl.stop - sl.start] = np.arange(sl.start, sl.stop)
+        real = rows >= 0
+        lengths = np.zeros(len(rows), dtype=np.int64)
+        lengths[real] = offsets[rows[real] + 1] - offsets[rows[real]]
+        picked, _ = take_rows(values, offsets, rows[real])
+        bag_offsets = np.concatenate([[0], np.cumsum(lengths)])
+        out[name] = Jagged(torch.from_numpy(picked.astype(np.int64)), torch.from_numpy(bag_offsets))
+    return out
+
+
 def collate(task_set: TaskSet, tasks: np.ndarray | list[int]) -> TaskBatch:
     """Pad the given tasks of ``task_set`` into one `TaskBatch`."""
     splits = [task_set.split(int(t)) for t in tasks]
     s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in splits])
     q_ids, q_y, q_mask = _pad(task_set, [q for _, q in splits])
     return TaskBatch(s_ids, s_y, s_mask, q_ids, q_y, q_mask,
-                     torch.as_tensor(np.asarray(tasks, dtype=np.int64)))
+                     torch.as_tensor(np.asarray(tasks, dtype=np.int64)),
+                     _pad_multi(task_set, [s for s, _ in splits], s_ids.shape[1]),
+                     _pad_multi(task_set, [q for _, q in splits], q_ids.shape[1]))

@@ -66,9 +66,9 @@ class ShardedEmbeddingCollection:
             rows.update(self._sharded_rows(names, {n: requests[n][0] for n in names}))
         return self._per_feature(features, requests, rows)
 
-    def lookup_fields(self, ids: Tensor, fields: list[str]) -> Tensor:
-        """Single-hot ids (..., F) -> rows (..., F, d) in one fused lookup."""
-        return lookup_fields(self, ids, fields)
+    def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
+        """Single-hot ids (..., F) (+ multi-hot bags) -> rows (..., F + M, d) in one fused lookup."""
+        return lookup_fields(self, ids, fields, multi)
 
     def _requests(self, features: dict[str, Jagged]) -> dict[str, tuple[Tensor, Tensor]]:
         """Per table: the ids to fetch (deduplicated unless ``dedup`` is off) and, for the

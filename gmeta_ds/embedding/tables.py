@@ -171,17 +171,24 @@ class EmbeddingCollection(nn.Module):
             out[feature] = pool(rows, jagged, table.pooling)
         return out
 
-    def lookup_fields(self, ids: Tensor, fields: list[str]) -> Tensor:
-        """Single-hot ids (..., F) for ``fields`` -> rows (..., F, d)."""
-        return lookup_fields(self, ids, fields)
+    def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
+        """Single-hot ids (..., F) for ``fields`` (+ pooled multi-hot bags) -> rows (..., F + M, d)."""
+        return lookup_fields(self, ids, fields, multi)
 
 
-def lookup_fields(collection, ids: Tensor, fields: list[str]) -> Tensor:
-    """Single-hot shortcut over any collection with ``forward({feature: Jagged})``:
-    ids (..., F) -> rows (..., F, d), one lookup call for all fields."""
+def lookup_fields(collection, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
+    """One lookup call for every field, over any collection with ``forward({feature: Jagged})``.
+
+    ids (..., F) single-hot ids of ``fields``; ``multi``: multi-hot feature -> `Jagged` with one
+    bag per row of ids (prod(...) bags), pooled by its table. Returns rows (..., F + M, d):
+    single-hot fields first, then the multi-hot ones in ``multi``'s order.
+    """
     if ids.shape[-1] != len(fields):
         raise ValueError(f"ids have {ids.shape[-1]} fields, expected {len(fields)} ({', '.join(fields)})")
     lead = ids.shape[:-1]
     flat = ids.reshape(-1, len(fields))
-    rows = collection({f: Jagged.single(flat[:, i]) for i, f in enumerate(fields)})
-    return torch.stack([rows[f] for f in fields], dim=1).reshape(*lead, len(fields), -1)
+    features = {f: Jagged.single(flat[:, i]) for i, f in enumerate(fields)}
+    features.update(multi or {})
+    rows = collection(features)
+    names = list(fields) + list(multi or {})
+    return torch.stack([rows[f] for f in names], dim=1).reshape(*lead, len(names), -1)

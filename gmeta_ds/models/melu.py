@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gmeta_ds.config import EmbeddingConfig
-from gmeta_ds.data.tasks import FieldSpec
+from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 
 
@@ -22,7 +22,8 @@ def melu_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list
     for f in fields:
         override = cfg.tables.get(f.name)
         tables.append(TableConfig(
-            f.name, f.num_ids, dim, (f.name,), pooling="sum", init_std=cfg.init_std,
+            f.name, f.num_ids, dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
+            init_std=cfg.init_std,
             optimizer=(override and override.optimizer) or cfg.optimizer,
             lr=(override and override.lr) or cfg.lr))
     return tables
@@ -31,15 +32,19 @@ def melu_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list
 class MeLU(nn.Module):
     """Concatenated field embeddings through an MLP to one click logit.
 
-    `embed`: ids (..., F) -> rows (..., F, d) (needs an embedding module).
-    `forward`: rows (N, F, d) -> logits (N,).
+    `embed`: single-hot ids (..., F_single) and multi-hot bags -> rows (..., F, d), single-hot
+    fields first (needs an embedding module). `forward`: rows (N, F, d) -> logits (N,).
     Parameter names: ``embedding.weights.<field>`` (when owned) and ``mlp.<i>.weight|bias``.
     """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int],
                  embedding: EmbeddingCollection | None = None):
         super().__init__()
-        self.field_names = [f.name for f in fields]
+        ordered = model_field_order(fields)
+        self.field_names = [f.name for f in ordered]
+        # Fields whose looked-up rows may adapt per task (functional/rows.py): single-hot ones,
+        # at positions 0..len-1 of the model input.
+        self.row_fields = [f.name for f in single_fields(fields)]
         self.embed_dim = embed_dim
         self.embedding = embedding
         layers: list[nn.Module] = []
@@ -50,11 +55,11 @@ class MeLU(nn.Module):
         layers.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*layers)
 
-    def embed(self, ids: Tensor) -> Tensor:
+    def embed(self, ids: Tensor, multi: dict | None = None) -> Tensor:
         if self.embedding is None:
             raise RuntimeError("this MeLU has no embedding module: its tables are sharded, so "
                                "pass looked-up rows instead of ids")
-        return self.embedding.lookup_fields(ids, self.field_names)
+        return self.embedding.lookup_fields(ids, self.row_fields, multi)
 
     def forward(self, rows: Tensor) -> Tensor:
         return self.mlp(rows.flatten(start_dim=-2)).squeeze(-1)

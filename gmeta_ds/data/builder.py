@@ -1,0 +1,213 @@
+"""Meta-IO: turn an `InteractionLog` (HF `datasets`, Arrow) into cold-start tasks.
+
+Steps, all deterministic given the config and seed:
+1. read the log (`readers.py`), label clicks (rating >= ``threshold``);
+2. group interactions by task key (one task per user), drop tasks outside
+   [``min_interactions``, ``max_interactions``] (counted in ``stats``);
+3. split users into train and test (user cold-start, ``test_fraction``, seeded);
+4. build categorical vocabularies from the **training** users' rows only: id 0 is the
+   out-of-vocabulary bucket (values seen fewer than ``min_count`` times, and values only
+   held-out users have, e.g. new items);
+5. order each task's rows (seeded shuffle, or by time) and put the last ``query_size`` rows in
+   the query, the rest in the support.
+The result is cached as ``.npz`` under ``cache_dir``, keyed by the data config, the seed and the
+log files' sizes and modification times, so a second run skips steps 1-5.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gmeta_ds.config import DataConfig
+from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
+from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class TaskData:
+    """Fields, training and held-out tasks, and what building them dropped or mapped."""
+
+    fields: list[FieldSpec]
+    train: TaskSet
+    test: TaskSet
+    stats: dict = field(default_factory=dict)
+
+
+def read_log(cfg: DataConfig) -> InteractionLog:
+    """The configured reader applied to ``cfg.path``."""
+    reader = get_reader(cfg.source)
+    if cfg.source == "recbole":
+        return reader(cfg.path, cfg.dataset_name)
+    if cfg.source == "table":
+        s = cfg.schema
+        schema = LogSchema(s.task_key, s.item_key, s.label, s.timestamp, list(s.user_features),
+                           list(s.item_features), dict(s.multi_hot))
+        return reader(cfg.path, schema, cfg.format, cfg.sep)
+    return reader(cfg.path)
+
+
+def cache_key(cfg: DataConfig, seed: int) -> str:
+    """Hash of everything the tasks depend on: data config (not the synthetic section), seed,
+    and each log file's name, size and modification time."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("synthetic", "cache_dir")}
+    path = Path(cfg.path)
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    blob = json.dumps([CACHE_VERSION, settings, seed, stamps], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _vocab(values: np.ndarray, train_rows: np.ndarray, min_count: int) -> dict[str, int]:
+    """value -> id (1..V by descending training count, then value); absent values map to 0."""
+    uniq, counts = np.unique(values[train_rows], return_counts=True)
+    keep = counts >= min_count
+    order = np.lexsort((uniq[keep], -counts[keep]))
+    return {v: i + 1 for i, v in enumerate(uniq[keep][order].tolist())}
+
+
+def _encode(values: np.ndarray, vocab: dict[str, int]) -> np.ndarray:
+    return np.fromiter((vocab.get(v, 0) for v in values.tolist()), dtype=np.int32, count=len(values))
+
+
+def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(rows of kept tasks, grouped by task and ordered within it; task id of every row).
+    Records kept/dropped task counts in ``stats``."""
+    keys = np.asarray(log.frame.data.column(log.schema.task_key).to_numpy(zero_copy_only=False)).astype(str)
+    uniq, task_of_row = np.unique(keys, return_inverse=True)
+    lengths = np.bincount(task_of_row, minlength=len(uniq))
+    keep = (lengths >= cfg.min_interactions) & (lengths <= cfg.max_interactions)
+    stats.update(tasks_read=len(uniq), tasks_too_short=int((lengths < cfg.min_interactions).sum()),
+                 tasks_too_long=int((lengths > cfg.max_interactions).sum()), tasks_kept=int(keep.sum()))
+    if not keep.any():
+        raise DataError(f"{log.source}: no task has between {cfg.min_interactions} and "
+                        f"{cfg.max_interactions} interactions ({len(uniq)} tasks read); "
+                        "adjust data.min_interactions / data.max_interactions")
+    rng = np.random.default_rng([seed, 17])
+    if cfg.split == "time" and log.schema.timestamp:
+        within = log.frame.data.column(log.schema.timestamp).to_numpy().astype(np.int64)
+    else:
+        within = rng.permutation(len(keys))
+    rows = np.lexsort((within, task_of_row))
+    return rows[keep[task_of_row[rows]]], task_of_row
+
+
+def _split_users(kept_tasks: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """Boolean per kept task: held out for testing."""
+    rng = np.random.default_rng([seed, 23])
+    n_test = max(1, int(round(test_fraction * len(kept_tasks))))
+    if n_test >= len(kept_tasks):
+        raise DataError(f"only {len(kept_tasks)} task(s) left after filtering: too few to hold out "
+                        f"{test_fraction:.0%} of them and still train")
+    test = np.zeros(len(kept_tasks), dtype=bool)
+    test[rng.permutation(len(kept_tasks))[:n_test]] = True
+    return test
+
+
+def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
+    """(user fields, item fields incl. the item id, {multi-hot field: side}). The task key is
+    not a feature: held-out users are new, so their id could carry no information."""
+    s = log.schema
+    user = [c for c in s.user_features if c not in s.multi_hot]
+    item = [s.item_key] + [c for c in s.item_features if c not in s.multi_hot]
+    return user, item, {c: "user" if c in s.user_features else "item" for c in s.multi_hot}
+
+
+def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
+    """Tasks for ``cfg`` (cached on disk); see the module docstring for the steps."""
+    cache = Path(cfg.cache_dir).expanduser() / f"tasks-{cache_key(cfg, seed)}.npz"
+    if cache.is_file():
+        return load_tasks(cache)
+    log = read_log(cfg)
+    if len(log) == 0:
+        raise DataError(f"{log.source}: the log holds no interactions")
+    stats: dict = {"source": log.source, "interactions_read": len(log)}
+    rows, task_of_row = _users(log, cfg, seed, stats)
+    kept_tasks, first = np.unique(task_of_row[rows], return_index=True)
+    kept_tasks = task_of_row[rows][np.sort(first)]
+    is_test_task = dict(zip(kept_tasks.tolist(), _split_users(kept_tasks, cfg.test_fraction, seed).tolist()))
+    test_row = np.array([is_test_task[t] for t in task_of_row[rows].tolist()], dtype=bool)
+    data = _encode_split(log, cfg, rows, task_of_row, test_row, stats)
+    save_tasks(cache, data)
+    return data
+
+
+def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
+    table: pa.Table = log.frame.data.table if hasattr(log.frame.data, "table") else log.frame.data
+    train_rows = np.nonzero(~test_row)[0]
+    user_cols, item_cols, multi_sides = _fields(log)
+    fields, columns, multi = [], [], {}
+    for name, side in [(c, "user") for c in user_cols] + [(c, "item") for c in item_cols]:
+        values = np.asarray(table.column(name).to_numpy(zero_copy_only=False)).astype(str)[rows]
+        vocab = _vocab(values, train_rows, cfg.min_count)
+        fields.append(FieldSpec(name, len(vocab) + 1, side))
+        columns.append(_encode(values, vocab))
+    for name, side in multi_sides.items():
+        col = table.column(name).take(pa.array(rows))
+        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+        tokens = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False)).astype(str)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        token_train = np.repeat(~test_row, lengths)
+        vocab = _vocab(tokens, np.nonzero(token_train)[0], cfg.min_count)
+        fields.append(FieldSpec(name, len(vocab) + 1, side, multi_hot=True))
+        multi[name] = (_encode(tokens, vocab), offsets)
+    ids = np.stack(columns, axis=1) if columns else np.zeros((len(rows), 0), dtype=np.int32)
+    ratings = log.frame.data.column(log.schema.label).to_numpy().astype(np.float32)[rows]
+    labels = (ratings >= cfg.threshold).astype(np.float32)
+    stats.update(click_rate=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
+    parts = {}
+    for split, mask in (("train", ~test_row), ("test", test_row)):
+        parts[split] = _task_set(fields, ids, labels, multi, task_of_row[rows], mask, cfg.query_size)
+        stats[f"{split}_tasks"] = len(parts[split])
+    return TaskData(fields, parts["train"], parts["test"], stats)
+
+
+def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> TaskSet:
+    """Rows selected by ``mask`` (already grouped by task) as a TaskSet."""
+    rows = np.nonzero(mask)[0]
+    tasks, starts, lengths = np.unique(task_of_row[rows], return_index=True, return_counts=True)
+    order = np.argsort(starts)
+    offsets = np.concatenate([[0], np.cumsum(lengths[order])]).astype(np.int64)
+    sub_multi = {n: take_rows(v, o, rows) for n, (v, o) in multi.items()}
+    return TaskSet(fields, ids[rows], labels[rows], offsets,
+                   (lengths[order] - query_size).astype(np.int64), tasks[order].astype(np.int64), sub_multi)
+
+
+def save_tasks(path: Path, data: TaskData) -> None:
+    """Write ``data`` atomically as one .npz (tmp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"fields": np.array(json.dumps([dataclasses.asdict(f) for f in data.fields])),
+              "stats": np.array(json.dumps(data.stats))}
+    for split in ("train", "test"):
+        ts: TaskSet = getattr(data, split)
+        for name in ("ids", "labels", "offsets", "support_len", "task_keys"):
+            arrays[f"{split}.{name}"] = getattr(ts, name)
+        for name, (values, offsets) in ts.multi.items():
+            arrays[f"{split}.multi.{name}.values"] = values
+            arrays[f"{split}.multi.{name}.offsets"] = offsets
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")  # ranks may build concurrently
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
+def load_tasks(path: Path) -> TaskData:
+    """Read a file written by `save_tasks` (plain arrays only: no pickle)."""
+    with np.load(path, allow_pickle=False) as z:
+        fields = [FieldSpec(**f) for f in json.loads(str(z["fields"]))]
+        parts = {}
+        for split in ("train", "test"):
+            multi = {f.name: (z[f"{split}.multi.{f.name}.values"], z[f"{split}.multi.{f.name}.offsets"])
+                     for f in fields if f.multi_hot}
+            parts[split] = TaskSet(fields, *(z[f"{split}.{n}"] for n in
+                                             ("ids", "labels", "offsets", "support_len", "task_keys")), multi)
+        stats = json.loads(str(z["stats"]))
+    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)})
