@@ -124,6 +124,8 @@ class DataConfig:
 
     source: str = "synthetic"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    bucket_by_length: bool = True             # sort each meta-batch by task length: less padding
+    prefetch: bool = True                     # collate the next meta-step in a background thread
     path: Union[str, None] = None
     dataset_name: Union[str, None] = None     # recbole: <name>.inter, .user, .item
     format: str = "auto"                      # table: auto | csv | parquet

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.metrics import log_loss, roc_auc_score
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -16,6 +15,7 @@ from gmeta_ds.algorithms.base import MetaLearner, embed_batch
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import InnerLoop, LearningRates, masked_bce
+from gmeta_ds.metrics import score_tasks
 
 
 def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple, xq) -> Tensor:
@@ -26,23 +26,20 @@ def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: 
     return vmap(one)(*support, xq)
 
 
-def _scores(labels: np.ndarray, probs: np.ndarray) -> dict:
-    auc = float(roc_auc_score(labels, probs)) if len(np.unique(labels)) == 2 else float("nan")
-    return {"auc": auc, "logloss": float(log_loss(labels, probs, labels=[0, 1]))}
-
-
 def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
              tasks_per_batch: int = 64) -> dict:
     """AUC and logloss over all query rows of ``tasks``, with and without adaptation.
 
     learner: a `MetaLearner` whose net owns its (unsharded) tables; lrs: inner learning rate of
     every adapted name (floats or tensors); ``inner_steps`` first-order steps per task.
-    Returns ``{"auc", "logloss", "auc_no_adapt", "logloss_no_adapt", "tasks", "query_rows"}``.
+    Returns `gmeta_ds.metrics.score_tasks` of the adapted predictions (``auc``,
+    ``auc_per_task``, ``logloss``, ``ndcg@5``, ``ndcg@10``, ...) plus ``auc_no_adapt``,
+    ``auc_per_task_no_adapt``, ``logloss_no_adapt`` and ``query_rows``.
     """
     net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
     inner = learner.algorithm.inner_loop(learner, inner_steps, first_order=True)
-    labels, adapted_p, plain_p = [], [], []
+    labels, adapted_p, plain_p, task_ids = [], [], [], []
     for start in range(0, len(tasks), tasks_per_batch):
         batch = collate(tasks, np.arange(start, min(start + tasks_per_batch, len(tasks))))
         with torch.no_grad():
@@ -53,12 +50,15 @@ def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_ste
         adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
         real = batch.query_mask.bool()
         labels.append(batch.query_y[real].numpy())
+        task_ids.append(batch.task_ids.unsqueeze(1).expand_as(real)[real].numpy())
         adapted_p.append(torch.sigmoid(adapted_logits[real]).double().numpy())
         plain_p.append(torch.sigmoid(plain[real]).double().numpy())
-    y = np.concatenate(labels)
-    with_adapt, without = _scores(y, np.concatenate(adapted_p)), _scores(y, np.concatenate(plain_p))
+    y, ids = np.concatenate(labels), np.concatenate(task_ids)
+    with_adapt = score_tasks(y, np.concatenate(adapted_p), ids)
+    without = score_tasks(y, np.concatenate(plain_p), ids)
     return {**with_adapt, "auc_no_adapt": without["auc"], "logloss_no_adapt": without["logloss"],
-            "tasks": len(tasks), "query_rows": int(len(y))}
+            "auc_per_task_no_adapt": without["auc_per_task"], "tasks": len(tasks),
+            "query_rows": int(len(y))}
 
 
 def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int, lr: float,

@@ -22,7 +22,8 @@ from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
-from gmeta_ds.data.tasks import collate, single_fields
+from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
+from gmeta_ds.data.tasks import TaskBatch, single_fields
 from gmeta_ds.ds_config import BatchPlan
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
@@ -100,16 +101,15 @@ class MetricsLog:
 class StepStats:
     query_loss: float
     support_loss: float
+    padding_efficiency: float
 
 
-def meta_step(engine, sharded: ShardedEmbeddingCollection | None, data: SyntheticData,
-              sampler: MetaBatchSampler, step: int) -> StepStats:
+def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
+              batches: list[TaskBatch]) -> StepStats:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one)."""
     query, support = [], []
-    fields = [f.name for f in single_fields(data.fields)]
-    for tasks in sampler.micro_batches(step):
-        batch = collate(data.train, tasks)
+    for batch in batches:
         rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                 if sharded else None)
         out = engine(batch, rows)
@@ -119,7 +119,8 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, data: Syntheti
         support.append(out.support_loss.item())
     if sharded is not None:
         sharded.step()
-    return StepStats(sum(query) / len(query), sum(support) / len(support))
+    padding = sum(padding_efficiency(b) for b in batches) / len(batches)
+    return StepStats(sum(query) / len(query), sum(support) / len(support), padding)
 
 
 def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
@@ -130,26 +131,31 @@ def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
 
 def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int) -> dict:
     """Run ``train.meta_steps`` meta-steps; returns the last logged record."""
+    lengths = task_lengths(data.train) if cfg.data.bucket_by_length else None
     sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
-                               plan.world_size, rank, cfg.seed)
+                               plan.world_size, rank, cfg.seed, lengths)
+    loader = TaskLoader(data.train, sampler, cfg.data.prefetch)
+    fields = [f.name for f in single_fields(data.fields)]
     log = MetricsLog(Path(cfg.output_dir), rank == 0)
     comm = dense_allreduce_bytes(engine.module, plan.world_size)
     bar = tqdm(total=cfg.train.meta_steps, disable=rank != 0 or not cfg.train.progress,
                desc="meta-train", unit="step")
-    record, window_start, window_steps = {}, time.perf_counter(), 0
+    record, window_start, window_steps, padding = {}, time.perf_counter(), 0, 0.0
     try:
         for step in range(cfg.train.meta_steps):
-            stats = meta_step(engine, sharded, data, sampler, step)
+            stats = meta_step(engine, sharded, fields, loader.next())
             window_steps += 1
+            padding += stats.padding_efficiency
             last = step + 1 == cfg.train.meta_steps
             if (step + 1) % cfg.train.log_every and not last:
                 bar.update(1)
                 continue
-            query, support = all_mean([stats.query_loss, stats.support_loss])
+            query, support, pad = all_mean([stats.query_loss, stats.support_loss, padding / window_steps])
             elapsed = time.perf_counter() - window_start
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                       "query_loss": query, "support_loss": support,
                       "tasks_per_s": window_steps * plan.tasks_per_meta_step / elapsed,
+                      "padding_efficiency": pad,
                       "dense_allreduce_bytes": comm * window_steps,
                       "embedding_comm_bytes": sharded.stats.total_sent() if sharded else 0}
             if sharded:
@@ -158,8 +164,9 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
             log.write(record)
             bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
             bar.update(1)
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, padding = time.perf_counter(), 0, 0.0
     finally:
+        loader.close()
         bar.close()
         log.close()
     return record
@@ -176,7 +183,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) ->
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed)
         fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
         base = evaluate(baseline, fixed, data.test, steps, cfg.eval.tasks_per_batch)
-        result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"])
+        result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"],
+                      baseline_auc_per_task=base["auc_per_task_no_adapt"])
         if cfg.eval.baseline_finetune:
             result.update(baseline_finetune_auc=base["auc"], baseline_finetune_logloss=base["logloss"])
     return result

@@ -17,7 +17,7 @@ class MetaBatchSampler:
     """Task indices per (meta-step, micro-batch) for one rank."""
 
     def __init__(self, num_tasks: int, tasks_per_micro_batch: int, grad_accum_steps: int,
-                 world_size: int, rank: int, seed: int):
+                 world_size: int, rank: int, seed: int, lengths: np.ndarray | None = None):
         self.t, self.gas, self.world, self.rank = tasks_per_micro_batch, grad_accum_steps, world_size, rank
         self.batch = tasks_per_micro_batch * grad_accum_steps * world_size
         if num_tasks < self.batch:
@@ -25,6 +25,10 @@ class MetaBatchSampler:
                                f"training set has only {num_tasks} tasks"])
         self.num_tasks, self.seed = num_tasks, seed
         self.per_epoch = num_tasks // self.batch
+        # Bucketing: with task lengths given, each meta-batch is sorted by length before it is
+        # cut into micro-batches, so tasks of similar length are padded together. The set of
+        # tasks per meta-step (and so the meta-gradient) is unchanged.
+        self.lengths = lengths
 
     def global_batch(self, step: int) -> np.ndarray:
         """The B task indices of meta-step ``step`` (same on every rank and world size)."""
@@ -35,4 +39,6 @@ class MetaBatchSampler:
     def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's GAS micro-batches of T task indices for meta-step ``step``."""
         tasks = self.global_batch(step)
+        if self.lengths is not None:
+            tasks = tasks[np.argsort(self.lengths[tasks], kind="stable")]
         return [tasks[(m * self.world + self.rank) * self.t:][: self.t] for m in range(self.gas)]
