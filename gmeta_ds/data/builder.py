@@ -67,16 +67,24 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _vocab(values: np.ndarray, train_rows: np.ndarray, min_count: int) -> dict[str, int]:
-    """value -> id (1..V by descending training count, then value); absent values map to 0."""
+def _vocab(values: np.ndarray, train_rows: np.ndarray, min_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted known values, their ids): ids 1..V by descending training count, then value;
+    every other value maps to 0."""
     uniq, counts = np.unique(values[train_rows], return_counts=True)
     keep = counts >= min_count
-    order = np.lexsort((uniq[keep], -counts[keep]))
-    return {v: i + 1 for i, v in enumerate(uniq[keep][order].tolist())}
+    uniq, counts = uniq[keep], counts[keep]
+    ids = np.empty(len(uniq), dtype=np.int32)
+    ids[np.lexsort((uniq, -counts))] = np.arange(1, len(uniq) + 1, dtype=np.int32)
+    return uniq, ids
 
 
-def _encode(values: np.ndarray, vocab: dict[str, int]) -> np.ndarray:
-    return np.fromiter((vocab.get(v, 0) for v in values.tolist()), dtype=np.int32, count=len(values))
+def _encode(values: np.ndarray, vocab: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Vectorized lookup of ``values`` in a `_vocab` (binary search)."""
+    known, ids = vocab
+    if len(known) == 0:
+        return np.zeros(len(values), dtype=np.int32)
+    pos = np.clip(np.searchsorted(known, values), 0, len(known) - 1)
+    return np.where(known[pos] == values, ids[pos], 0).astype(np.int32)
 
 
 def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -134,8 +142,9 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     rows, task_of_row = _users(log, cfg, seed, stats)
     kept_tasks, first = np.unique(task_of_row[rows], return_index=True)
     kept_tasks = task_of_row[rows][np.sort(first)]
-    is_test_task = dict(zip(kept_tasks.tolist(), _split_users(kept_tasks, cfg.test_fraction, seed).tolist()))
-    test_row = np.array([is_test_task[t] for t in task_of_row[rows].tolist()], dtype=bool)
+    is_test_task = np.zeros(task_of_row.max() + 1, dtype=bool)
+    is_test_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, seed)
+    test_row = is_test_task[task_of_row[rows]]
     data = _encode_split(log, cfg, rows, task_of_row, test_row, stats)
     save_tasks(cache, data)
     return data
@@ -149,7 +158,7 @@ def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
     for name, side in [(c, "user") for c in user_cols] + [(c, "item") for c in item_cols]:
         values = np.asarray(table.column(name).to_numpy(zero_copy_only=False)).astype(str)[rows]
         vocab = _vocab(values, train_rows, cfg.min_count)
-        fields.append(FieldSpec(name, len(vocab) + 1, side))
+        fields.append(FieldSpec(name, len(vocab[0]) + 1, side))
         columns.append(_encode(values, vocab))
     for name, side in multi_sides.items():
         col = table.column(name).take(pa.array(rows))
@@ -158,7 +167,7 @@ def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         token_train = np.repeat(~test_row, lengths)
         vocab = _vocab(tokens, np.nonzero(token_train)[0], cfg.min_count)
-        fields.append(FieldSpec(name, len(vocab) + 1, side, multi_hot=True))
+        fields.append(FieldSpec(name, len(vocab[0]) + 1, side, multi_hot=True))
         multi[name] = (_encode(tokens, vocab), offsets)
     ids = np.stack(columns, axis=1) if columns else np.zeros((len(rows), 0), dtype=np.int32)
     ratings = log.frame.data.column(log.schema.label).to_numpy().astype(np.float32)[rows]
