@@ -137,6 +137,7 @@ class DataConfig:
     split: str = "random"                     # support/query: random (seeded) or time (query = latest)
     min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
     max_interactions: int = 100
+    short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     min_count: int = 1                        # rarer categorical values share the OOV id 0
     test_fraction: float = 0.2                # held-out (cold-start) users
     cache_dir: str = "~/.cache/gmeta_ds"
@@ -308,6 +309,7 @@ def _validate_log(data: DataConfig, problems: list[str]) -> None:
     if data.source == "recbole" and not data.dataset_name:
         problems.append("data.dataset_name: required for data.source 'recbole' (<name>.inter)")
     _one_of(problems, "data.split", data.split, SPLITS)
+    _one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
     _one_of(problems, "data.label", data.label, LABEL_KINDS)
     _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
     _positive(problems, "data.min_count", data.min_count)

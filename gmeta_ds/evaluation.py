@@ -26,22 +26,22 @@ def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: 
     return vmap(one)(*support, xq)
 
 
-def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
-             tasks_per_batch: int = 64) -> dict:
-    """AUC and logloss over all query rows of ``tasks``, with and without adaptation.
+def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
+            tasks_per_batch: int = 64, which: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Query predictions of tasks ``which`` (default all), with and without adaptation.
 
     learner: a `MetaLearner` whose net owns its (unsharded) tables; lrs: inner learning rate of
     every adapted name (floats or tensors); ``inner_steps`` first-order steps per task.
-    Returns `gmeta_ds.metrics.score_tasks` of the adapted predictions (``auc``,
-    ``auc_per_task``, ``logloss``, ``ndcg@5``, ``ndcg@10``, ...) plus ``auc_no_adapt``,
-    ``auc_per_task_no_adapt``, ``logloss_no_adapt`` and ``query_rows``.
+    Returns flat arrays over the real query rows: labels, adapted, plain (probabilities), task.
+    Each task's predictions depend only on that task, so ranks can split the tasks.
     """
     net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
     inner = learner.algorithm.inner_loop(learner, inner_steps, first_order=True)
-    labels, adapted_p, plain_p, task_ids = [], [], [], []
-    for start in range(0, len(tasks), tasks_per_batch):
-        batch = collate(tasks, np.arange(start, min(start + tasks_per_batch, len(tasks))))
+    which = np.arange(len(tasks)) if which is None else np.asarray(which)
+    out: dict[str, list] = {"labels": [], "adapted": [], "plain": [], "task": []}
+    for start in range(0, len(which), tasks_per_batch):
+        batch = collate(tasks, which[start:start + tasks_per_batch])
         with torch.no_grad():
             rows_s, rows_q = embed_batch(net.embed, batch)
             plain = net(rows_q)
@@ -49,16 +49,32 @@ def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_ste
         theta = {n: v.detach() for n, v in theta.items()}
         adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
         real = batch.query_mask.bool()
-        labels.append(batch.query_y[real].numpy())
-        task_ids.append(batch.task_ids.unsqueeze(1).expand_as(real)[real].numpy())
-        adapted_p.append(torch.sigmoid(adapted_logits[real]).double().numpy())
-        plain_p.append(torch.sigmoid(plain[real]).double().numpy())
-    y, ids = np.concatenate(labels), np.concatenate(task_ids)
-    with_adapt = score_tasks(y, np.concatenate(adapted_p), ids)
-    without = score_tasks(y, np.concatenate(plain_p), ids)
+        out["labels"].append(batch.query_y[real].numpy())
+        out["task"].append(batch.task_ids.unsqueeze(1).expand_as(real)[real].numpy())
+        out["adapted"].append(torch.sigmoid(adapted_logits[real]).double().numpy())
+        out["plain"].append(torch.sigmoid(plain[real]).double().numpy())
+    empty = {"labels": np.float32, "task": np.int64, "adapted": np.float64, "plain": np.float64}
+    return {k: np.concatenate(v) if v else np.zeros(0, dtype=empty[k]) for k, v in out.items()}
+
+
+def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray]) -> dict:
+    """Metrics of `predict` outputs (one, or one per rank): `gmeta_ds.metrics.score_tasks` of
+    the adapted predictions (``auc``, ``auc_per_task``, ``logloss``, ``ndcg@5``, ``ndcg@10``...)
+    plus ``auc_no_adapt``, ``auc_per_task_no_adapt``, ``logloss_no_adapt``, ``query_rows``."""
+    parts = preds if isinstance(preds, list) else [preds]
+    merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.argsort(merged["task"], kind="stable")  # the same row order at any world size
+    merged = {k: v[order] for k, v in merged.items()}
+    with_adapt = score_tasks(merged["labels"], merged["adapted"], merged["task"])
+    without = score_tasks(merged["labels"], merged["plain"], merged["task"])
     return {**with_adapt, "auc_no_adapt": without["auc"], "logloss_no_adapt": without["logloss"],
-            "auc_per_task_no_adapt": without["auc_per_task"], "tasks": len(tasks),
-            "query_rows": int(len(y))}
+            "auc_per_task_no_adapt": without["auc_per_task"], "query_rows": int(len(order))}
+
+
+def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
+             tasks_per_batch: int = 64) -> dict:
+    """`score` of `predict` over every task of ``tasks`` in this process."""
+    return score(predict(learner, lrs, tasks, inner_steps, tasks_per_batch))
 
 
 def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int, lr: float,

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -29,7 +30,7 @@ from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine.dist import all_mean
-from gmeta_ds.evaluation import evaluate, train_baseline
+from gmeta_ds.evaluation import evaluate, predict, score, train_baseline
 from gmeta_ds.models.melu import build_melu, melu_tables
 
 WEIGHTS_FILE = "model.safetensors"
@@ -172,11 +173,21 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
     return record
 
 
-def run_evaluation(cfg: RunConfig, learner: MetaLearner, data: SyntheticData) -> dict:
-    """Cold-start metrics of the meta-learned model and of the non-meta baseline."""
+def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
+    """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
+    predictions gathered on rank 0) and of the non-meta baseline (rank 0). Collective when
+    ``world`` > 1; returns {} on other ranks."""
     steps = eval_inner_steps(cfg)
     lrs = learner.algorithm.learning_rates(learner)
-    result = evaluate(learner, lrs, data.test, steps, cfg.eval.tasks_per_batch)
+    mine = predict(learner, lrs, data.test, steps, cfg.eval.tasks_per_batch,
+                   np.arange(rank, len(data.test), world))
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return {}
+    result = {**score(parts), "tasks": len(data.test)}
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
@@ -227,13 +238,16 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     tables = {}
     if sharded is not None:
         embedding = sharded.checksum()
-        tables = sharded.gather_tables() or {}
+        tables = sharded.gather_tables(everywhere=cfg.eval.enabled)
+    state = full_state(engine.module, tables)
+    if rank == 0:
+        ds_engine.save_weights(state, out_dir / WEIGHTS_FILE)
+    evaluation = {}
+    if cfg.eval.enabled:
+        evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state), data,
+                                    rank, plan.world_size)
     summary = {}
     if rank == 0:
-        state = full_state(engine.module, tables)
-        ds_engine.save_weights(state, out_dir / WEIGHTS_FILE)
-        evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state),
-                                    data) if cfg.eval.enabled else {}
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,

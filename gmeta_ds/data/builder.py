@@ -93,7 +93,13 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
     keys = np.asarray(log.frame.data.column(log.schema.task_key).to_numpy(zero_copy_only=False)).astype(str)
     uniq, task_of_row = np.unique(keys, return_inverse=True)
     lengths = np.bincount(task_of_row, minlength=len(uniq))
-    keep = (lengths >= cfg.min_interactions) & (lengths <= cfg.max_interactions)
+    short = lengths < cfg.min_interactions
+    if cfg.short_tasks == "error" and short.any():
+        examples = ", ".join(map(str, uniq[short][:5]))
+        raise DataError(f"{log.source}: {int(short.sum())} task(s) have fewer than "
+                        f"{cfg.min_interactions} interactions (data.min_interactions), e.g. "
+                        f"{log.schema.task_key} {examples}; set data.short_tasks: skip to drop them")
+    keep = ~short & (lengths <= cfg.max_interactions)
     stats.update(tasks_read=len(uniq), tasks_too_short=int((lengths < cfg.min_interactions).sum()),
                  tasks_too_long=int((lengths > cfg.max_interactions).sum()), tasks_kept=int(keep.sum()))
     if not keep.any():

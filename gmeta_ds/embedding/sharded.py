@@ -190,8 +190,8 @@ class ShardedEmbeddingCollection:
             dist.all_reduce(total)
         return total.item()
 
-    def gather_tables(self) -> dict[str, Tensor] | None:
-        """Full tables on rank 0 (None elsewhere); collective."""
+    def gather_tables(self, everywhere: bool = False) -> dict[str, Tensor]:
+        """Full tables on rank 0 (every rank with ``everywhere``; {} elsewhere); collective."""
         full = {}
         for name, p in self.shards.items():
             plan = self.plan.tables[name]
@@ -201,12 +201,16 @@ class ShardedEmbeddingCollection:
             width = max(plan.local_rows(r) for r in range(self.world))
             padded = torch.zeros(width, plan.table.dim)
             padded[: p.shape[0]] = p.detach()
-            bucket = [torch.zeros_like(padded) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(padded, bucket, dst=0)
-            if self.rank == 0:
+            receives = everywhere or self.rank == 0
+            bucket = [torch.zeros_like(padded) for _ in range(self.world)] if receives else None
+            if everywhere:
+                dist.all_gather(bucket, padded)
+            else:
+                dist.gather(padded, bucket, dst=0)
+            if receives:
                 table = torch.empty(plan.table.num_rows, plan.table.dim)
                 for r in range(self.world):
                     ids = plan.global_ids(r)
                     table[ids] = bucket[r][: len(ids)]
                 full[name] = table
-        return full if self.rank == 0 else None
+        return full if (everywhere or self.rank == 0) else {}

@@ -71,8 +71,11 @@ def sharded_equals_unsharded() -> None:
         torch.testing.assert_close(shard.detach(), weight.detach()[ids], msg=f"init {name}")
     assert abs(sharded.checksum() - sum(w.double().sum().item() for w in twin.weights.values())) < 1e-9
     full = sharded.gather_tables()
-    if rank == 0:
-        for name, weight in twin.weights.items():
+    assert (full == {}) == (rank != 0)
+    everywhere = sharded.gather_tables(everywhere=True)
+    for name, weight in twin.weights.items():
+        torch.testing.assert_close(everywhere[name], weight.detach(), msg=f"all-gather {name}")
+        if rank == 0:
             torch.testing.assert_close(full[name], weight.detach(), msg=f"gather {name}")
     stats = sharded.stats.as_dict()
     if world > 1:

@@ -39,6 +39,7 @@ SHARDED = {"sharding": "sharded", "plan": "row_wise", "tables": {"gender": {"pla
 
 
 def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path):
+    """Training and the distributed evaluation (held-out tasks split over the ranks)."""
     one = ml_config(tmp_path / "one", embedding=SHARDED)
     run([str(BIN / "gmeta-ds"), "train", "--config", str(one)])
     two = ml_config(tmp_path / "two", embedding=SHARDED)
@@ -46,6 +47,9 @@ def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path):
     a, b = summary(one), summary(two)
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    for key in ("auc", "auc_per_task", "logloss", "ndcg@10", "auc_no_adapt", "baseline_auc"):
+        assert b["eval"][key] == pytest.approx(a["eval"][key], rel=1e-5), key
+    assert b["eval"]["query_rows"] == a["eval"]["query_rows"] > 0
 
 
 def test_missing_file_is_reported_with_its_name(tmp_path):

@@ -76,3 +76,9 @@ def test_time_split_and_random_split_differ_only_in_order(tmp_path):
 def test_empty_result_after_filtering_names_the_bounds(tmp_path):
     with pytest.raises(DataError, match=r"no task has between 90 and 100 interactions"):
         build_tasks(config(tmp_path, min_interactions=90, max_interactions=100), seed=0)
+
+
+def test_short_tasks_can_be_an_error_naming_examples(tmp_path):
+    with pytest.raises(DataError, match=r"\d+ task\(s\) have fewer than 20 interactions "
+                                        r"\(data.min_interactions\), e.g. user_id \d+"):
+        build_tasks(config(tmp_path, short_tasks="error"), seed=0)
