@@ -109,10 +109,13 @@ def _print_summary(summary: dict, output_dir: str) -> None:
             f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; "
             f"final query loss {summary['final_query_loss']:.4f}")
     print(line)
+    name = "auc" if "auc" in ev else "mae"
     if ev:
-        print(f"cold-start AUC: meta-learned + adaptation {ev['auc']:.4f} | without adaptation "
-              f"{ev['auc_no_adapt']:.4f} | non-meta baseline {ev.get('baseline_auc', float('nan')):.4f}"
-              f" | baseline + fine-tune {ev.get('baseline_finetune_auc', float('nan')):.4f}")
+        nan = float("nan")
+        print(f"cold-start {name.upper()}: meta-learned + adaptation {ev[name]:.4f} | without "
+              f"adaptation {ev[name + '_no_adapt']:.4f} | non-meta baseline "
+              f"{ev.get('baseline_' + name, nan):.4f} | baseline + fine-tune "
+              f"{ev.get('baseline_finetune_' + name, nan):.4f}")
     print(f"outputs: {output_dir}/summary.json, metrics.jsonl, model.safetensors")
 
 

@@ -24,7 +24,7 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 BAD_ID_POLICIES = ("error", "hash")
 DATA_SOURCES = ("synthetic", "movielens-100k", "movielens-1m", "recbole", "table")
 SPLITS = ("random", "time")
-LABEL_KINDS = ("binary",)
+LABEL_KINDS = ("binary", "regression")
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 AUTO = "auto"
 
@@ -131,7 +131,7 @@ class DataConfig:
     format: str = "auto"                      # table: auto | csv | parquet
     sep: str = ","                            # table: CSV separator
     schema: SchemaConfig = field(default_factory=SchemaConfig)
-    label: str = "binary"                     # binary: click = rating >= threshold
+    label: str = "binary"                     # binary: click = rating >= threshold; regression: the rating
     threshold: float = 4.0
     query_size: int = 10
     split: str = "random"                     # support/query: random (seeded) or time (query = latest)

@@ -14,7 +14,7 @@ from torch.func import vmap
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
-from gmeta_ds.functional.inner import InnerLoop, LearningRates, masked_bce
+from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
 from gmeta_ds.metrics import score_tasks
 
 
@@ -38,6 +38,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
     net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
     inner = learner.algorithm.inner_loop(learner, inner_steps, first_order=True)
+    to_pred = PREDICTIONS[learner.algorithm.kind]
     which = np.arange(len(tasks)) if which is None else np.asarray(which)
     out: dict[str, list] = {"labels": [], "adapted": [], "plain": [], "task": []}
     for start in range(0, len(which), tasks_per_batch):
@@ -51,34 +52,39 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
         real = batch.query_mask.bool()
         out["labels"].append(batch.query_y[real].numpy())
         out["task"].append(batch.task_ids.unsqueeze(1).expand_as(real)[real].numpy())
-        out["adapted"].append(torch.sigmoid(adapted_logits[real]).double().numpy())
-        out["plain"].append(torch.sigmoid(plain[real]).double().numpy())
+        out["adapted"].append(to_pred(adapted_logits[real]).double().numpy())
+        out["plain"].append(to_pred(plain[real]).double().numpy())
     empty = {"labels": np.float32, "task": np.int64, "adapted": np.float64, "plain": np.float64}
     return {k: np.concatenate(v) if v else np.zeros(0, dtype=empty[k]) for k, v in out.items()}
 
 
-def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray]) -> dict:
+# Metrics also reported without adaptation (``<name>_no_adapt``) and for the baseline.
+HEADLINE = {"binary": ("auc", "logloss"), "regression": ("mae", "rmse")}
+
+
+def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str = "binary") -> dict:
     """Metrics of `predict` outputs (one, or one per rank): `gmeta_ds.metrics.score_tasks` of
-    the adapted predictions (``auc``, ``auc_per_task``, ``logloss``, ``ndcg@5``, ``ndcg@10``...)
-    plus ``auc_no_adapt``, ``auc_per_task_no_adapt``, ``logloss_no_adapt``, ``query_rows``."""
+    the adapted predictions (binary: ``auc``, ``auc_per_task``, ``logloss``, ``ndcg@k``;
+    regression: ``mae``, ``rmse``, ``ndcg@k``) plus the headline metrics without adaptation
+    (``auc_no_adapt``... or ``mae_no_adapt``...) and ``query_rows``."""
     parts = preds if isinstance(preds, list) else [preds]
     merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     order = np.argsort(merged["task"], kind="stable")  # the same row order at any world size
     merged = {k: v[order] for k, v in merged.items()}
-    with_adapt = score_tasks(merged["labels"], merged["adapted"], merged["task"])
-    without = score_tasks(merged["labels"], merged["plain"], merged["task"])
-    return {**with_adapt, "auc_no_adapt": without["auc"], "logloss_no_adapt": without["logloss"],
-            "auc_per_task_no_adapt": without["auc_per_task"], "query_rows": int(len(order))}
+    with_adapt = score_tasks(merged["labels"], merged["adapted"], merged["task"], kind)
+    without = score_tasks(merged["labels"], merged["plain"], merged["task"], kind)
+    names = HEADLINE[kind] + (("auc_per_task",) if kind == "binary" else ())
+    return {**with_adapt, **{f"{n}_no_adapt": without[n] for n in names}, "query_rows": int(len(order))}
 
 
 def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
              tasks_per_batch: int = 64) -> dict:
     """`score` of `predict` over every task of ``tasks`` in this process."""
-    return score(predict(learner, lrs, tasks, inner_steps, tasks_per_batch))
+    return score(predict(learner, lrs, tasks, inner_steps, tasks_per_batch), learner.algorithm.kind)
 
 
 def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int, lr: float,
-                   seed: int) -> nn.Module:
+                   seed: int, loss_fn=masked_bce) -> nn.Module:
     """Supervised (non-meta) training of ``net`` on every interaction of ``tasks`` with Adam."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.from_numpy(tasks.ids.astype(np.int64))
@@ -91,7 +97,7 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
             rows = order[start:start + batch_size]
             multi = {name: Jagged(*(torch.from_numpy(a.astype(np.int64)) for a in take_rows(v, o, rows.numpy())))
                      for name, (v, o) in tasks.multi.items()}
-            loss = masked_bce(net(net.embed(ids[rows], multi)), labels[rows], ones[: len(rows)])
+            loss = loss_fn(net(net.embed(ids[rows], multi)), labels[rows], ones[: len(rows)])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

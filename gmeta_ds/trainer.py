@@ -30,7 +30,8 @@ from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine.dist import all_mean
-from gmeta_ds.evaluation import evaluate, predict, score, train_baseline
+from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
+from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models.melu import build_melu, melu_tables
 
 WEIGHTS_FILE = "model.safetensors"
@@ -61,7 +62,12 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearn
     tables when they are sharded outside the engine."""
     torch.manual_seed(cfg.seed)
     net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
-    return MetaLearner(net, build_algorithm(cfg.meta))
+    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg)))
+
+
+def label_kind(cfg: RunConfig) -> str:
+    """binary (clicks; synthetic data is always binary) or regression (ratings)."""
+    return "binary" if cfg.data.source == "synthetic" else cfg.data.label
 
 
 def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
@@ -187,17 +193,21 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
         dist.gather_object(mine, parts, dst=0)
     if rank != 0:
         return {}
-    result = {**score(parts), "tasks": len(data.test)}
+    kind = learner.algorithm.kind
+    result = {**score(parts, kind), "tasks": len(data.test)}
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
-                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed)
+                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed,
+                       LOSSES[kind])
         fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
         base = evaluate(baseline, fixed, data.test, steps, cfg.eval.tasks_per_batch)
-        result.update(baseline_auc=base["auc_no_adapt"], baseline_logloss=base["logloss_no_adapt"],
-                      baseline_auc_per_task=base["auc_per_task_no_adapt"])
-        if cfg.eval.baseline_finetune:
-            result.update(baseline_finetune_auc=base["auc"], baseline_finetune_logloss=base["logloss"])
+        for name in HEADLINE[kind]:
+            result[f"baseline_{name}"] = base[f"{name}_no_adapt"]
+            if cfg.eval.baseline_finetune:
+                result[f"baseline_finetune_{name}"] = base[name]
+        if kind == "binary":
+            result["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
     return result
 
 

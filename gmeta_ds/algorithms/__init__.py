@@ -17,12 +17,12 @@ ALGORITHMS: dict[str, type[MetaAlgorithm]] = {
 }
 
 
-def build_algorithm(cfg: MetaConfig) -> MetaAlgorithm:
-    """The algorithm named by ``cfg.algorithm``."""
+def build_algorithm(cfg: MetaConfig, kind: str = "binary") -> MetaAlgorithm:
+    """The algorithm named by ``cfg.algorithm``, for labels of ``kind`` (binary | regression)."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError([f"meta.algorithm: {cfg.algorithm!r} is not one of "
                            f"{', '.join(ALGORITHMS)}"])
-    return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, cfg.vectorize)
+    return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, cfg.vectorize, kind)
 
 
 __all__ = ["ALGORITHMS", "FOMAML", "MAML", "MetaAlgorithm", "MetaLearner", "MetaOutput",

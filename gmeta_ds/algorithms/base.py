@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
+from gmeta_ds.functional.inner import LOSSES, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 
 
@@ -61,11 +61,13 @@ class MetaAlgorithm:
 
     first_order = False
 
-    def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool):
+    def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
+                 kind: str = "binary"):
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self.adapt = list(adapt)
         self.vectorize = vectorize
+        self.kind = kind  # "binary" (click, BCE) or "regression" (rating, MSE)
 
     def init_learner(self, learner: "MetaLearner") -> None:
         """Add algorithm-owned meta-parameters to the learner (none by default)."""
@@ -77,7 +79,7 @@ class MetaAlgorithm:
                    first_order: bool | None = None) -> InnerLoop:
         return InnerLoop(learner.net, steps or self.inner_steps,
                          self.first_order if first_order is None else first_order,
-                         row_fields=learner.adapted_fields)
+                         loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields)
 
     def run(self, learner: "MetaLearner", theta: Params, support: tuple, query: tuple,
             query_fast=lambda f: f) -> TaskOutputs:

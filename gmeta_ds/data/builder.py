@@ -177,8 +177,12 @@ def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
         multi[name] = (_encode(tokens, vocab), offsets)
     ids = np.stack(columns, axis=1) if columns else np.zeros((len(rows), 0), dtype=np.int32)
     ratings = log.frame.data.column(log.schema.label).to_numpy().astype(np.float32)[rows]
-    labels = (ratings >= cfg.threshold).astype(np.float32)
-    stats.update(click_rate=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
+    if cfg.label == "regression":
+        labels = ratings
+        stats.update(mean_label=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
+    else:
+        labels = (ratings >= cfg.threshold).astype(np.float32)
+        stats.update(click_rate=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
     parts = {}
     for split, mask in (("train", ~test_row), ("test", test_row)):
         parts[split] = _task_set(fields, ids, labels, multi, task_of_row[rows], mask, cfg.query_size)

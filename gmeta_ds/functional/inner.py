@@ -39,6 +39,18 @@ def masked_bce(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     return (per_row * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def masked_mse(preds: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """Mean squared error over the real rows of one task (rating regression); (N,) -> scalar."""
+    return ((preds - targets).pow(2) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# Label kind -> (per-task loss on model outputs, map from model output to prediction).
+LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {"binary": masked_bce,
+                                                                 "regression": masked_mse}
+PREDICTIONS: dict[str, Callable[[Tensor], Tensor]] = {"binary": torch.sigmoid,
+                                                      "regression": lambda x: x}
+
+
 @dataclass
 class InnerLoop:
     """How one task adapts: ``steps`` SGD steps with ``lrs`` on the support loss.

@@ -35,6 +35,15 @@ def test_train_then_eval_on_movielens_files(tmp_path):
     assert again["auc"] == pytest.approx(ev["auc"], rel=1e-6)
 
 
+def test_rating_regression_reports_mae_and_rmse(tmp_path):
+    path = ml_config(tmp_path)
+    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.label=regression"])
+    ev = summary(path)["eval"]
+    for key in ("mae", "rmse", "mae_no_adapt", "baseline_mae", "baseline_finetune_rmse", "ndcg@5"):
+        assert 0.0 < ev[key] < 5.0, key
+    assert "auc" not in ev and "cold-start MAE" in proc.stdout
+
+
 SHARDED = {"sharding": "sharded", "plan": "row_wise", "tables": {"gender": {"plan": "replicated"}}}
 
 

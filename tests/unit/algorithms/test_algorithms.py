@@ -14,12 +14,12 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import masked_bce
 
 
-def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0):
+def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0, kind="binary"):
     torch.manual_seed(seed)
     net = tiny_melu(embed_dim=3, hidden=[5]).double()
     for p in net.parameters():  # larger weights so second-order terms are not negligible
         p.data.normal_(0, 0.5)
-    return MetaLearner(net, cls(steps, lr, list(adapt), vectorize)).double()
+    return MetaLearner(net, cls(steps, lr, list(adapt), vectorize, kind)).double()
 
 
 def meta_grads(learner, batch):
@@ -212,3 +212,17 @@ def test_partial_adaptation_only_moves_matched_parameters():
     for net in nets:
         torch.testing.assert_close(net.mlp[0].weight, learner.net.mlp[0].weight)
     assert grads["net.mlp.0.weight"].abs().sum() > 0
+
+
+def test_regression_kind_uses_mse_and_matches_finite_differences():
+    learner = make_learner(MAML, kind="regression", lr=0.05)
+    batch = as_double(tiny_batch())
+    batch.support_y = batch.support_y * 4 + 1  # ratings 1..5
+    batch.query_y = batch.query_y * 4 + 1
+    grads, out = meta_grads(learner, batch)
+    assert out.query_loss.item() > 1.0  # squared rating error, not a cross-entropy
+    p = learner.get_parameter("net.mlp.0.weight")
+    fd = finite_difference(learner, batch, p, (0, 0))
+    assert grads["net.mlp.0.weight"][0, 0].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
+    gl, ol = meta_grads(make_learner(MAML, kind="regression", lr=0.05, vectorize=False), batch)
+    torch.testing.assert_close(out.task_query_loss, ol.task_query_loss)
