@@ -29,15 +29,16 @@ class MetaBatchSampler:
         # cut into micro-batches, so tasks of similar length are padded together. The set of
         # tasks per meta-step (and so the meta-gradient) is unchanged.
         self.lengths = lengths
-        self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+        self._cache = (-1, np.zeros(0, dtype=np.int64))
 
     def global_batch(self, step: int) -> np.ndarray:
         """The B task indices of meta-step ``step`` (same on every rank and world size)."""
         epoch, within = divmod(step, self.per_epoch)
-        if self._epoch != epoch:  # one permutation per epoch, not per step (O(tasks) each)
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)
-            self._epoch = epoch
-        return self._order[within * self.batch:(within + 1) * self.batch]
+        cached_epoch, order = self._cache  # one attribute: safe to share with the prefetch thread
+        if cached_epoch != epoch:  # one permutation per epoch, not per step (O(tasks) each)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_tasks)
+            self._cache = (epoch, order)
+        return order[within * self.batch:(within + 1) * self.batch]
 
     def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's GAS micro-batches of T task indices for meta-step ``step``."""
