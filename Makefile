@@ -29,6 +29,7 @@ test-all: install
 bench: install
 	$(PY) benchmarks/inner_loop.py
 	$(PY) benchmarks/embedding_comm.py
+	$(PY) benchmarks/meta_io.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
