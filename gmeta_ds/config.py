@@ -140,6 +140,11 @@ class DataConfig:
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     min_count: int = 1                        # rarer categorical values share the OOV id 0
     test_fraction: float = 0.2                # held-out (cold-start) users
+    # MeLU's four states: items released in or after new_item_year are new; training uses
+    # existing users x existing items; evaluation reports warm, user_cold, item_cold and
+    # user_item_cold (eval.auc is user_cold's).
+    four_state: bool = False
+    new_item_year: int = 1998
     cache_dir: str = "~/.cache/gmeta_ds"
 
 

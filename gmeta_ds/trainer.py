@@ -181,34 +181,56 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
 
 def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
-    predictions gathered on rank 0) and of the non-meta baseline (rank 0). Collective when
-    ``world`` > 1; returns {} on other ranks."""
-    steps = eval_inner_steps(cfg)
+    predictions gathered on rank 0) and of the non-meta baseline (rank 0); with the four-state
+    split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
+    other ranks."""
+    kind = learner.algorithm.kind
+    sets = {"test": data.test, **getattr(data, "states", {})}
+    scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
+    if rank != 0:
+        return {}
+    if cfg.eval.baseline:
+        baseline = build_learner(cfg, data.fields)
+        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
+                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
+        for name, tasks in sets.items():
+            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
+    result = scores.pop("test")
+    if scores:
+        result["states"] = scores
+    return result
+
+
+def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
+    """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
     lrs = learner.algorithm.learning_rates(learner)
-    mine = predict(learner, lrs, data.test, steps, cfg.eval.tasks_per_batch,
-                   np.arange(rank, len(data.test), world))
+    mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
+                   np.arange(rank, len(tasks), world))
     parts = [mine]
     if world > 1:
         parts = [None] * world if rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
     if rank != 0:
         return {}
-    kind = learner.algorithm.kind
-    result = {**score(parts, kind), "tasks": len(data.test)}
-    if cfg.eval.baseline:
-        baseline = build_learner(cfg, data.fields)
-        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
-                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed,
-                       LOSSES[kind])
-        fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
-        base = evaluate(baseline, fixed, data.test, steps, cfg.eval.tasks_per_batch)
-        for name in HEADLINE[kind]:
-            result[f"baseline_{name}"] = base[f"{name}_no_adapt"]
-            if cfg.eval.baseline_finetune:
-                result[f"baseline_finetune_{name}"] = base[name]
-        if kind == "binary":
-            result["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
-    return result
+    if len(tasks) == 0:
+        return {"tasks": 0}
+    return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+
+
+def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) -> dict:
+    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
+    if len(tasks) == 0:
+        return {}
+    fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
+    base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    out = {}
+    for name in HEADLINE[kind]:
+        out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
+        if cfg.eval.baseline_finetune:
+            out[f"baseline_finetune_{name}"] = base[name]
+    if kind == "binary":
+        out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+    return out
 
 
 def full_state(module: torch.nn.Module, tables: dict) -> dict:

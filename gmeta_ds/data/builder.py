@@ -30,7 +30,7 @@ from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -41,6 +41,8 @@ class TaskData:
     train: TaskSet
     test: TaskSet
     stats: dict = field(default_factory=dict)
+    # four-state split only: warm, user_cold, item_cold, user_item_cold (test is user_cold)
+    states: dict = field(default_factory=dict)
 
 
 def read_log(cfg: DataConfig) -> InteractionLog:
@@ -151,14 +153,38 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     is_test_task = np.zeros(task_of_row.max() + 1, dtype=bool)
     is_test_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, seed)
     test_row = is_test_task[task_of_row[rows]]
-    data = _encode_split(log, cfg, rows, task_of_row, test_row, stats)
+    masks = {"train": ~test_row, "test": test_row}
+    if cfg.four_state:
+        masks = _four_states(log, cfg, rows, test_row)
+    data = _encode_split(log, cfg, rows, task_of_row, masks, stats)
     save_tasks(cache, data)
     return data
 
 
-def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
+STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
+
+
+def _four_states(log: InteractionLog, cfg: DataConfig, rows: np.ndarray, test_row: np.ndarray) -> dict:
+    """Row masks of MeLU's states: users are existing (training) or new (held out); items are
+    new when released in or after ``new_item_year`` (unknown years count as existing).
+    Training uses existing users x existing items, so ``warm`` scores those same tasks."""
+    year_col = log.schema.release_year
+    if year_col is None:
+        raise DataError(f"{log.source}: data.four_state needs item release years, and this log "
+                        "has no release-year column")
+    years = np.asarray(log.frame.data.column(year_col).to_numpy(zero_copy_only=False)).astype(str)[rows]
+    numeric = np.char.isdigit(years)
+    new_item = np.zeros(len(rows), dtype=bool)
+    new_item[numeric] = years[numeric].astype(np.int64) >= cfg.new_item_year
+    return {"train": ~test_row & ~new_item, "test": test_row & ~new_item,
+            "warm": ~test_row & ~new_item, "user_cold": test_row & ~new_item,
+            "item_cold": ~test_row & new_item, "user_item_cold": test_row & new_item}
+
+
+def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
     table: pa.Table = log.frame.data.table if hasattr(log.frame.data, "table") else log.frame.data
-    train_rows = np.nonzero(~test_row)[0]
+    test_row = ~masks["train"]  # vocabularies see training rows only
+    train_rows = np.nonzero(masks["train"])[0]
     user_cols, item_cols, multi_sides = _fields(log)
     fields, columns, multi = [], [], {}
     for name, side in [(c, "user") for c in user_cols] + [(c, "item") for c in item_cols]:
@@ -184,21 +210,32 @@ def _encode_split(log, cfg, rows, task_of_row, test_row, stats) -> TaskData:
         labels = (ratings >= cfg.threshold).astype(np.float32)
         stats.update(click_rate=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
     parts = {}
-    for split, mask in (("train", ~test_row), ("test", test_row)):
-        parts[split] = _task_set(fields, ids, labels, multi, task_of_row[rows], mask, cfg.query_size)
+    for split, mask in masks.items():
+        parts[split], dropped = _task_set(fields, ids, labels, multi, task_of_row[rows], mask, cfg.query_size)
         stats[f"{split}_tasks"] = len(parts[split])
-    return TaskData(fields, parts["train"], parts["test"], stats)
+        if dropped:
+            stats[f"{split}_tasks_without_support"] = dropped
+        if len(parts[split]) == 0 and split in ("train", "test"):
+            raise DataError(f"{log.source}: no {split} task keeps more than data.query_size "
+                            f"({cfg.query_size}) interactions after the split")
+    states = {k: v for k, v in parts.items() if k in STATES}
+    return TaskData(fields, parts["train"], parts["test"], stats, states)
 
 
-def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> TaskSet:
-    """Rows selected by ``mask`` (already grouped by task) as a TaskSet."""
+def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> tuple[TaskSet, int]:
+    """Rows selected by ``mask`` (already grouped by task) as a TaskSet, keeping tasks with
+    more than ``query_size`` rows; also returns how many tasks were dropped."""
     rows = np.nonzero(mask)[0]
+    tasks, starts, lengths = np.unique(task_of_row[rows], return_index=True, return_counts=True)
+    long_enough = lengths > query_size
+    rows = rows[long_enough[np.searchsorted(tasks, task_of_row[rows])]]
+    dropped = int((~long_enough).sum())
     tasks, starts, lengths = np.unique(task_of_row[rows], return_index=True, return_counts=True)
     order = np.argsort(starts)
     offsets = np.concatenate([[0], np.cumsum(lengths[order])]).astype(np.int64)
     sub_multi = {n: take_rows(v, o, rows) for n, (v, o) in multi.items()}
-    return TaskSet(fields, ids[rows], labels[rows], offsets,
-                   (lengths[order] - query_size).astype(np.int64), tasks[order].astype(np.int64), sub_multi)
+    return TaskSet(fields, ids[rows], labels[rows], offsets, (lengths[order] - query_size).astype(np.int64),
+                   tasks[order].astype(np.int64), sub_multi), dropped
 
 
 def save_tasks(path: Path, data: TaskData) -> None:
@@ -206,8 +243,8 @@ def save_tasks(path: Path, data: TaskData) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {"fields": np.array(json.dumps([dataclasses.asdict(f) for f in data.fields])),
               "stats": np.array(json.dumps(data.stats))}
-    for split in ("train", "test"):
-        ts: TaskSet = getattr(data, split)
+    arrays["states"] = np.array(json.dumps(sorted(data.states)))
+    for split, ts in {"train": data.train, "test": data.test, **data.states}.items():
         for name in ("ids", "labels", "offsets", "support_len", "task_keys"):
             arrays[f"{split}.{name}"] = getattr(ts, name)
         for name, (values, offsets) in ts.multi.items():
@@ -223,10 +260,11 @@ def load_tasks(path: Path) -> TaskData:
     with np.load(path, allow_pickle=False) as z:
         fields = [FieldSpec(**f) for f in json.loads(str(z["fields"]))]
         parts = {}
-        for split in ("train", "test"):
+        for split in ("train", "test", *json.loads(str(z["states"]))):
             multi = {f.name: (z[f"{split}.multi.{f.name}.values"], z[f"{split}.multi.{f.name}.offsets"])
                      for f in fields if f.multi_hot}
             parts[split] = TaskSet(fields, *(z[f"{split}.{n}"] for n in
                                              ("ids", "labels", "offsets", "support_len", "task_keys")), multi)
         stats = json.loads(str(z["stats"]))
-    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)})
+    states = {k: v for k, v in parts.items() if k in STATES}
+    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)}, states)

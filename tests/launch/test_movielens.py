@@ -44,6 +44,17 @@ def test_rating_regression_reports_mae_and_rmse(tmp_path):
     assert "auc" not in ev and "cold-start MAE" in proc.stdout
 
 
+def test_four_state_evaluation_reports_every_state(tmp_path):
+    path = ml_config(tmp_path)
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.four_state=true",
+         "--set", "data.new_item_year=1996"])
+    ev = summary(path)["eval"]
+    assert sorted(ev["states"]) == ["item_cold", "user_cold", "user_item_cold", "warm"]
+    assert ev["states"]["user_cold"]["auc"] == ev["auc"]  # eval.auc is the user-cold state
+    for state in ev["states"].values():
+        assert state["tasks"] > 0 and "baseline_auc" in state and "auc_no_adapt" in state
+
+
 SHARDED = {"sharding": "sharded", "plan": "row_wise", "tables": {"gender": {"plan": "replicated"}}}
 
 

@@ -82,3 +82,21 @@ def test_short_tasks_can_be_an_error_naming_examples(tmp_path):
     with pytest.raises(DataError, match=r"\d+ task\(s\) have fewer than 20 interactions "
                                         r"\(data.min_interactions\), e.g. user_id \d+"):
         build_tasks(config(tmp_path, short_tasks="error"), seed=0)
+
+
+def test_four_state_split_by_release_year(tmp_path):
+    cfg = config(tmp_path, four_state=True, new_item_year=1996, min_interactions=15, max_interactions=40)
+    data = build_tasks(cfg, seed=0)
+    assert sorted(data.states) == ["item_cold", "user_cold", "user_item_cold", "warm"]
+    item = [f.name for f in data.fields].index("item_id")
+    # the fixture's years are 1990 + i % 9 (item 4 has none): training never sees a new item,
+    # so every item-cold row maps to the OOV item id
+    for name in ("item_cold", "user_item_cold"):
+        assert len(data.states[name]) > 0 and (data.states[name].ids[:, item] == 0).all(), name
+    assert (data.states["user_cold"].ids[:, item] > 0).mean() > 0.9
+    assert np.array_equal(data.states["warm"].task_keys, data.train.task_keys)
+    assert set(data.states["user_cold"].task_keys).isdisjoint(data.train.task_keys)
+    assert np.array_equal(data.test.task_keys, data.states["user_cold"].task_keys)
+    cached = build_tasks(cfg, seed=0)
+    assert "cache" in cached.stats and sorted(cached.states) == sorted(data.states)
+    np.testing.assert_array_equal(cached.states["item_cold"].ids, data.states["item_cold"].ids)
