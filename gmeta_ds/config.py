@@ -140,6 +140,7 @@ class DataConfig:
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     min_count: int = 1                        # rarer categorical values share the OOV id 0
     test_fraction: float = 0.2                # held-out (cold-start) users
+    valid_fraction: float = 0.0               # further held-out users for tuning (eval.split: valid)
     # MeLU's four states: items released in or after new_item_year are new; training uses
     # existing users x existing items; evaluation reports warm, user_cold, item_cold and
     # user_item_cold (eval.auc is user_cold's).
@@ -175,6 +176,8 @@ class EvalConfig:
     baseline_lr: float = 1e-3
     # Fine-tune the baseline on each test user's support before scoring (its own metric).
     baseline_finetune: bool = True
+    # Which held-out users to score: test, or valid (log sources with data.valid_fraction > 0).
+    split: str = "test"
 
 
 @dataclass
@@ -277,6 +280,12 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         _positive(problems, key, getattr(cfg.meta, key.split(".")[1]), allow_auto=True)
     _positive(problems, "train.threads", cfg.train.threads, allow_auto=True)
     _positive(problems, "eval.inner_steps", cfg.eval.inner_steps, allow_auto=True)
+    _one_of(problems, "eval.split", cfg.eval.split, ("test", "valid"))
+    if cfg.eval.split == "valid" and (cfg.data.source == "synthetic" or cfg.data.valid_fraction <= 0):
+        problems.append("eval.split: 'valid' needs a log source with data.valid_fraction > 0")
+    if not 0.0 <= cfg.data.valid_fraction < 1.0 or cfg.data.valid_fraction + cfg.data.test_fraction >= 1.0:
+        problems.append(f"data.valid_fraction: {cfg.data.valid_fraction!r} must be in [0, 1) and leave "
+                        f"training users next to data.test_fraction ({cfg.data.test_fraction})")
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
     if not cfg.meta.adapt:

@@ -185,7 +185,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
     other ranks."""
     kind = learner.algorithm.kind
-    sets = {"test": data.test, **getattr(data, "states", {})}
+    held_out = data.valid if cfg.eval.split == "valid" else data.test
+    sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
     scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
     if rank != 0:
         return {}
@@ -195,7 +196,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
         for name, tasks in sets.items():
             scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
-    result = scores.pop("test")
+    result = {**scores.pop("test"), "split": cfg.eval.split}
     if scores:
         result["states"] = scores
     return result

@@ -30,7 +30,7 @@ from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass
@@ -43,6 +43,7 @@ class TaskData:
     stats: dict = field(default_factory=dict)
     # four-state split only: warm, user_cold, item_cold, user_item_cold (test is user_cold)
     states: dict = field(default_factory=dict)
+    valid: TaskSet | None = None  # validation users (empty unless data.valid_fraction > 0)
 
 
 def read_log(cfg: DataConfig) -> InteractionLog:
@@ -117,16 +118,24 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
     return rows[keep[task_of_row[rows]]], task_of_row
 
 
-def _split_users(kept_tasks: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
-    """Boolean per kept task: held out for testing."""
+TRAIN, VALID, TEST = 0, 1, 2
+
+
+def _split_users(kept_tasks: np.ndarray, test_fraction: float, valid_fraction: float,
+                 seed: int) -> np.ndarray:
+    """Per kept task: TRAIN, VALID or TEST (seeded; the test users do not depend on
+    ``valid_fraction``)."""
     rng = np.random.default_rng([seed, 23])
     n_test = max(1, int(round(test_fraction * len(kept_tasks))))
-    if n_test >= len(kept_tasks):
+    n_valid = int(round(valid_fraction * len(kept_tasks)))
+    if n_test + n_valid >= len(kept_tasks):
         raise DataError(f"only {len(kept_tasks)} task(s) left after filtering: too few to hold out "
-                        f"{test_fraction:.0%} of them and still train")
-    test = np.zeros(len(kept_tasks), dtype=bool)
-    test[rng.permutation(len(kept_tasks))[:n_test]] = True
-    return test
+                        f"{test_fraction:.0%} (+ {valid_fraction:.0%} validation) and still train")
+    split = np.full(len(kept_tasks), TRAIN, dtype=np.int8)
+    order = rng.permutation(len(kept_tasks))
+    split[order[:n_test]] = TEST
+    split[order[n_test:n_test + n_valid]] = VALID
+    return split
 
 
 def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
@@ -150,12 +159,12 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     rows, task_of_row = _users(log, cfg, seed, stats)
     kept_tasks, first = np.unique(task_of_row[rows], return_index=True)
     kept_tasks = task_of_row[rows][np.sort(first)]
-    is_test_task = np.zeros(task_of_row.max() + 1, dtype=bool)
-    is_test_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, seed)
-    test_row = is_test_task[task_of_row[rows]]
-    masks = {"train": ~test_row, "test": test_row}
+    split_of_task = np.zeros(task_of_row.max() + 1, dtype=np.int8)
+    split_of_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, cfg.valid_fraction, seed)
+    split_of_row = split_of_task[task_of_row[rows]]
+    masks = {"train": split_of_row == TRAIN, "valid": split_of_row == VALID, "test": split_of_row == TEST}
     if cfg.four_state:
-        masks = _four_states(log, cfg, rows, test_row)
+        masks = _four_states(log, cfg, rows, masks)
     data = _encode_split(log, cfg, rows, task_of_row, masks, stats)
     save_tasks(cache, data)
     return data
@@ -164,7 +173,7 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
 
 
-def _four_states(log: InteractionLog, cfg: DataConfig, rows: np.ndarray, test_row: np.ndarray) -> dict:
+def _four_states(log: InteractionLog, cfg: DataConfig, rows: np.ndarray, masks: dict) -> dict:
     """Row masks of MeLU's states: users are existing (training) or new (held out); items are
     new when released in or after ``new_item_year`` (unknown years count as existing).
     Training uses existing users x existing items, so ``warm`` scores those same tasks."""
@@ -176,14 +185,15 @@ def _four_states(log: InteractionLog, cfg: DataConfig, rows: np.ndarray, test_ro
     numeric = np.char.isdigit(years)
     new_item = np.zeros(len(rows), dtype=bool)
     new_item[numeric] = years[numeric].astype(np.int64) >= cfg.new_item_year
-    return {"train": ~test_row & ~new_item, "test": test_row & ~new_item,
-            "warm": ~test_row & ~new_item, "user_cold": test_row & ~new_item,
-            "item_cold": ~test_row & new_item, "user_item_cold": test_row & new_item}
+    train, test = masks["train"], masks["test"]
+    return {"train": train & ~new_item, "valid": masks["valid"] & ~new_item, "test": test & ~new_item,
+            "warm": train & ~new_item, "user_cold": test & ~new_item,
+            "item_cold": train & new_item, "user_item_cold": test & new_item}
 
 
 def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
     table: pa.Table = log.frame.data.table if hasattr(log.frame.data, "table") else log.frame.data
-    test_row = ~masks["train"]  # vocabularies see training rows only
+    test_row = ~masks["train"]  # vocabularies see training rows only (not valid, not test)
     train_rows = np.nonzero(masks["train"])[0]
     user_cols, item_cols, multi_sides = _fields(log)
     fields, columns, multi = [], [], {}
@@ -219,7 +229,7 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
             raise DataError(f"{log.source}: no {split} task keeps more than data.query_size "
                             f"({cfg.query_size}) interactions after the split")
     states = {k: v for k, v in parts.items() if k in STATES}
-    return TaskData(fields, parts["train"], parts["test"], stats, states)
+    return TaskData(fields, parts["train"], parts["test"], stats, states, parts["valid"])
 
 
 def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> tuple[TaskSet, int]:
@@ -244,7 +254,7 @@ def save_tasks(path: Path, data: TaskData) -> None:
     arrays = {"fields": np.array(json.dumps([dataclasses.asdict(f) for f in data.fields])),
               "stats": np.array(json.dumps(data.stats))}
     arrays["states"] = np.array(json.dumps(sorted(data.states)))
-    for split, ts in {"train": data.train, "test": data.test, **data.states}.items():
+    for split, ts in {"train": data.train, "valid": data.valid, "test": data.test, **data.states}.items():
         for name in ("ids", "labels", "offsets", "support_len", "task_keys"):
             arrays[f"{split}.{name}"] = getattr(ts, name)
         for name, (values, offsets) in ts.multi.items():
@@ -260,11 +270,12 @@ def load_tasks(path: Path) -> TaskData:
     with np.load(path, allow_pickle=False) as z:
         fields = [FieldSpec(**f) for f in json.loads(str(z["fields"]))]
         parts = {}
-        for split in ("train", "test", *json.loads(str(z["states"]))):
+        for split in ("train", "valid", "test", *json.loads(str(z["states"]))):
             multi = {f.name: (z[f"{split}.multi.{f.name}.values"], z[f"{split}.multi.{f.name}.offsets"])
                      for f in fields if f.multi_hot}
             parts[split] = TaskSet(fields, *(z[f"{split}.{n}"] for n in
                                              ("ids", "labels", "offsets", "support_len", "task_keys")), multi)
         stats = json.loads(str(z["stats"]))
     states = {k: v for k, v in parts.items() if k in STATES}
-    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)}, states)
+    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)}, states,
+                    parts["valid"])

@@ -44,6 +44,14 @@ def test_rating_regression_reports_mae_and_rmse(tmp_path):
     assert "auc" not in ev and "cold-start MAE" in proc.stdout
 
 
+def test_evaluation_on_validation_users(tmp_path):
+    path = ml_config(tmp_path)
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.valid_fraction=0.2",
+         "--set", "eval.split=valid", "--set", "eval.baseline=false"])
+    ev = summary(path)["eval"]
+    assert ev["split"] == "valid" and ev["tasks"] > 0 and 0.0 < ev["auc"] < 1.0
+
+
 def test_four_state_evaluation_reports_every_state(tmp_path):
     path = ml_config(tmp_path)
     run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.four_state=true",

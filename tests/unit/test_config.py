@@ -118,3 +118,10 @@ def test_repo_ds_configs_resolve_relative_to_checkout(tmp_path, monkeypatch):
     for stage in (0, 1, 2):
         ds, _ = resolve_ds_config(config_from_dict({"deepspeed": f"ds_configs/zero{stage}.json"}), 2)
         assert ds["zero_optimization"]["stage"] == stage
+
+
+def test_valid_split_needs_valid_users():
+    with pytest.raises(ConfigError, match="eval.split: 'valid' needs a log source with data.valid_fraction > 0"):
+        config_from_dict({"eval": {"split": "valid"}})
+    with pytest.raises(ConfigError, match="data.valid_fraction: 0.9 must be in"):
+        config_from_dict({"data": {"valid_fraction": 0.9}})

@@ -100,3 +100,17 @@ def test_four_state_split_by_release_year(tmp_path):
     cached = build_tasks(cfg, seed=0)
     assert "cache" in cached.stats and sorted(cached.states) == sorted(data.states)
     np.testing.assert_array_equal(cached.states["item_cold"].ids, data.states["item_cold"].ids)
+
+
+def test_validation_users_are_a_third_disjoint_group(tmp_path):
+    cfg = config(tmp_path, min_interactions=15, max_interactions=40)
+    plain = build_tasks(cfg, seed=0)
+    cfg.valid_fraction = 0.2
+    data = build_tasks(cfg, seed=0)
+    keys = [set(ts.task_keys) for ts in (data.train, data.valid, data.test)]
+    assert all(len(k) > 0 for k in keys)
+    assert keys[0].isdisjoint(keys[1]) and keys[0].isdisjoint(keys[2]) and keys[1].isdisjoint(keys[2])
+    np.testing.assert_array_equal(data.test.task_keys, plain.test.task_keys)  # same test users
+    assert len(plain.valid) == 0
+    item = [f.name for f in data.fields].index("item_id")
+    assert set(data.valid.ids[:, item]) - {0} <= set(data.train.ids[:, item])  # vocab: train only
