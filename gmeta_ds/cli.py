@@ -3,6 +3,11 @@
     gmeta-ds train    --config FILE.yaml [--set dotted.key=value ...]
     gmeta-ds validate --config FILE.yaml [--set ...] [--world-size N]
     gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH]
+    gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
+    gmeta-ds plot     RUN_DIR [--out DIR]
+
+``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
+and Accelerate's ``deepspeed_config_file`` override the run config's ``deepspeed:`` key.
 
 Runs unchanged as one plain process or under a launcher (``deepspeed``, ``torchrun``,
 ``accelerate launch``); the ``--local_rank=N`` the deepspeed launcher inserts before the
@@ -15,6 +20,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 # Ranks share few cores: busy-waiting OpenMP threads starve each other (set before torch loads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -41,21 +47,36 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a config value (repeatable)")
         p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+        p.add_argument("--deepspeed", action="store_true",
+                       help="accepted for DeepSpeed's argument convention (DeepSpeed is always on)")
+        p.add_argument("--deepspeed_config", "--deepspeed-config", default=None, metavar="FILE",
+                       help="DeepSpeed JSON; overrides the run config's 'deepspeed:' key")
         if name == "validate":
             p.add_argument("--world-size", type=int, default=None,
                            help="world size to plan for (default: WORLD_SIZE or 1)")
+            p.add_argument("--hostfile", default=None,
+                           help="check a deepspeed hostfile and plan for the ranks it starts")
+            p.add_argument("--num_gpus", "--num-gpus", type=int, default=None,
+                           help="with --hostfile: ranks per host (default: each host's slots)")
         if name == "eval":
             p.add_argument("--weights", default=None,
                            help="safetensors file (default: OUTPUT_DIR/model.safetensors)")
+    p = sub.add_parser("plot", help="write PNG charts of a run directory")
+    p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
+    p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
     return parser
 
 
-def _cmd_validate(cfg: RunConfig, world_size: int | None) -> int:
-    from gmeta_ds.ds_config import resolve_ds_config
+def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from gmeta_ds.ds_config import dense_state_bytes, resolve_ds_config
     from gmeta_ds.engine.dist import env_world
+    from gmeta_ds.launchers import hostfile_world_size, parse_hostfile
     from gmeta_ds.trainer import build_data, build_learner, embedding_plan
 
-    world = world_size or env_world()[1]
+    hosts = parse_hostfile(args.hostfile) if args.hostfile else None
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise ConfigError([f"--num_gpus: {args.num_gpus} must be >= 1"])
+    world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
     data = build_data(cfg)
     sharded = cfg.embedding.sharding == "sharded"
@@ -64,18 +85,32 @@ def _cmd_validate(cfg: RunConfig, world_size: int | None) -> int:
     n_params = sum(p.numel() for p in learner.parameters())
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
+    if hosts:
+        print(f"hostfile {args.hostfile}: " + ", ".join(
+            f"{h.name} ({args.num_gpus or h.slots} rank(s))" for h in hosts) + f" = {world} ranks")
     print(f"batch: {plan.describe()}")
     print(f"tasks: {len(data.train)} train, {len(data.test)} test users; "
           f"{data.train.num_interactions + data.test.num_interactions} interactions")
     print(f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}")
+    dense = dense_state_bytes(ds_config, n_params, world)
+    print(f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): "
+          f"parameters {_size(dense['params'])}, gradients {_size(dense['grads'])}, "
+          f"optimizer {_size(dense['optimizer'])}")
     if tables is not None:
         print(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
     else:
         table_bytes = sum(p.numel() * 4 for n, p in learner.named_parameters() if ".embedding." in n)
         print(f"embedding: replicated inside the DeepSpeed engine (every rank holds every table: "
-              f"{table_bytes / 2**20:.2f} MiB, plus DeepSpeed's optimizer state)")
+              f"{_size(table_bytes)}, counted in the dense state above)")
     print("config OK")
     return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _cmd_train(cfg: RunConfig) -> int:
@@ -120,8 +155,6 @@ def _print_summary(summary: dict, output_dir: str) -> None:
 
 
 def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
-    from pathlib import Path
-
     from gmeta_ds.engine.ds_engine import load_weights
     from gmeta_ds.trainer import WEIGHTS_FILE, build_data, build_learner, run_evaluation, write_json
 
@@ -135,12 +168,37 @@ def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
     return 0
 
 
+def _cmd_plot(run_dir: str, out: str | None) -> int:
+    from gmeta_ds.plots import plot_run
+
+    for path in plot_run(run_dir, out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` overrides plus the DeepSpeed config the launcher imposes, if any."""
+    from gmeta_ds.launchers import launcher_ds_config
+
+    imposed = launcher_ds_config(args.deepspeed_config)
+    if imposed is None:
+        return args.overrides
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "deepspeed" and Path(value.strip()).resolve() != Path(imposed).resolve():
+            raise ConfigError([f"--set deepspeed={value.strip()} contradicts the launcher's DeepSpeed "
+                               f"config {imposed!r}; pass one of them"])
+    return [*args.overrides, f"deepspeed={Path(imposed).resolve()}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.command == "plot":
+            return _cmd_plot(args.run_dir, args.out)
+        cfg = load_config(args.config, _overrides(args))
         if args.command == "validate":
-            return _cmd_validate(cfg, args.world_size)
+            return _cmd_validate(cfg, args)
         if args.command == "eval":
             return _cmd_eval(cfg, args.weights)
         return _cmd_train(cfg)

@@ -159,7 +159,8 @@ class TrainConfig:
     # Threads per rank; "auto" = cores // local ranks.
     threads: Union[int, str] = AUTO
     collective_timeout_s: int = 600
-    progress: bool = True
+    progress: bool = True                     # tqdm bar on rank 0 (meta-step, tasks/s, query loss)
+    tensorboard: bool = True                  # TensorBoard events under OUTPUT_DIR/tensorboard (rank 0)
 
 
 @dataclass

@@ -130,3 +130,18 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     ds["train_batch_size"] = plan.tasks_per_meta_step
     ds.setdefault("steps_per_print", 10**9)  # gmeta_ds logs its own metrics
     return ds, plan
+
+
+def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
+    """Bytes per rank of the dense model's parameters, gradients and Adam state under the
+    resolved config's ZeRO stage (stage 1 partitions optimizer state, stage 2 also gradients;
+    bf16/fp16 keep 2-byte parameters and gradients plus fp32 master weights in the optimizer
+    state; CPU offload moves the optimizer state to host memory, still counted here)."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    weight = 2 if half else 4
+    optimizer = (12 if half else 8) * n_params  # Adam moments (+ fp32 master copy)
+    grads = weight * n_params
+    return {"stage": stage, "params": weight * n_params,
+            "grads": grads // world_size if stage >= 2 else grads,
+            "optimizer": optimizer // world_size if stage >= 1 else optimizer}

@@ -89,19 +89,47 @@ def eval_inner_steps(cfg: RunConfig) -> int:
 
 
 class MetricsLog:
-    """Rank 0's ``metrics.jsonl``: one JSON object per logged meta-step, flushed as written."""
+    """Rank 0's ``metrics.jsonl`` (one JSON object per logged meta-step, flushed as written)
+    and, with ``train.tensorboard``, the same scalars as TensorBoard events under
+    ``OUTPUT_DIR/tensorboard`` (nested dicts become ``a/b`` tags)."""
 
-    def __init__(self, output_dir: Path, enabled: bool):
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool = True):
         self.file = open(output_dir / "metrics.jsonl", "w") if enabled else None
+        self.board = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(output_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        if self.board:
+            for tag, value in _scalars(record):
+                self.board.add_scalar(f"train/{tag}", value, record["step"])
+
+    def write_eval(self, evaluation: dict, step: int) -> None:
+        if self.board:
+            for tag, value in _scalars(evaluation):
+                self.board.add_scalar(f"eval/{tag}", value, step)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
+            self.file = None
+        if self.board:
+            self.board.close()
+            self.board = None
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(tag, number) pairs of a nested metrics dict."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield prefix + key, value
 
 
 @dataclass
@@ -136,14 +164,14 @@ def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
 
 
-def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int) -> dict:
-    """Run ``train.meta_steps`` meta-steps; returns the last logged record."""
+def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int,
+               log: MetricsLog) -> dict:
+    """Run ``train.meta_steps`` meta-steps, logging to ``log``; returns the last record."""
     lengths = task_lengths(data.train) if cfg.data.bucket_by_length else None
     sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
                                plan.world_size, rank, cfg.seed, lengths)
     loader = TaskLoader(data.train, sampler, cfg.data.prefetch)
     fields = [f.name for f in single_fields(data.fields)]
-    log = MetricsLog(Path(cfg.output_dir), rank == 0)
     comm = dense_allreduce_bytes(engine.module, plan.world_size)
     bar = tqdm(total=cfg.train.meta_steps, disable=rank != 0 or not cfg.train.progress,
                desc="meta-train", unit="step")
@@ -175,7 +203,6 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
     finally:
         loader.close()
         bar.close()
-        log.close()
     return record
 
 
@@ -266,7 +293,12 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     engine = ds_engine.initialize(learner, ds_config)
-    last = train_loop(cfg, engine, sharded, data, plan, rank)
+    log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard)
+    try:
+        last = train_loop(cfg, engine, sharded, data, plan, rank, log)
+    except BaseException:
+        log.close()
+        raise
     dense, embedding = ds_engine.checksums(engine.module)
     tables = {}
     if sharded is not None:
@@ -279,6 +311,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     if cfg.eval.enabled:
         evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state), data,
                                     rank, plan.world_size)
+    log.write_eval(evaluation, cfg.train.meta_steps)
+    log.close()
     summary = {}
     if rank == 0:
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,

@@ -8,9 +8,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+
+# Rendezvous variables init_process_group set itself (no launcher), removed at teardown.
+_SET_BY_US: dict[str, str] = {}
 
 
 def free_port() -> int:
@@ -51,19 +56,43 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
     import deepspeed
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(single)
+        _SET_BY_US.update(single)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            unlink_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
 
 
+def unlink_shm_buffers() -> list[Path]:
+    """Remove the names of DeepSpeed's CPU shared-memory all-reduce buffers (66 MB of RAM per
+    rank in /dev/shm, never unlinked by DeepSpeed: every CPU run, finished or killed, would
+    leave them behind). Collective: after a barrier every rank has mapped every peer's buffer,
+    so the mappings stay valid while the names go; returns the files removed."""
+    dist.barrier()
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    path = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}")
+    if path.exists():
+        path.unlink(missing_ok=True)
+        return [path]
+    return []
+
+
 def destroy_process_group() -> None:
-    """Tear down the process group if one exists (always called by the CLI)."""
+    """Tear down the process group if one exists (always called by the CLI), and forget the
+    single-process rendezvous variables set here, so a later run in this process gets a
+    fresh port."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key, value in list(_SET_BY_US.items()):
+        if os.environ.get(key) == value:
+            del os.environ[key]
+        del _SET_BY_US[key]
 
 
 def all_mean(values: list[float]) -> list[float]:

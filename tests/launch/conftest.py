@@ -62,3 +62,30 @@ def summary(config: Path) -> dict:
 
 def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    """Two runs over the same global tasks per meta-step trained the same model."""
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    assert a["tasks_seen"] == b["tasks_seen"]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> dict:
+    """`tiny_config` trained by one plain python process (no launcher)."""
+    path = tiny_config(tmp_path_factory.mktemp("reference"))
+    run([str(BIN / "python"), "-m", "gmeta_ds.cli", "train", "--config", str(path)])
+    result = summary(path)
+    assert result["world_size"] == 1 and result["batch"].startswith("4 tasks/micro-batch x 2")
+    return result
+
+
+def leaked_shm(port: int) -> list[Path]:
+    """DeepSpeed CPU all-reduce buffers a job on ``port`` left in /dev/shm."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+def launcher_env() -> dict:
+    """Environment for launcher scripts: this venv's gmeta-ds, deepspeed, torchrun first."""
+    return {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

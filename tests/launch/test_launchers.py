@@ -1,0 +1,162 @@
+"""Every launch path users already have, run as real subprocesses on CPU ranks: the shipped
+scripts in launch/ (torchrun, two no-ssh nodes, two hosts in network namespaces) and
+``accelerate launch`` with the shipped YAML. Each trains the model the plain process trains."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import yaml
+from conftest import (BIN, REPO, TIMEOUT_S, assert_same_model, deepspeed_cmd, free_port,
+                      launcher_env, leaked_shm, run, summary, tiny_config)
+
+pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
+
+
+def test_torchrun_script(tmp_path, reference_run):
+    path = tiny_config(tmp_path)
+    port = free_port()
+    run([str(REPO / "launch" / "torchrun.sh"), "2", str(path)],
+        env={**launcher_env(), "MASTER_PORT": str(port)})
+    result = summary(path)
+    assert result["world_size"] == 2
+    assert_same_model(result, reference_run)
+    assert leaked_shm(port) == []
+
+
+def test_accelerate_launch_with_shipped_yaml(tmp_path, reference_run):
+    """launch/accelerate/single_node.yaml (use_cpu: true here: there is no GPU); its
+    deepspeed_config_file (ZeRO-2) replaces the run config's ZeRO-0 JSON."""
+    accel = yaml.safe_load((REPO / "launch" / "accelerate" / "single_node.yaml").read_text())
+    assert accel["deepspeed_config"]["deepspeed_config_file"] == "ds_configs/zero2.json"
+    accel["use_cpu"] = True
+    accel_file = tmp_path / "accelerate.yaml"
+    accel_file.write_text(yaml.safe_dump(accel))
+    path = tiny_config(tmp_path)
+    run([str(BIN / "accelerate"), "launch", "--config_file", str(accel_file), "--main_process_port",
+         str(free_port()), str(BIN / "gmeta-ds"), "train", "--config", str(path)])
+    result = summary(path)
+    assert result["world_size"] == 2 and result["ds_config"]["zero_optimization"]["stage"] == 2
+    assert_same_model(result, reference_run)
+
+
+def _two_node_launch(tmp_path, hosts: list[tuple[list[str], dict, str]]) -> dict:
+    """Start multinode_no_ssh.sh once per node (command prefix, extra env, master address);
+    wait for both with a timeout; return the summary."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    path = tiny_config(tmp_path)
+    port = str(free_port())
+    procs = []
+    for node_rank, (prefix, env, master) in enumerate(hosts):
+        cmd = [*prefix, str(REPO / "launch" / "multinode_no_ssh.sh"), str(hostfile), str(node_rank),
+               master, str(path)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env={**os.environ, **launcher_env(), **env,
+                                                      "MASTER_PORT": port}))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-5000:]
+    assert "Hostfile" not in outputs[0]
+    return summary(path)
+
+
+def test_two_nodes_without_ssh(tmp_path, reference_run):
+    result = _two_node_launch(tmp_path, [([], {}, "127.0.0.1"), ([], {}, "127.0.0.1")])
+    assert result["world_size"] == 2
+    assert_same_model(result, reference_run)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair (10.231.x.1 and .2): two hosts with their
+    own addresses. Always removed, also when the test fails."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.skip("the 'ip' command (iproute2) is not installed")
+    tag = uuid.uuid4().hex[:6]
+    names, links = [f"gmeta_a_{tag}", f"gmeta_b_{tag}"], [f"gma{tag}", f"gmb{tag}"]
+    subnet = f"10.231.{int(tag, 16) % 250 + 1}"
+    try:
+        for name in names:
+            made = _ip("netns", "add", name)
+            if made.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: {made.stderr.strip()}")
+        steps = [("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
+        for i, (name, link) in enumerate(zip(names, links)):
+            steps += [("link", "set", link, "netns", name),
+                      ("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", link),
+                      ("-n", name, "link", "set", link, "up"), ("-n", name, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield [(name, link, f"{subnet}.{i + 1}") for i, (name, link) in enumerate(zip(names, links))]
+    finally:
+        for name in names:
+            _ip("netns", "del", name)
+        assert not any(name in _ip("netns", "list").stdout for name in names)
+
+
+def test_two_hosts_in_network_namespaces(tmp_path, reference_run, two_hosts):
+    """Node 0 and node 1 only reach each other over the veth pair, by address."""
+    master = two_hosts[0][2]
+    hosts = [(["ip", "netns", "exec", name], {"GLOO_SOCKET_IFNAME": link}, master)
+             for name, link, _ in two_hosts]
+    result = _two_node_launch(tmp_path, hosts)
+    assert result["world_size"] == 2
+    assert_same_model(result, reference_run)
+
+
+def test_bad_hostfile_stops_the_script_before_launch(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode0 slots=1\nnode2 slot=1\n")
+    path = tiny_config(tmp_path)
+    proc = run([str(REPO / "launch" / "multinode_no_ssh.sh"), str(hostfile), "0", "127.0.0.1", str(path)],
+               env=launcher_env(), expect_ok=False, timeout=120)
+    assert proc.returncode == 2
+    assert f"{hostfile}:2: host 'node0' is listed again (first on line 1)" in proc.stderr
+    assert f"{hostfile}:3: 'node2 slot=1' is not 'HOSTNAME slots=N'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_world_size_not_dividing_the_batch_fails_on_every_rank(tmp_path):
+    """3 ranks cannot split 8 tasks/meta-step of 4-task micro-batches: each rank says so and
+    exits before the first collective (no rank waits for a peer)."""
+    path = tiny_config(tmp_path)
+    proc = run(deepspeed_cmd(3, str(BIN / "gmeta-ds"), "train", "--config", str(path)),
+               expect_ok=False, timeout=180)
+    assert proc.returncode != 0
+    message = "meta.tasks_per_meta_step (8) must be a multiple of meta.tasks_per_micro_batch (4) x world size (3)"
+    assert (proc.stdout + proc.stderr).count(message) == 3
+
+
+def test_missing_and_conflicting_deepspeed_configs(tmp_path):
+    path = tiny_config(tmp_path)
+    base = [str(BIN / "gmeta-ds"), "train", "--config", str(path)]
+    proc = run([*base, "--deepspeed", "--deepspeed_config", str(tmp_path / "nope.json")],
+               expect_ok=False, timeout=120)
+    assert proc.returncode == 2
+    assert f"--deepspeed_config: DeepSpeed config file '{tmp_path / 'nope.json'}' does not exist" in proc.stderr
+    accel_env = {"ACCELERATE_USE_DEEPSPEED": "true",
+                 "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "ds_configs" / "zero1.json")}
+    proc = run([*base, "--deepspeed_config", str(REPO / "ds_configs" / "zero2.json")], env=accel_env,
+               expect_ok=False, timeout=120)
+    assert proc.returncode == 2
+    assert "the launch names two different DeepSpeed configs" in proc.stderr
+    assert not (tmp_path / "run").exists()
