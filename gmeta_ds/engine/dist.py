@@ -61,12 +61,29 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
         os.environ.update(single)
         _SET_BY_US.update(single)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        skip_deepspeed_shm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         if backend == "gloo":
             unlink_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+def skip_deepspeed_shm_op() -> bool:
+    """Keep DeepSpeed's CPU backend from JIT-building and mapping its shared-memory all-reduce
+    op, which only ``inference_all_reduce`` (tensor-parallel inference) uses, never training.
+    Left alone it costs a C++ build at start-up (gcc needed; rebuilt whenever launchers
+    differ in environment: ~40 s at 2 cores), 66 MB of RAM per rank in /dev/shm that
+    DeepSpeed never frees, and a busy-wait for peers' buffers that never appear across hosts.
+    Returns False where this DeepSpeed has no such hook (then `unlink_shm_buffers` cleans up)."""
+    import deepspeed.comm.torch as ds_torch
+
+    if not hasattr(ds_torch, "build_shm_op"):
+        return False
+    ds_torch.build_shm_op = lambda: None
+    return True
 
 
 def unlink_shm_buffers() -> list[Path]:

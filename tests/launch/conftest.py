@@ -46,7 +46,7 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
 def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
         expect_ok: bool = True) -> subprocess.CompletedProcess:
     """Run a command with a hard timeout; on failure show its output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **launcher_env(), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=REPO)
     if expect_ok and proc.returncode != 0:
@@ -87,5 +87,6 @@ def leaked_shm(port: int) -> list[Path]:
 
 
 def launcher_env() -> dict:
-    """Environment for launcher scripts: this venv's gmeta-ds, deepspeed, torchrun first."""
+    """This venv's gmeta-ds, deepspeed, torchrun first on PATH, for every subprocess: DeepSpeed's
+    JIT-built CPU ops (Adam) are rebuilt (~40 s) whenever PATH changes between runs."""
     return {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

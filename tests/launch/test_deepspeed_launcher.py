@@ -35,7 +35,7 @@ def test_bf16_configs_train_close_to_fp32(tmp_path, reference_run, ds_file):
     assert result["ds_config"]["bf16"]["enabled"] is True
     assert result["dense_checksum"] != reference_run["dense_checksum"]  # bf16 really ran
     assert result["final_query_loss"] == pytest.approx(reference_run["final_query_loss"], abs=0.02)
-    assert result["dense_checksum"] == pytest.approx(reference_run["dense_checksum"], rel=0.05)
+    assert result["dense_checksum"] == pytest.approx(reference_run["dense_checksum"], abs=0.1)
 
 
 def test_deepspeed_module_form_with_reptile(tmp_path):
