@@ -5,6 +5,7 @@
     gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH]
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
+    gmeta-ds export   CHECKPOINT OUT.safetensors
 
 ``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
 and Accelerate's ``deepspeed_config_file`` override the run config's ``deepspeed:`` key.
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--weights", default=None,
                            help="safetensors file (default: OUTPUT_DIR/model.safetensors)")
+    p = sub.add_parser("export", help="one safetensors file (dense + full tables) from a checkpoint")
+    p.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints (its latest) or one step_* directory")
+    p.add_argument("out", help="the .safetensors file to write")
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
@@ -176,6 +180,15 @@ def _cmd_plot(run_dir: str, out: str | None) -> int:
     return 0
 
 
+def _cmd_export(checkpoint_path: str, out: str) -> int:
+    from gmeta_ds import checkpoint
+
+    ckpt = checkpoint.find(checkpoint_path, ".")
+    path = checkpoint.export(ckpt, Path(out))
+    print(f"wrote {path} (checkpoint {ckpt})")
+    return 0
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     """``--set`` overrides plus the DeepSpeed config the launcher imposes, if any."""
     from gmeta_ds.launchers import launcher_ds_config
@@ -196,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
+        if args.command == "export":
+            return _cmd_export(args.checkpoint, args.out)
         cfg = load_config(args.config, _overrides(args))
         if args.command == "validate":
             return _cmd_validate(cfg, args)

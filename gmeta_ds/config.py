@@ -161,6 +161,10 @@ class TrainConfig:
     collective_timeout_s: int = 600
     progress: bool = True                     # tqdm bar on rank 0 (meta-step, tasks/s, query loss)
     tensorboard: bool = True                  # TensorBoard events under OUTPUT_DIR/tensorboard (rank 0)
+    checkpoint_every: int = 0                 # meta-steps between checkpoints (and one at the end); 0 = none
+    keep_last: int = 2                        # complete checkpoints kept (0 = all)
+    # Resume: null, "auto" (OUTPUT_DIR/checkpoints/latest when there is one), or a checkpoint path.
+    resume: Union[str, None] = None
 
 
 @dataclass
@@ -289,6 +293,12 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
                         f"training users next to data.test_fraction ({cfg.data.test_fraction})")
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
+    for key in ("checkpoint_every", "keep_last"):
+        value = getattr(cfg.train, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"train.{key}: {value!r} must be an integer >= 0")
+    if cfg.train.resume is not None and not (isinstance(cfg.train.resume, str) and cfg.train.resume):
+        problems.append(f"train.resume: {cfg.train.resume!r} must be null, 'auto' or a checkpoint path")
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
     if any(h <= 0 for h in cfg.model.hidden):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
@@ -93,8 +94,15 @@ class MetricsLog:
     and, with ``train.tensorboard``, the same scalars as TensorBoard events under
     ``OUTPUT_DIR/tensorboard`` (nested dicts become ``a/b`` tags)."""
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool = True):
-        self.file = open(output_dir / "metrics.jsonl", "w") if enabled else None
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool = True, resumed_at: int = 0):
+        path = output_dir / "metrics.jsonl"
+        kept = []
+        if enabled and resumed_at and path.is_file():  # keep the records up to the checkpoint
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resumed_at]
+        self.file = open(path, "w") if enabled else None
+        if self.file and kept:
+            self.file.write("\n".join(kept) + "\n")
         self.board = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -165,23 +173,33 @@ def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
 
 
 def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int,
-               log: MetricsLog) -> dict:
-    """Run ``train.meta_steps`` meta-steps, logging to ``log``; returns the last record."""
+               log: MetricsLog, resume: dict | None = None, ckpt_meta: dict | None = None) -> dict:
+    """Run meta-steps up to ``train.meta_steps`` (from a checkpoint's position when ``resume``
+    holds its manifest), logging to ``log`` and checkpointing every
+    ``train.checkpoint_every`` steps and at the end; returns the last record."""
     lengths = task_lengths(data.train) if cfg.data.bucket_by_length else None
     sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
                                plan.world_size, rank, cfg.seed, lengths)
     loader = TaskLoader(data.train, sampler, cfg.data.prefetch)
+    first = 0
+    if resume is not None:
+        loader.load_state_dict(resume["loader"])
+        first = resume["step"]
     fields = [f.name for f in single_fields(data.fields)]
     comm = dense_allreduce_bytes(engine.module, plan.world_size)
-    bar = tqdm(total=cfg.train.meta_steps, disable=rank != 0 or not cfg.train.progress,
+    bar = tqdm(total=cfg.train.meta_steps, initial=first, disable=rank != 0 or not cfg.train.progress,
                desc="meta-train", unit="step")
+    every = cfg.train.checkpoint_every
     record, window_start, window_steps, padding = {}, time.perf_counter(), 0, 0.0
     try:
-        for step in range(cfg.train.meta_steps):
+        for step in range(first, cfg.train.meta_steps):
             stats = meta_step(engine, sharded, fields, loader.next())
             window_steps += 1
             padding += stats.padding_efficiency
             last = step + 1 == cfg.train.meta_steps
+            if every and ((step + 1) % every == 0 or last):
+                checkpoint.save(engine, sharded, loader.state_dict(), step + 1, cfg.output_dir,
+                                cfg.train.keep_last, ckpt_meta or {})
             if (step + 1) % cfg.train.log_every and not last:
                 bar.update(1)
                 continue
@@ -284,6 +302,18 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields) -> dict:
+    """What a checkpoint must match to load into this run: tables, fields, dense shapes."""
+    tables = ({n: [p.table.num_rows, p.table.dim] for n, p in sharded.plan.tables.items()}
+              if sharded is not None else {})
+    return {"tables": tables, "fields": [f.name for f in fields], "algorithm": cfg.meta.algorithm,
+            "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
+
+
+def _saved_world(ckpt: Path) -> int:
+    return int(json.loads((ckpt / checkpoint.MANIFEST).read_text())["world_size"])
+
+
 def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     """Meta-train, evaluate (rank 0) and write ``summary.json``; returns the summary."""
     start = time.perf_counter()
@@ -293,9 +323,16 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     engine = ds_engine.initialize(learner, ds_config)
-    log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard)
+    ckpt_meta = checkpoint_meta(cfg, engine.module, sharded, data.fields)
+    resume = None
+    if cfg.train.resume:
+        found = checkpoint.find(cfg.train.resume, cfg.output_dir)
+        if found is not None:
+            resume = checkpoint.load(found, engine, sharded, ckpt_meta,
+                                     same_world=_saved_world(found) == plan.world_size)
+    log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
-        last = train_loop(cfg, engine, sharded, data, plan, rank, log)
+        last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)
     except BaseException:
         log.close()
         raise
@@ -316,6 +353,10 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     summary = {}
     if rank == 0:
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
+                   "resumed_from": ({"checkpoint": str(found), "step": resume["step"],
+                                     "world_size": resume["world_size"],
+                                     "optimizer_restored": resume["optimizer_restored"]}
+                                    if resume else None),
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation,

@@ -78,9 +78,11 @@ def skip_deepspeed_shm_op() -> bool:
     differ in environment: ~40 s at 2 cores), 66 MB of RAM per rank in /dev/shm that
     DeepSpeed never frees, and a busy-wait for peers' buffers that never appear across hosts.
     Returns False where this DeepSpeed has no such hook (then `unlink_shm_buffers` cleans up)."""
-    import deepspeed.comm.torch as ds_torch
+    import importlib
 
-    if not hasattr(ds_torch, "build_shm_op"):
+    # Not ``import deepspeed.comm.torch``: deepspeed.comm's attribute ``torch`` is torch itself.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not hasattr(ds_torch, "build_shm_op") or not hasattr(ds_torch, "TorchBackend"):
         return False
     ds_torch.build_shm_op = lambda: None
     return True

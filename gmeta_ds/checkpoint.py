@@ -1,0 +1,338 @@
+"""Checkpoints: DeepSpeed's own for the dense state, ours for sharded embeddings and the trainer.
+
+Layout under ``OUTPUT_DIR/checkpoints``::
+
+    step_00000040/                      one checkpoint (the tag)
+      <DeepSpeed's files>               engine.save_checkpoint: dense weights, optimizer (ZeRO
+                                        partitions), loss scaler
+      dense.safetensors                 rank 0: the dense module's weights (export, no DeepSpeed)
+      rank00000.safetensors             per rank: its embedding rows with their global ids, the
+                                        sparse optimizers' per-row state, this rank's RNG states
+      manifest.json                     rank 0, last: step, world size, plan, loader position,
+                                        the SHA-256 of every file above
+    latest                              the tag of the newest complete checkpoint
+
+A checkpoint is complete when its manifest exists: rank 0 writes it after a barrier that every
+rank reaches only once its files are on disk, then moves ``latest`` (atomic rename), then the
+oldest checkpoints beyond ``train.keep_last`` are removed. A rank that dies mid-save leaves a
+directory without a manifest, which loading never picks and the next save removes.
+
+Embedding rows are saved by global id, so a checkpoint loads at any world size and plan
+(resharding). Every file is verified against the manifest's hashes before anything is
+deserialised, and DeepSpeed's pickled files are first opened with ``weights_only=True``, so a
+file crafted to run code on unpickling is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gmeta_ds.errors import ConfigError
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+MANIFEST = "manifest.json"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def tag_of(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- per-rank state
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"rng.torch": torch.get_rng_state()}
+    np_state = np.random.get_state()
+    state["rng.numpy.keys"] = torch.from_numpy(np_state[1].astype(np.int64))
+    state["rng.numpy.pos"] = torch.tensor([np_state[2]], dtype=torch.int64)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["rng.torch"])
+    np.random.set_state(("MT19937", state["rng.numpy.keys"].numpy().astype(np.uint32),
+                         int(state["rng.numpy.pos"][0]), 0, 0.0))
+
+
+def shard_state(sharded) -> dict[str, torch.Tensor]:
+    """This rank's embedding rows (with global ids) and sparse-optimizer state, flat."""
+    out: dict[str, torch.Tensor] = {}
+    if sharded is None:
+        return out
+    for name, param in sharded.shards.items():
+        plan = sharded.plan.tables[name]
+        out[f"table.{name}.ids"] = plan.global_ids(sharded.rank).to(torch.int64)
+        out[f"table.{name}.rows"] = param.detach().clone()
+        for key, value in sharded.optimizers[name].state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
+                out[f"table.{name}.row_state.{key}"] = value.detach().clone()
+            elif value is not None:
+                out[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
+    return out
+
+
+def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
+    """Fill this rank's rows and optimizer state from every saved rank's file (any old world
+    size or plan): each row comes from the file that holds its global id."""
+    for name, param in sharded.shards.items():
+        plan = sharded.plan.tables[name]
+        mine = plan.global_ids(sharded.rank)
+        position = torch.full((plan.table.num_rows,), -1, dtype=torch.int64)
+        position[mine] = torch.arange(len(mine))
+        rows = torch.empty_like(param.data)
+        filled = torch.zeros(len(mine), dtype=torch.bool)
+        row_state: dict[str, torch.Tensor] = {}
+        scalar_state: dict[str, float] = {}
+        for f in files:
+            if f"table.{name}.ids" not in f:
+                raise ConfigError([f"checkpoint has no embedding table {name!r}"])
+            ids = f[f"table.{name}.ids"]
+            saved = f[f"table.{name}.rows"]
+            if saved.shape[1:] != param.shape[1:] or (len(ids) and int(ids.max()) >= plan.table.num_rows):
+                raise ConfigError([f"checkpoint table {name!r} has rows of shape {tuple(saved.shape[1:])} "
+                                   f"and ids up to {int(ids.max()) if len(ids) else -1}; the config "
+                                   f"builds {plan.table.num_rows} x {plan.table.dim}"])
+            where = position[ids]
+            keep = where >= 0
+            rows[where[keep]] = saved[keep]
+            filled[where[keep]] = True
+            prefix = f"table.{name}.row_state."
+            for key in [k for k in f if k.startswith(prefix)]:
+                value = f[key]
+                state = row_state.setdefault(key[len(prefix):], torch.zeros((len(mine), *value.shape[1:]),
+                                                                          dtype=value.dtype))
+                state[where[keep]] = value[keep]
+            prefix = f"table.{name}.scalar_state."
+            for key in [k for k in f if k.startswith(prefix)]:
+                short = key[len(prefix):]
+                # Lazy optimizers count steps per shard; after resharding take the largest.
+                scalar_state[short] = max(scalar_state.get(short, 0.0), float(f[key][0]))
+        if not bool(filled.all()):
+            raise ConfigError([f"checkpoint is missing {int((~filled).sum())} row(s) of table {name!r}"])
+        with torch.no_grad():
+            param.copy_(rows)
+        optimizer = sharded.optimizers[name]
+        state = optimizer.state[param]
+        for key, value in row_state.items():
+            state[key] = value
+        for key, value in scalar_state.items():
+            old = state.get(key)
+            if torch.is_tensor(old):
+                state[key] = torch.tensor(value, dtype=old.dtype)
+            elif isinstance(old, int) or key == "step" and optimizer.__class__.__name__ == "SparseAdam":
+                state[key] = int(value)
+            else:
+                state[key] = torch.tensor(value)
+
+
+# ---------------------------------------------------------------------------- save
+def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path, keep_last: int,
+         meta: dict) -> Path:
+    """Write checkpoint ``step`` (collective: every rank calls it); returns its directory."""
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    root = checkpoint_root(output_dir)
+    tag = tag_of(step)
+    ckpt = root / tag
+    if rank == 0:
+        if ckpt.exists():  # an incomplete or older copy of the same step
+            shutil.rmtree(ckpt)
+        ckpt.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state={"gmeta_ds_step": step},
+                           save_latest=False)
+    own = {**shard_state(sharded), **_rng_state()}
+    save_file({k: v.contiguous() for k, v in own.items()}, str(ckpt / f"rank{rank:05d}.safetensors"))
+    if rank == 0:
+        dense = {k: v.detach().float().contiguous().cpu()
+                 for k, v in engine.module.state_dict().items()}
+        save_file(dense, str(ckpt / "dense.safetensors"))
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world,
+                    "loader": loader_state, **meta,
+                    "files": {str(p.relative_to(ckpt)): _sha256(p) for p in files}}
+        _write_json(ckpt / MANIFEST, manifest)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(tag + "\n")
+        os.replace(tmp, root / LATEST)
+        _prune(root, keep_last, tag)
+    _barrier()
+    return ckpt
+
+
+def _prune(root: Path, keep_last: int, newest: str) -> None:
+    """Remove incomplete checkpoints and complete ones beyond the newest ``keep_last``."""
+    complete = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    for path in root.glob("step_*"):
+        if path.name != newest and not (path / MANIFEST).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+    if keep_last > 0:
+        for path in complete[:-keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- load
+def find(resume: str, output_dir: str | Path) -> Path | None:
+    """The checkpoint directory ``train.resume`` names: ``auto`` = the run's ``latest`` (None
+    when there is none yet), a checkpoints root (its ``latest``), or one checkpoint directory."""
+    path = checkpoint_root(output_dir) if resume == "auto" else Path(resume)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    elif resume == "auto":
+        return None
+    if not (path / MANIFEST).is_file():
+        raise ConfigError([f"train.resume: {str(path)!r} is not a complete checkpoint (no {MANIFEST}; "
+                           "expected OUTPUT_DIR/checkpoints or one of its step_* directories)"])
+    return path
+
+
+def read_manifest(ckpt: Path) -> dict:
+    """The manifest, with every listed file present and matching its SHA-256."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"{ckpt / MANIFEST}: not valid JSON ({exc.msg})"]) from exc
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ConfigError([f"{ckpt / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}"])
+    problems = []
+    for name, digest in manifest["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in the manifest but missing")
+        elif _sha256(path) != digest:
+            problems.append(f"{path}: contents differ from the manifest's SHA-256 (modified or truncated)")
+    unlisted = [p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST
+                and str(p.relative_to(ckpt)) not in manifest["files"]]
+    problems += [f"{p}: not part of the checkpoint (not in the manifest)" for p in unlisted]
+    if problems:
+        raise ConfigError(problems, str(ckpt))
+    return manifest
+
+
+# Plain data holders DeepSpeed pickles into its checkpoints (loss scaler, ZeRO stage, the
+# fragment map of ZeRO partitions): the only non-tensor classes allowed when unpickling.
+_DEEPSPEED_SAFE = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                   ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+                   ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                   ("deepspeed.utils.tensor_fragment", "fragment_address"))
+
+
+def _deepspeed_safe_globals() -> list:
+    import importlib
+
+    found = []
+    for module, name in _DEEPSPEED_SAFE:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+def check_pickles(ckpt: Path) -> None:
+    """Open every DeepSpeed ``.pt`` file with ``weights_only=True`` (tensors, containers and
+    DeepSpeed's few data classes only): a file that would run code or build arbitrary objects
+    on unpickling is refused before DeepSpeed opens it."""
+    allowed = _deepspeed_safe_globals()
+    for path in sorted(ckpt.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any refusal is a refusal
+            raise ConfigError([f"{path}: refused by torch.load(weights_only=True): "
+                               f"{str(exc).splitlines()[0][:300]}"]) from exc
+
+
+def check_compatible(manifest: dict, meta: dict, ckpt: Path) -> None:
+    """The checkpoint was written for this model: same tables (rows x dim), fields and dense
+    parameter shapes."""
+    problems = []
+    for key in ("tables", "fields", "dense_shapes", "algorithm"):
+        if manifest.get(key) != meta.get(key):
+            problems.append(f"{key}: checkpoint has {manifest.get(key)!r}, the config builds {meta.get(key)!r}")
+    if problems:
+        raise ConfigError(problems, f"{ckpt / MANIFEST} (the run config does not match the checkpoint)")
+
+
+def load(ckpt: Path, engine, sharded, meta: dict, same_world: bool) -> dict:
+    """Restore dense state (DeepSpeed), embedding rows and optimizer state (resharded), RNG;
+    returns the manifest (step and loader position). Verified before anything is loaded."""
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(ckpt)
+    check_compatible(manifest, meta, ckpt)
+    check_pickles(ckpt)
+    stage = engine.zero_optimization_stage()
+    # ZeRO-1/2 optimizer partitions only load at the world size that wrote them.
+    load_optimizer = same_world or stage == 0
+    path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                     load_optimizer_states=load_optimizer,
+                                     load_module_only=not load_optimizer)
+    if path is None:
+        raise ConfigError([f"{ckpt}: DeepSpeed found no checkpoint to load"])
+    files = [load_file(str(ckpt / f"rank{r:05d}.safetensors")) for r in range(manifest["world_size"])]
+    if sharded is not None:
+        load_shard_state(sharded, files)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if same_world:
+        _set_rng_state(files[rank])
+    manifest["optimizer_restored"] = load_optimizer
+    return manifest
+
+
+def export(ckpt: Path, out: Path) -> Path:
+    """One safetensors file with the dense weights and every full table, under the names of the
+    unsharded model (loads without DeepSpeed or a process group)."""
+    from safetensors.torch import load_file, save_file
+
+    manifest = read_manifest(ckpt)
+    state = load_file(str(ckpt / "dense.safetensors"))
+    files = [load_file(str(ckpt / f"rank{r:05d}.safetensors")) for r in range(manifest["world_size"])]
+    for name, (rows, dim) in manifest.get("tables", {}).items():
+        table = torch.empty(rows, dim)
+        seen = torch.zeros(rows, dtype=torch.bool)
+        for f in files:
+            ids = f[f"table.{name}.ids"]
+            table[ids] = f[f"table.{name}.rows"]
+            seen[ids] = True
+        if not bool(seen.all()):
+            raise ConfigError([f"{ckpt}: table {name!r} is missing rows"])
+        state[f"net.embedding.weights.{name}"] = table
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(state, str(tmp))
+    os.replace(tmp, out)
+    return out

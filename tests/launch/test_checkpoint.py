@@ -1,0 +1,153 @@
+"""Checkpoints through the real CLI and launcher: exact resume, resume at another world size
+(embedding tables resharded), export, and refusal of tampered or mismatched checkpoints."""
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, REPO, deepspeed_cmd, run, summary, tiny_config
+from safetensors.torch import load_file
+
+from gmeta_ds import checkpoint
+from gmeta_ds.errors import ConfigError
+
+pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
+
+SHARDED = {"sharding": "sharded", "plan": "row_wise",
+           "tables": {"gender": {"plan": "replicated"}, "price": {"plan": "table_wise"},
+                      "age": {"optimizer": "rowwise_adagrad"}, "region": {"optimizer": "sgd"}}}
+
+
+def config(tmp_path: Path, stage: int, steps: int, **extra) -> Path:
+    return tiny_config(tmp_path, embedding=SHARDED,
+                       train={"meta_steps": steps, "log_every": 1, "lr": 0.01, "progress": False,
+                              "checkpoint_every": 3, "keep_last": 2},
+                       deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"), **extra)
+
+
+def train(path: Path, world: int, *overrides: str) -> dict:
+    args = ["train", "--config", str(path), *[a for o in overrides for a in ("--set", o)]]
+    cmd = [str(BIN / "gmeta-ds"), *args] if world == 1 else deepspeed_cmd(world, str(BIN / "gmeta-ds"), *args)
+    run(cmd)
+    return summary(path)
+
+
+def losses(path: Path) -> list[float]:
+    out = Path(json.loads(json.dumps(summary(path)["config"]["output_dir"])))
+    return [json.loads(line)["query_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """6 meta-steps in one go, per world size and stage."""
+    cache = {}
+
+    def get(world: int, stage: int):
+        if (world, stage) not in cache:
+            path = config(tmp_path_factory.mktemp(f"full{world}{stage}"), stage, 6)
+            cache[world, stage] = (train(path, world), losses(path))
+        return cache[world, stage]
+    return get
+
+
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 2)])
+def test_exact_resume(tmp_path, uninterrupted, world, stage):
+    """Stopped after 3 of 6 meta-steps and resumed: the same parameters and the same per-step
+    losses as the uninterrupted run."""
+    path = config(tmp_path, stage, 3)
+    train(path, world)
+    resumed = train(path, world, "train.meta_steps=6", "train.resume=auto")
+    full, full_losses = uninterrupted(world, stage)
+    assert resumed["resumed_from"]["step"] == 3 and resumed["resumed_from"]["optimizer_restored"]
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-6), key
+    assert losses(path) == pytest.approx(full_losses, rel=1e-6)
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert kept == ["step_00000003", "step_00000006"]
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3)])
+def test_resume_at_another_world_size_reshards_tables(tmp_path, uninterrupted, before, after):
+    """ZeRO-0 (full optimizer state in every checkpoint): the same global tasks per meta-step
+    give the unchanged run's model after resharding the embedding rows and their state."""
+    tasks = {"tasks_per_micro_batch": 2, "tasks_per_meta_step": 12} if 3 in (before, after) else {}
+    meta = {"algorithm": "maml", "inner_steps": 2, "inner_lr": 0.1, "tasks_per_micro_batch": 4,
+            "tasks_per_meta_step": 8, **tasks}
+    path = config(tmp_path, 0, 3, meta=meta)
+    train(path, before)
+    resumed = train(path, after, "train.meta_steps=6", "train.resume=auto")
+    assert resumed["resumed_from"]["world_size"] == before and resumed["world_size"] == after
+    if tasks:
+        full = train(config(tmp_path / "full", 0, 6, meta=meta), 1)
+    else:
+        full = uninterrupted(1, 0)[0]
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
+
+
+def test_zero2_at_another_world_size_restores_weights_not_adam(tmp_path, uninterrupted):
+    path = config(tmp_path, 2, 3)
+    train(path, 2)
+    resumed = train(path, 1, "train.meta_steps=6", "train.resume=auto")
+    assert resumed["resumed_from"]["optimizer_restored"] is False
+    assert resumed["final_query_loss"] == pytest.approx(uninterrupted(2, 2)[0]["final_query_loss"], abs=0.05)
+
+
+def test_export_equals_the_final_weights(tmp_path):
+    path = config(tmp_path, 0, 3)
+    train(path, 2)
+    out = tmp_path / "export.safetensors"
+    run([str(BIN / "gmeta-ds"), "export", str(tmp_path / "run" / "checkpoints"), str(out)])
+    exported, final = load_file(str(out)), load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert sorted(exported) == sorted(final)
+    for key in final:
+        torch.testing.assert_close(exported[key], final[key], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("saved")
+    path = config(tmp, 0, 3)
+    train(path, 1)
+    return tmp
+
+
+def test_tampered_or_malicious_files_are_refused(saved, tmp_path):
+    import shutil
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "run" / "checkpoints" / "step_00000003", ckpt)
+    target = ckpt / "mp_rank_00_model_states.pt"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    target.write_bytes(pickle.dumps({"module": Evil()}))
+    with pytest.raises(ConfigError, match="contents differ from the manifest's SHA-256"):
+        checkpoint.read_manifest(ckpt)
+    with pytest.raises(ConfigError, match="refused by torch.load.weights_only=True."):
+        checkpoint.check_pickles(ckpt)  # even with a forged manifest hash
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_incomplete_checkpoint_is_never_picked(saved, tmp_path):
+    import shutil
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved / "run" / "checkpoints", root)
+    (root / "step_00000006").mkdir()  # a save that died before its manifest
+    (root / "step_00000006" / "rank00000.safetensors").write_bytes(b"partial")
+    assert checkpoint.find(str(root), ".") == root / "step_00000003"
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        checkpoint.find(str(root / "step_00000006"), ".")
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(saved):
+    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(saved / "config.yaml"),
+                "--set", "model.embed_dim=6", "--set", "train.meta_steps=6", "--set", "train.resume=auto"],
+               expect_ok=False)
+    assert proc.returncode == 2
+    assert "the run config does not match the checkpoint" in proc.stderr
+    assert "tables: checkpoint has" in proc.stderr
