@@ -27,14 +27,16 @@ def unique_rows(ids_s: Tensor, ids_q: Tensor, rows_s: Tensor, rows_q: Tensor,
                 fields: dict[int, str]) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Deduplicated rows of the adapted fields and per-row indices into them.
 
-    ids_s (T, S, F), ids_q (T, Q, F); rows_s (T, S, F, d), rows_q (T, Q, F, d);
-    fields: position in F -> field name. Returns ({"embedding.<field>": (M_f, d)},
-    index_s (T, S, F), index_q (T, Q, F)) — index columns of other fields are 0.
+    ids_s (T, S, F) single-hot ids; rows_s (T, S, W, d), rows_q (T, Q, W, d) with W >= F
+    (pooled multi-hot fields follow the single-hot ones and are never adapted); fields:
+    position in F -> field name. Returns ({"embedding.<field>": (M_f, d)}, index_s (T, S, W),
+    index_q (T, Q, W)) — index columns of other fields are 0.
     """
     t, s, f = ids_s.shape
+    width, dim = rows_s.shape[2], rows_s.shape[-1]
     ids = torch.cat([ids_s.reshape(-1, f), ids_q.reshape(-1, f)])
-    rows = torch.cat([rows_s.reshape(-1, f, rows_s.shape[-1]), rows_q.reshape(-1, f, rows_q.shape[-1])])
-    index = torch.zeros_like(ids)
+    rows = torch.cat([rows_s.reshape(-1, width, dim), rows_q.reshape(-1, width, dim)])
+    index = torch.zeros(len(ids), width, dtype=ids.dtype)
     table_rows = {}
     positions = torch.arange(len(ids))
     for j, name in fields.items():
@@ -42,7 +44,7 @@ def unique_rows(ids_s: Tensor, ids_q: Tensor, rows_s: Tensor, rows_q: Tensor,
         first = torch.full((len(uniq),), len(ids)).scatter_reduce(0, inverse, positions, "amin")
         table_rows[row_param_name(name)] = rows[first, j]
         index[:, j] = inverse
-    return table_rows, index[: t * s].reshape(t, s, f), index[t * s:].reshape(t, -1, f)
+    return table_rows, index[: t * s].reshape(t, s, width), index[t * s:].reshape(t, -1, width)
 
 
 def compose_rows(fast: dict[str, Tensor], x, fields: dict[int, str]) -> Tensor:

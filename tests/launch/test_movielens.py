@@ -35,6 +35,15 @@ def test_train_then_eval_on_movielens_files(tmp_path):
     assert again["auc"] == pytest.approx(ev["auc"], rel=1e-6)
 
 
+def test_adapted_item_rows_next_to_multi_hot_genres(tmp_path):
+    """meta.adapt with item rows on data that has a pooled multi-hot field (genres)."""
+    path = ml_config(tmp_path)
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "meta.adapt=[mlp.*, embedding.item_id]",
+         "--set", "eval.baseline=false"])
+    ev = summary(path)["eval"]
+    assert 0.0 < ev["auc"] < 1.0 and ev["logloss"] != ev["logloss_no_adapt"]
+
+
 def test_rating_regression_reports_mae_and_rmse(tmp_path):
     path = ml_config(tmp_path)
     proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.label=regression"])

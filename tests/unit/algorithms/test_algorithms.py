@@ -226,3 +226,23 @@ def test_regression_kind_uses_mse_and_matches_finite_differences():
     assert grads["net.mlp.0.weight"][0, 0].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
     gl, ol = meta_grads(make_learner(MAML, kind="regression", lr=0.05, vectorize=False), batch)
     torch.testing.assert_close(out.task_query_loss, ol.task_query_loss)
+
+
+def test_row_adaptation_with_pooled_multi_hot_columns():
+    """Rows carry pooled multi-hot columns after the single-hot ones (W > F): deduplicating the
+    adapted field's rows and composing them back reproduces every column."""
+    from gmeta_ds.functional.rows import unique_rows
+
+    g = torch.Generator().manual_seed(0)
+    t, s, q, f, width, d = 2, 5, 3, 2, 3, 4
+    ids_s, ids_q = torch.randint(0, 4, (t, s, f), generator=g), torch.randint(0, 4, (t, q, f), generator=g)
+    table = torch.randn(4, d, generator=g)
+    pooled_s, pooled_q = torch.randn(t, s, 1, d, generator=g), torch.randn(t, q, 1, d, generator=g)
+    rows_s = torch.cat([table[ids_s], pooled_s], dim=2)
+    rows_q = torch.cat([table[ids_q], pooled_q], dim=2)
+    fast, index_s, index_q = unique_rows(ids_s, ids_q, rows_s, rows_q, {1: "item"})
+    assert index_s.shape == (t, s, width) and fast["embedding.item"].shape[0] == len(torch.unique(
+        torch.cat([ids_s[..., 1].flatten(), ids_q[..., 1].flatten()])))
+    for i in range(t):
+        torch.testing.assert_close(compose_rows(fast, (rows_s[i], index_s[i]), {1: "item"}), rows_s[i])
+        torch.testing.assert_close(compose_rows(fast, (rows_q[i], index_q[i]), {1: "item"}), rows_q[i])
