@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,8 @@ from gmeta_ds.errors import ConfigError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+# "STEP:RANK": that rank SIGKILLs itself in the middle of saving checkpoint STEP (tests only).
+FAULT_ENV = "GMETA_DS_FAULT_KILL_IN_SAVE"
 MANIFEST = "manifest.json"
 
 
@@ -178,6 +181,8 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
         dense = {k: v.detach().float().contiguous().cpu()
                  for k, v in engine.module.state_dict().items()}
         save_file(dense, str(ckpt / "dense.safetensors"))
+    if os.environ.get(FAULT_ENV) == f"{step}:{rank}":  # fault injection for the reliability tests
+        os.kill(os.getpid(), signal.SIGKILL)
     _barrier()  # every rank's files are on disk
     if rank == 0:
         files = sorted(p for p in ckpt.rglob("*") if p.is_file())

@@ -161,6 +161,7 @@ class TrainConfig:
     collective_timeout_s: int = 600
     progress: bool = True                     # tqdm bar on rank 0 (meta-step, tasks/s, query loss)
     tensorboard: bool = True                  # TensorBoard events under OUTPUT_DIR/tensorboard (rank 0)
+    nonfinite: str = "abort"                  # NaN/inf outer loss: abort (error naming step, ranks, tasks) or skip
     checkpoint_every: int = 0                 # meta-steps between checkpoints (and one at the end); 0 = none
     keep_last: int = 2                        # complete checkpoints kept (0 = all)
     # Resume: null, "auto" (OUTPUT_DIR/checkpoints/latest when there is one), or a checkpoint path.
@@ -293,6 +294,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
                         f"training users next to data.test_fraction ({cfg.data.test_fraction})")
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
+    _one_of(problems, "train.nonfinite", cfg.train.nonfinite, ("abort", "skip"))
     for key in ("checkpoint_every", "keep_last"):
         value = getattr(cfg.train, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

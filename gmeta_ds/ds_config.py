@@ -123,6 +123,10 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
                         "(stage 3 partitions parameters outside the engine's forward hooks, "
                         "which the functional inner loop cannot see yet)")
     _fill_optimizer(ds, cfg.train.lr)
+    if plan is not None and cfg.train.nonfinite == "skip" and plan.grad_accum_steps != 1:
+        problems.append(f"train.nonfinite: 'skip' needs one micro-batch per rank and meta-step "
+                        f"(gradient accumulation 1), but {plan.describe()}; raise "
+                        "meta.tasks_per_micro_batch or use 'abort'")
     if problems:
         raise ConfigError(problems, source)
     ds["train_micro_batch_size_per_gpu"] = plan.tasks_per_micro_batch

@@ -145,17 +145,45 @@ class StepStats:
     query_loss: float
     support_loss: float
     padding_efficiency: float
+    skipped: bool = False
+
+
+class NonFiniteLoss(RuntimeError):
+    """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
+
+
+def _nonfinite_anywhere(loss: torch.Tensor) -> bool:
+    """Whether ``loss`` is NaN/inf on any rank (one small all-reduce when world > 1)."""
+    bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return bad.item() > 0
 
 
 def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-              batches: list[TaskBatch]) -> StepStats:
+              batches: list[TaskBatch], step: int = 0, nonfinite: str = "abort") -> StepStats:
     """One outer step: every micro-batch of this rank through backward, then the updates
-    (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one)."""
+    (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
+
+    Before each backward the outer loss is checked for NaN/inf on every rank: ``abort`` raises
+    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids; ``skip`` (one
+    micro-batch per meta-step) drops the meta-step on all ranks, so no update happens at all."""
     query, support = [], []
     for batch in batches:
         rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                 if sharded else None)
         out = engine(batch, rows)
+        if _nonfinite_anywhere(out.loss):
+            finite = bool(torch.isfinite(out.loss.detach()).all())
+            where = _who_is_nonfinite(finite, batch)
+            if nonfinite == "abort":
+                raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
+                    f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
+                    "'skip' drops such meta-steps instead)")
+            if sharded is not None:
+                for p in sharded.parameters():
+                    p.grad = None
+            return StepStats(float("nan"), float("nan"), padding_efficiency(batch), skipped=True)
         engine.backward(out.loss)
         engine.step()
         query.append(out.query_loss.item())
@@ -164,6 +192,17 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
         sharded.step()
     padding = sum(padding_efficiency(b) for b in batches) / len(batches)
     return StepStats(sum(query) / len(query), sum(support) / len(support), padding)
+
+
+def _who_is_nonfinite(finite: bool, batch: TaskBatch) -> list[tuple[int, list[int]]]:
+    """(rank, task ids of its micro-batch) of every rank whose loss is not finite."""
+    mine = None if finite else batch.task_ids.tolist()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    return [(r, ids) for r, ids in enumerate(everyone) if ids is not None]
 
 
 def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
@@ -191,11 +230,19 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
                desc="meta-train", unit="step")
     every = cfg.train.checkpoint_every
     record, window_start, window_steps, padding = {}, time.perf_counter(), 0, 0.0
+    skipped, last_query, last_support = 0, float("nan"), float("nan")
     try:
         for step in range(first, cfg.train.meta_steps):
-            stats = meta_step(engine, sharded, fields, loader.next())
-            window_steps += 1
-            padding += stats.padding_efficiency
+            stats = meta_step(engine, sharded, fields, loader.next(), step, cfg.train.nonfinite)
+            if stats.skipped:
+                skipped += 1
+                if rank == 0:
+                    bar.write(f"meta-step {step + 1}: non-finite loss, skipped on every rank "
+                              f"({skipped} so far)")
+            else:
+                window_steps += 1
+                padding += stats.padding_efficiency
+                last_query, last_support = stats.query_loss, stats.support_loss
             last = step + 1 == cfg.train.meta_steps
             if every and ((step + 1) % every == 0 or last):
                 checkpoint.save(engine, sharded, loader.state_dict(), step + 1, cfg.output_dir,
@@ -203,12 +250,12 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
             if (step + 1) % cfg.train.log_every and not last:
                 bar.update(1)
                 continue
-            query, support, pad = all_mean([stats.query_loss, stats.support_loss, padding / window_steps])
+            query, support, pad = all_mean([last_query, last_support, padding / max(1, window_steps)])
             elapsed = time.perf_counter() - window_start
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                       "query_loss": query, "support_loss": support,
                       "tasks_per_s": window_steps * plan.tasks_per_meta_step / elapsed,
-                      "padding_efficiency": pad,
+                      "padding_efficiency": pad, "skipped_steps": skipped,
                       "dense_allreduce_bytes": comm * window_steps,
                       "embedding_comm_bytes": sharded.stats.total_sent() if sharded else 0}
             if sharded:

@@ -86,6 +86,45 @@ def sharded_equals_unsharded() -> None:
     print("ok", rank)
 
 
+def nonfinite(policy: str) -> None:
+    """A NaN label in one task on rank 1: ``skip`` drops the meta-step on every rank (no
+    parameter moves, the next finite step trains); ``abort`` raises on every rank, naming the
+    meta-step, the rank and its task ids."""
+    from helpers import tiny_batch, tiny_melu
+
+    from gmeta_ds.algorithms import MetaLearner, build_algorithm
+    from gmeta_ds.config import MetaConfig
+    from gmeta_ds.engine import ds_engine
+    from gmeta_ds.engine.dist import skip_deepspeed_shm_op
+    from gmeta_ds.trainer import NonFiniteLoss, meta_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    skip_deepspeed_shm_op()
+    torch.manual_seed(0)
+    learner = MetaLearner(tiny_melu(), build_algorithm(MetaConfig(algorithm="maml", inner_steps=1), "binary"))
+    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
+          "train_batch_size": 3 * world, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine = ds_engine.initialize(learner, ds)
+    before = ds_engine.checksums(engine.module)
+    bad = tiny_batch(seed=rank)
+    if rank == 1:
+        bad.support_y[1, 0] = float("nan")
+    if policy == "abort":
+        try:
+            meta_step(engine, None, [], [bad], step=6, nonfinite="abort")
+        except NonFiniteLoss as exc:
+            assert "meta-step 7: non-finite outer loss on rank 1 (tasks [0, 1, 2])" in str(exc), str(exc)
+            print("raised", rank)
+            return
+        raise AssertionError("no NonFiniteLoss")
+    stats = meta_step(engine, None, [], [bad], step=6, nonfinite="skip")
+    assert stats.skipped and ds_engine.checksums(engine.module) == before
+    stats = meta_step(engine, None, [], [tiny_batch(seed=10 + rank)], step=7, nonfinite="skip")
+    assert not stats.skipped and ds_engine.checksums(engine.module) != before
+    print("skipped", rank)
+
+
 def main() -> None:
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     globals()[sys.argv[1]](*sys.argv[2:])

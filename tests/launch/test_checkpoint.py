@@ -21,10 +21,10 @@ SHARDED = {"sharding": "sharded", "plan": "row_wise",
                       "age": {"optimizer": "rowwise_adagrad"}, "region": {"optimizer": "sgd"}}}
 
 
-def config(tmp_path: Path, stage: int, steps: int, **extra) -> Path:
+def config(tmp_path: Path, stage: int, steps: int, train_extra: dict | None = None, **extra) -> Path:
     return tiny_config(tmp_path, embedding=SHARDED,
                        train={"meta_steps": steps, "log_every": 1, "lr": 0.01, "progress": False,
-                              "checkpoint_every": 3, "keep_last": 2},
+                              "checkpoint_every": 3, "keep_last": 2, **(train_extra or {})},
                        deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"), **extra)
 
 
@@ -151,3 +151,61 @@ def test_checkpoint_of_another_model_is_a_clear_error(saved):
     assert proc.returncode == 2
     assert "the run config does not match the checkpoint" in proc.stderr
     assert "tables: checkpoint has" in proc.stderr
+
+
+def _rank_pids(config_path: Path, local_rank: int) -> list[int]:
+    import subprocess as sp
+    out = sp.run(["pgrep", "-f", f"local_rank={local_rank} train --config {config_path}"],
+                 capture_output=True, text=True, timeout=10).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
+    """SIGKILL rank 1 after the first checkpoint: the job exits non-zero well within the
+    collective timeout, naming the lost rank; resuming from `latest` finishes the run."""
+    import os
+    import signal
+    import subprocess as sp
+    import time
+
+    path = config(tmp_path, 0, 2000, {"checkpoint_every": 2, "collective_timeout_s": 60})
+    cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = sp.Popen(cmd, cwd=REPO, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 180
+        while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert latest.exists(), "no checkpoint within 180 s"
+        victims = _rank_pids(path, 1)
+        assert victims, "rank 1 not found"
+        killed_at = time.monotonic()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60 + 60)  # collective timeout + margin
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode != 0 and took < 120
+    assert "--local_rank=1" in out and "return code = -9" in out
+    step = int(latest.read_text().strip().split("_")[1])
+    resumed = train(path, 1, f"train.meta_steps={step + 2}", "train.resume=auto")
+    assert resumed["resumed_from"]["step"] == step and resumed["world_size"] == 1
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
+    path = config(tmp_path, 0, 6)
+    cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path))
+    proc = run(cmd, env={checkpoint.FAULT_ENV: "6:1"}, expect_ok=False)
+    assert proc.returncode != 0
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert not (root / "step_00000006" / "manifest.json").exists()
+    assert checkpoint.find("auto", tmp_path / "run") == root / "step_00000003"
+    checkpoint.read_manifest(root / "step_00000003")  # intact: every hash matches
+    resumed = train(path, 2, "train.resume=auto")
+    assert resumed["resumed_from"]["step"] == 3 and resumed["meta_steps"] == 6
+    assert (root / "latest").read_text().strip() == "step_00000006"

@@ -41,6 +41,9 @@ def test_validate_prints_resolved_plan(tmp_path, capsys):
     (["deepspeed={zero_optimization: {stage: 3}}"], "supported stages: 0, 1, 2"),
     (["meta.tasks_per_meta_step=6"], "must be a multiple of meta.tasks_per_micro_batch (4)"),
     (["meta.adapt=[decoder.*]"], "matches nothing; candidates are: mlp.0.weight"),
+    (["train.nonfinite=skip"], "train.nonfinite: 'skip' needs one micro-batch per rank and meta-step"),
+    (["train.nonfinite=ignore"], "train.nonfinite: 'ignore' is not one of abort, skip"),
+    (["train.keep_last=-1"], "train.keep_last: -1 must be an integer >= 0"),
     (["embedding.sharding=sharded", "embedding.tables.nope.plan=row_wise"], "unknown table(s) ['nope']"),
 ])
 def test_bad_input_exits_2_with_the_documented_message(tmp_path, capsys, overrides, message):
