@@ -87,6 +87,5 @@ def leaked_shm(port: int) -> list[Path]:
 
 
 def launcher_env() -> dict:
-    """This venv's gmeta-ds, deepspeed, torchrun first on PATH, for every subprocess: DeepSpeed's
-    JIT-built CPU ops (Adam) are rebuilt (~40 s) whenever PATH changes between runs."""
-    return {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    """PATH as tests/conftest.py set it (this venv's bin first) for launcher subprocesses."""
+    return {"PATH": os.environ["PATH"]}

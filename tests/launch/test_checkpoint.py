@@ -170,7 +170,7 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
 
     path = config(tmp_path, 0, 2000, {"checkpoint_every": 2, "collective_timeout_s": 60})
     cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = sp.Popen(cmd, cwd=REPO, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
     latest = tmp_path / "run" / "checkpoints" / "latest"
     try:
