@@ -292,18 +292,56 @@ def check_compatible(manifest: dict, meta: dict, ckpt: Path) -> None:
         raise ConfigError(problems, f"{ckpt / MANIFEST} (the run config does not match the checkpoint)")
 
 
-def load(ckpt: Path, engine, sharded, meta: dict, same_world: bool) -> dict:
-    """Restore dense state (DeepSpeed), embedding rows and optimizer state (resharded), RNG;
-    returns the manifest (step and loader position). Verified before anything is loaded."""
-    from safetensors.torch import load_file
-
+def verify(ckpt: Path, meta: dict) -> dict:
+    """Hashes, model match and safe pickles; returns the manifest (no state is loaded)."""
     manifest = read_manifest(ckpt)
     check_compatible(manifest, meta, ckpt)
     check_pickles(ckpt)
+    return manifest
+
+
+def to_universal(ckpt: Path, output_dir: str | Path) -> Path:
+    """DeepSpeed's universal checkpoint of ``ckpt`` (ZeRO-1/2 optimizer partitions merged per
+    parameter, loadable at any data-parallel size), made by rank 0 with DeepSpeed's own
+    ``ds_to_universal`` after `verify`; collective. Returns its directory."""
+    import subprocess
+    import sys
+
+    target = checkpoint_root(output_dir) / "universal" / ckpt.name
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failure = ""
+    if rank == 0 and not (target / "zero").is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                               "--input_folder", str(ckpt), "--output_folder", str(target),
+                               "--inject_missing_state", "--num_extract_workers", "1",
+                               "--num_merge_workers", "1"],
+                              capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            shutil.rmtree(target, ignore_errors=True)
+            failure = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            failure = failure[0]
+    flag = torch.tensor([1.0 if failure else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag)
+    if flag.item():
+        raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed: {failure or 'on rank 0'}")
+    return target
+
+
+def load(ckpt: Path, engine, sharded, meta: dict, same_world: bool, universal: Path | None = None) -> dict:
+    """Restore dense state (DeepSpeed; from ``universal`` when the world size changed under
+    ZeRO-1/2), embedding rows and optimizer state (resharded), RNG; returns the manifest
+    (step and loader position). Verified before anything is loaded."""
+    from safetensors.torch import load_file
+
+    manifest = verify(ckpt, meta)
     stage = engine.zero_optimization_stage()
-    # ZeRO-1/2 optimizer partitions only load at the world size that wrote them.
-    load_optimizer = same_world or stage == 0
-    path, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name,
+    # ZeRO-1/2 optimizer partitions load directly only at the world size that wrote them;
+    # elsewhere from the universal conversion (or weights only without it).
+    load_optimizer = same_world or stage == 0 or universal is not None
+    source = universal if (universal is not None and not same_world) else ckpt
+    path, _ = engine.load_checkpoint(str(source.parent), tag=source.name,
                                      load_optimizer_states=load_optimizer,
                                      load_module_only=not load_optimizer)
     if path is None:

@@ -369,14 +369,22 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     data = build_data(cfg)
     sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
+    ckpt_meta = checkpoint_meta(cfg, learner, sharded, data.fields)
+    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
+    universal = None
+    if found is not None:
+        checkpoint.verify(found, ckpt_meta)
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        if _saved_world(found) != plan.world_size and stage > 0:
+            # ZeRO-1/2 partitions were cut for the old world size: go through DeepSpeed's
+            # universal checkpoint, which loads at any data-parallel size.
+            universal = checkpoint.to_universal(found, cfg.output_dir)
+            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
     engine = ds_engine.initialize(learner, ds_config)
-    ckpt_meta = checkpoint_meta(cfg, engine.module, sharded, data.fields)
     resume = None
-    if cfg.train.resume:
-        found = checkpoint.find(cfg.train.resume, cfg.output_dir)
-        if found is not None:
-            resume = checkpoint.load(found, engine, sharded, ckpt_meta,
-                                     same_world=_saved_world(found) == plan.world_size)
+    if found is not None:
+        resume = checkpoint.load(found, engine, sharded, ckpt_meta,
+                                 same_world=_saved_world(found) == plan.world_size, universal=universal)
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
         last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)
