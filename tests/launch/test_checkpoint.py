@@ -53,7 +53,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     return get
 
 
-@pytest.mark.parametrize("world, stage", [(1, 0), (2, 2)])
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1), (2, 2)])
 def test_exact_resume(tmp_path, uninterrupted, world, stage):
     """Stopped after 3 of 6 meta-steps and resumed: the same parameters and the same per-step
     losses as the uninterrupted run."""
