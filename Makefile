@@ -30,6 +30,7 @@ bench: install
 	$(PY) benchmarks/inner_loop.py
 	$(PY) benchmarks/embedding_comm.py
 	$(PY) benchmarks/meta_io.py
+	$(PY) benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
