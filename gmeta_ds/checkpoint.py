@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gmeta_ds.engine.ds_engine import save_weights
 from gmeta_ds.errors import ConfigError
 
 FORMAT_VERSION = 1
@@ -329,13 +330,15 @@ def to_universal(ckpt: Path, output_dir: str | Path) -> Path:
     return target
 
 
-def load(ckpt: Path, engine, sharded, meta: dict, same_world: bool, universal: Path | None = None) -> dict:
+def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = None) -> dict:
     """Restore dense state (DeepSpeed; from ``universal`` when the world size changed under
-    ZeRO-1/2), embedding rows and optimizer state (resharded), RNG; returns the manifest
-    (step and loader position). Verified before anything is loaded."""
+    ZeRO-1/2), embedding rows and optimizer state (resharded), RNG; ``manifest`` is what
+    `verify` returned for ``ckpt`` (call it first: nothing here re-checks the files). Returns
+    the manifest with ``optimizer_restored`` (step and loader position inside)."""
     from safetensors.torch import load_file
 
-    manifest = verify(ckpt, meta)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_world = manifest["world_size"] == world
     stage = engine.zero_optimization_stage()
     # ZeRO-1/2 optimizer partitions load directly only at the world size that wrote them;
     # elsewhere from the universal conversion (or weights only without it).
@@ -359,7 +362,7 @@ def load(ckpt: Path, engine, sharded, meta: dict, same_world: bool, universal: P
 def export(ckpt: Path, out: Path) -> Path:
     """One safetensors file with the dense weights and every full table, under the names of the
     unsharded model (loads without DeepSpeed or a process group)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     manifest = read_manifest(ckpt)
     state = load_file(str(ckpt / "dense.safetensors"))
@@ -375,7 +378,4 @@ def export(ckpt: Path, out: Path) -> Path:
             raise ConfigError([f"{ckpt}: table {name!r} is missing rows"])
         state[f"net.embedding.weights.{name}"] = table
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(state, str(tmp))
-    os.replace(tmp, out)
-    return out
+    return save_weights(state, out)

@@ -152,9 +152,9 @@ class NonFiniteLoss(RuntimeError):
     """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
 
 
-def _nonfinite_anywhere(loss: torch.Tensor) -> bool:
-    """Whether ``loss`` is NaN/inf on any rank (one small all-reduce when world > 1)."""
-    bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+def _nonfinite_anywhere(finite_here: bool) -> bool:
+    """Whether the loss is NaN/inf on any rank (one small all-reduce when world > 1)."""
+    bad = torch.tensor([0.0 if finite_here else 1.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad)
     return bad.item() > 0
@@ -173,8 +173,8 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
         rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                 if sharded else None)
         out = engine(batch, rows)
-        if _nonfinite_anywhere(out.loss):
-            finite = bool(torch.isfinite(out.loss.detach()).all())
+        finite = bool(torch.isfinite(out.loss.detach()).all())
+        if _nonfinite_anywhere(finite):
             where = _who_is_nonfinite(finite, batch)
             if nonfinite == "abort":
                 raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
@@ -357,10 +357,6 @@ def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields) ->
             "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
 
 
-def _saved_world(ckpt: Path) -> int:
-    return int(json.loads((ckpt / checkpoint.MANIFEST).read_text())["world_size"])
-
-
 def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     """Meta-train, evaluate (rank 0) and write ``summary.json``; returns the summary."""
     start = time.perf_counter()
@@ -371,11 +367,11 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     ckpt_meta = checkpoint_meta(cfg, learner, sharded, data.fields)
     found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
-    universal = None
+    universal = manifest = None
     if found is not None:
-        checkpoint.verify(found, ckpt_meta)
+        manifest = checkpoint.verify(found, ckpt_meta)
         stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-        if _saved_world(found) != plan.world_size and stage > 0:
+        if manifest["world_size"] != plan.world_size and stage > 0:
             # ZeRO-1/2 partitions were cut for the old world size: go through DeepSpeed's
             # universal checkpoint, which loads at any data-parallel size.
             universal = checkpoint.to_universal(found, cfg.output_dir)
@@ -383,8 +379,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     engine = ds_engine.initialize(learner, ds_config)
     resume = None
     if found is not None:
-        resume = checkpoint.load(found, engine, sharded, ckpt_meta,
-                                 same_world=_saved_world(found) == plan.world_size, universal=universal)
+        resume = checkpoint.load(found, manifest, engine, sharded, universal)
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
         last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)

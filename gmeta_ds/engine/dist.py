@@ -61,13 +61,12 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
         os.environ.update(single)
         _SET_BY_US.update(single)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        skip_deepspeed_shm_op()
+    shm_skipped = backend == "gloo" and skip_deepspeed_shm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
-        if backend == "gloo":
-            unlink_shm_buffers()
+        if backend == "gloo" and not shm_skipped:
+            unlink_shm_buffers()  # this DeepSpeed built the op anyway: remove its buffers
     return dist.get_rank(), dist.get_world_size()
 
 

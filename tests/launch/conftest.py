@@ -46,7 +46,7 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
 def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
         expect_ok: bool = True) -> subprocess.CompletedProcess:
     """Run a command with a hard timeout; on failure show its output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **launcher_env(), **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=REPO)
     if expect_ok and proc.returncode != 0:
@@ -85,7 +85,3 @@ def leaked_shm(port: int) -> list[Path]:
     """DeepSpeed CPU all-reduce buffers a job on ``port`` left in /dev/shm."""
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
-
-def launcher_env() -> dict:
-    """PATH as tests/conftest.py set it (this venv's bin first) for launcher subprocesses."""
-    return {"PATH": os.environ["PATH"]}

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import yaml
 from conftest import (BIN, REPO, TIMEOUT_S, assert_same_model, deepspeed_cmd, free_port,
-                      launcher_env, leaked_shm, run, summary, tiny_config)
+                      leaked_shm, run, summary, tiny_config)
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -20,7 +20,7 @@ def test_torchrun_script(tmp_path, reference_run):
     path = tiny_config(tmp_path)
     port = free_port()
     run([str(REPO / "launch" / "torchrun.sh"), "2", str(path)],
-        env={**launcher_env(), "MASTER_PORT": str(port)})
+        env={"MASTER_PORT": str(port)})
     result = summary(path)
     assert result["world_size"] == 2
     assert_same_model(result, reference_run)
@@ -55,7 +55,7 @@ def _two_node_launch(tmp_path, hosts: list[tuple[list[str], dict, str]]) -> dict
         cmd = [*prefix, str(REPO / "launch" / "multinode_no_ssh.sh"), str(hostfile), str(node_rank),
                master, str(path)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env={**os.environ, **launcher_env(), **env,
+                                      text=True, env={**os.environ, **env,
                                                       "MASTER_PORT": port}))
     outputs = []
     try:
@@ -128,7 +128,7 @@ def test_bad_hostfile_stops_the_script_before_launch(tmp_path):
     hostfile.write_text("node0 slots=1\nnode0 slots=1\nnode2 slot=1\n")
     path = tiny_config(tmp_path)
     proc = run([str(REPO / "launch" / "multinode_no_ssh.sh"), str(hostfile), "0", "127.0.0.1", str(path)],
-               env=launcher_env(), expect_ok=False, timeout=120)
+               expect_ok=False, timeout=120)
     assert proc.returncode == 2
     assert f"{hostfile}:2: host 'node0' is listed again (first on line 1)" in proc.stderr
     assert f"{hostfile}:3: 'node2 slot=1' is not 'HOSTNAME slots=N'" in proc.stderr
