@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import resource
-import signal
 import socket
 import statistics
 import subprocess
@@ -48,12 +47,15 @@ from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import Jagged, TableConfig
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import LaunchFailure, bench_env, run_group
+
 RESULTS = ROOT / "benchmarks" / "results" / "embedding_comm.json"
 DIM, TASKS, SUPPORT, QUERY, ZIPF, WORLD = 32, 32, 40, 10, 1.1, 2
 VARIANTS = ("fused+dedup", "(a) no dedup", "(b) separate")
 
 
-class RankFailure(RuntimeError):
+class RankFailure(LaunchFailure):
     """A rank or the trainer failed or timed out."""
 
 
@@ -201,16 +203,7 @@ def run_trainer(sharding: list[str], steps: int, timeout: float) -> dict:
                "--set", f"train.meta_steps={steps}", "--set", "train.log_every=10", "--set", "eval.enabled=false",
                "--set", "train.progress=false", "--set", f"output_dir={out}"]
         cmd += [a for s in sharding for a in ("--set", s)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own group: the launcher spawns the ranks
-        try:
-            log = proc.communicate(timeout=timeout)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise RankFailure(f"trainer {sharding} did not finish in {timeout:.0f}s")
-        if proc.returncode:
-            raise RankFailure(f"trainer {sharding} exited {proc.returncode}\n{log[-3000:]}")
+        run_group(cmd, timeout, f"trainer {sharding}", env=bench_env())
         recs = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     per_step = lambda k: statistics.median(r[k] / 10 for r in recs[1:])
     return {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in recs[1:]), "records": len(recs),

@@ -386,6 +386,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     except BaseException:
         log.close()
         raise
+    training_peak = vmhwm_mib()  # before the tables are gathered for saving
     dense, embedding = ds_engine.checksums(engine.module)
     tables = {}
     if sharded is not None:
@@ -400,6 +401,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
                                     rank, plan.world_size)
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
+    peak_rss = peak_rss_per_rank(training_peak)  # collective
     summary = {}
     if rank == 0:
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
@@ -412,7 +414,29 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
                    "embedding_checksum": embedding, "eval": evaluation,
                    "batch": plan.describe(), "ds_config": ds_config,
                    "config": config_to_dict(cfg), "elapsed_s": time.perf_counter() - start}
+        summary["peak_rss_mib_per_rank"] = peak_rss
         write_json(out_dir / "summary.json", summary)
     if dist.is_initialized():
         dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary
+
+def vmhwm_mib() -> float | None:
+    """This process image's peak resident size so far, MiB (Linux; None elsewhere)."""
+    status = Path("/proc/self/status")
+    hwm = [ln for ln in status.read_text().splitlines() if ln.startswith("VmHWM:")] if status.exists() else []
+    return int(hwm[0].split()[1]) / 1024 if hwm else None
+
+
+def peak_rss_per_rank(training_peak: float | None) -> list[dict]:
+    """Every rank's peak resident memory, MiB (collective when world > 1): VmHWM after
+    training and at the end (after gathering tables and evaluating), and ru_maxrss (on Linux
+    it survives exec, so a launched rank starts at its launcher's resident size)."""
+    import resource
+
+    mine = {"training_vmhwm_mib": training_peak, "vmhwm_mib": vmhwm_mib(),
+            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
