@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.ds_engine import save_weights
 from gmeta_ds.errors import ConfigError
 
@@ -178,10 +179,10 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
                            save_latest=False)
     own = {**shard_state(sharded), **_rng_state()}
     save_file({k: v.contiguous() for k, v in own.items()}, str(ckpt / f"rank{rank:05d}.safetensors"))
+    dense = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
     if rank == 0:
-        dense = {k: v.detach().float().contiguous().cpu()
-                 for k, v in engine.module.state_dict().items()}
-        save_file(dense, str(ckpt / "dense.safetensors"))
+        save_file({k: v.float().contiguous().cpu() for k, v in dense.items()},
+                  str(ckpt / "dense.safetensors"))
     if os.environ.get(FAULT_ENV) == f"{step}:{rank}":  # fault injection for the reliability tests
         os.kill(os.getpid(), signal.SIGKILL)
     _barrier()  # every rank's files are on disk

@@ -25,7 +25,9 @@ BAD_ID_POLICIES = ("error", "hash")
 DATA_SOURCES = ("synthetic", "movielens-100k", "movielens-1m", "recbole", "table")
 SPLITS = ("random", "time")
 LABEL_KINDS = ("binary", "regression")
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
+TASKS = ("ctr", "text")
+TEXT_FORMATS = ("auto", "csv", "json", "parquet")
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
 
@@ -48,7 +50,11 @@ class MetaConfig:
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
     tasks_per_micro_batch: Union[int, str] = 32
     tasks_per_meta_step: Union[int, str] = 64
-    vectorize: bool = True
+    # Run a micro-batch's tasks with vmap (true), a per-task loop (false), or vmap when its
+    # estimated activation memory fits vectorize_budget_mb ("auto").
+    vectorize: Union[bool, str] = AUTO
+    # "auto": a quarter of the memory available to this rank (free GPU memory, or host RAM).
+    vectorize_budget_mb: Union[int, str] = AUTO
 
 
 @dataclass
@@ -187,18 +193,76 @@ class EvalConfig:
 
 
 @dataclass
+class TextSyntheticConfig:
+    """Generated few-shot text classification data (``text.data.path: null``): each class is
+    a pair of topic words from a shared pool; texts mix the pair with filler words, so
+    classes unseen in training are new combinations of words the encoder has seen."""
+
+    num_classes: int = 48
+    examples_per_class: int = 30
+    topic_words: int = 24
+    filler_words: int = 300
+    words_per_text: int = 10
+
+
+@dataclass
+class TextDataConfig:
+    """A local text classification table and its N-way K-shot episodes."""
+
+    path: Union[str, None] = None             # CSV / JSON(L) / Parquet file; null = generated
+    format: str = "auto"                      # auto (from the extension) | csv | json | parquet
+    text_column: str = "text"
+    label_column: str = "label"
+    ways: int = 5                             # N classes per episode (labels remapped to 0..N-1)
+    shots: int = 5                            # K support examples per class
+    queries: int = 5                          # Q query examples per class
+    max_length: int = 32                      # tokens per text (truncated / padded)
+    test_classes: float = 0.25                # share of classes held out (unseen in meta-training)
+    synthetic: TextSyntheticConfig = field(default_factory=TextSyntheticConfig)
+
+
+@dataclass
+class TextModelConfig:
+    """An ``AutoModelForSequenceClassification``: from a local pretrained directory, or built
+    from ``config`` (random init) with a tokenizer trained on the data."""
+
+    pretrained: Union[str, None] = None       # local model directory (from_pretrained)
+    tokenizer: Union[str, None] = None        # local tokenizer directory (default: pretrained)
+    vocab_size: int = 1000                    # trained tokenizer's vocabulary (no tokenizer given)
+    config: dict = field(default_factory=lambda: {
+        "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 128})
+    # Second-order MAML differentiates attention twice: "eager" supports that everywhere;
+    # "sdpa" is faster but its CPU kernels have no double backward (fine for first order).
+    attn_implementation: str = "eager"
+
+
+@dataclass
+class TextConfig:
+    """Few-shot sequence classification (``task: text``)."""
+
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    model: TextModelConfig = field(default_factory=TextModelConfig)
+    eval_episodes: int = 100                  # test-class episodes scored after training
+    baseline_steps: int = 30                  # fine-tune-from-scratch baseline: Adam steps per episode
+    baseline_lr: float = 3e-3
+
+
+@dataclass
 class RunConfig:
     """A whole run: sections ``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``,
     ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
 
     output_dir: str = "runs/default"
     seed: int = 0
+    task: str = "ctr"                         # ctr (MeLU on interaction logs) | text (Hugging Face)
     model: ModelConfig = field(default_factory=ModelConfig)
     meta: MetaConfig = field(default_factory=MetaConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     deepspeed: Union[str, dict] = "ds_configs/zero0.json"
     # Directory the config file was read from: relative paths resolve against it first.
     config_dir: str = field(default=".", metadata={"internal": True})
@@ -273,6 +337,12 @@ def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = Fals
 
 
 def _validate(cfg: RunConfig, problems: list[str]) -> None:
+    _one_of(problems, "task", cfg.task, TASKS)
+    if cfg.meta.vectorize not in (True, False, AUTO):
+        problems.append(f"meta.vectorize: {cfg.meta.vectorize!r} is not one of true, false, auto")
+    _positive(problems, "meta.vectorize_budget_mb", cfg.meta.vectorize_budget_mb, allow_auto=True)
+    if cfg.task == "text":
+        _validate_text(cfg.text, problems)
     _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS)
     _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
     _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES)
@@ -309,6 +379,28 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         _validate_synthetic(cfg.data.synthetic, problems)
     else:
         _validate_log(cfg.data, problems)
+
+
+def _validate_text(text: TextConfig, problems: list[str]) -> None:
+    d = text.data
+    _one_of(problems, "text.data.format", d.format, TEXT_FORMATS)
+    for name in ("ways", "shots", "queries", "max_length"):
+        _positive(problems, f"text.data.{name}", getattr(d, name))
+    if d.ways < 2 and not isinstance(d.ways, str):
+        problems.append(f"text.data.ways: {d.ways} must be >= 2 (a classification episode)")
+    if not 0.0 < d.test_classes < 1.0:
+        problems.append(f"text.data.test_classes: {d.test_classes!r} must be in (0, 1)")
+    syn = d.synthetic
+    for name in ("num_classes", "examples_per_class", "topic_words", "filler_words", "words_per_text"):
+        _positive(problems, f"text.data.synthetic.{name}", getattr(syn, name))
+    if d.path is None and syn.topic_words * (syn.topic_words - 1) // 2 < syn.num_classes:
+        problems.append(f"text.data.synthetic.topic_words: {syn.topic_words} words make fewer "
+                        f"pairs than num_classes ({syn.num_classes})")
+    for name in ("eval_episodes", "baseline_steps", "baseline_lr"):
+        _positive(problems, f"text.{name}", getattr(text, name))
+    _positive(problems, "text.model.vocab_size", text.model.vocab_size)
+    _one_of(problems, "text.model.attn_implementation", text.model.attn_implementation,
+            ("eager", "sdpa"))
 
 
 def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:

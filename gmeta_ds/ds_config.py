@@ -119,9 +119,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"deepspeed.zero_optimization.stage: {stage!r} is not supported; "
-                        f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))} "
-                        "(stage 3 partitions parameters outside the engine's forward hooks, "
-                        "which the functional inner loop cannot see yet)")
+                        f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))}")
     _fill_optimizer(ds, cfg.train.lr)
     if plan is not None and cfg.train.nonfinite == "skip" and plan.grad_accum_steps != 1:
         problems.append(f"train.nonfinite: 'skip' needs one micro-batch per rank and meta-step "
@@ -138,7 +136,8 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
 
 def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
     """Bytes per rank of the dense model's parameters, gradients and Adam state under the
-    resolved config's ZeRO stage (stage 1 partitions optimizer state, stage 2 also gradients;
+    resolved config's ZeRO stage (stage 1 partitions optimizer state, stage 2 also gradients,
+    stage 3 also parameters between micro-steps (gathered in full during one);
     bf16/fp16 keep 2-byte parameters and gradients plus fp32 master weights in the optimizer
     state; CPU offload moves the optimizer state to host memory, still counted here)."""
     stage = ds.get("zero_optimization", {}).get("stage", 0)
@@ -146,6 +145,7 @@ def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
     weight = 2 if half else 4
     optimizer = (12 if half else 8) * n_params  # Adam moments (+ fp32 master copy)
     grads = weight * n_params
-    return {"stage": stage, "params": weight * n_params,
+    params = weight * n_params
+    return {"stage": stage, "params": params // world_size if stage >= 3 else params,
             "grads": grads // world_size if stage >= 2 else grads,
             "optimizer": optimizer // world_size if stage >= 1 else optimizer}

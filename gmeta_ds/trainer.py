@@ -63,7 +63,13 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearn
     tables when they are sharded outside the engine."""
     torch.manual_seed(cfg.seed)
     net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
-    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg)))
+    # meta.vectorize: auto -- activations of one task's padded rows through the MLP, kept for
+    # every inner step and the outer pass (x3: values, gradients, second-order terms).
+    rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
+    width = len(fields) * cfg.model.embed_dim + sum(cfg.model.hidden)
+    per_task = rows * width * 4 * (cfg.meta.inner_steps + 1) * 3
+    tasks = cfg.meta.tasks_per_micro_batch if isinstance(cfg.meta.tasks_per_micro_batch, int) else 32
+    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task, tasks))
 
 
 def label_kind(cfg: RunConfig) -> str:
@@ -172,9 +178,13 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     for batch in batches:
         rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                 if sharded else None)
-        out = engine(batch, rows)
-        finite = bool(torch.isfinite(out.loss.detach()).all())
-        if _nonfinite_anywhere(finite):
+        with ds_engine.gathered(engine.module):  # ZeRO-3: full parameters for this micro-step
+            out = engine(batch, rows)
+            finite = bool(torch.isfinite(out.loss.detach()).all())
+            bad = _nonfinite_anywhere(finite)
+            if not bad:
+                engine.backward(out.loss)
+        if bad:
             where = _who_is_nonfinite(finite, batch)
             if nonfinite == "abort":
                 raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
@@ -184,7 +194,6 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
                 for p in sharded.parameters():
                     p.grad = None
             return StepStats(float("nan"), float("nan"), padding_efficiency(batch), skipped=True)
-        engine.backward(out.loss)
         engine.step()
         query.append(out.query_loss.item())
         support.append(out.support_loss.item())
@@ -207,7 +216,7 @@ def _who_is_nonfinite(finite: bool, batch: TaskBatch) -> list[tuple[int, list[in
 
 def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     """Bytes each rank sends per meta-step in a ring all-reduce of the gradients."""
-    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
     return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
 
 
@@ -327,15 +336,16 @@ def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) ->
 
 
 def full_state(module: torch.nn.Module, tables: dict) -> dict:
-    """The learner's state dict with sharded tables (gathered) under their unsharded names."""
-    state = {k: v.detach() for k, v in module.state_dict().items()}
+    """The learner's state dict (gathered under ZeRO-3; collective then) with sharded tables
+    (gathered) under their unsharded names."""
+    state = ds_engine.full_state_dict(module)
     state.update({f"net.embedding.weights.{name}": t for name, t in tables.items()})
     return state
 
 
 def eval_learner(cfg: RunConfig, module: MetaLearner, data: SyntheticData, state: dict) -> MetaLearner:
     """A single-process learner with unsharded tables holding ``state``."""
-    if module.net.embedding is not None:
+    if module.net.embedding is not None and not ds_engine.is_partitioned(module):
         return module
     learner = build_learner(cfg, data.fields, with_tables=True)
     learner.load_state_dict(state)
@@ -419,6 +429,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     if dist.is_initialized():
         dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary
+
 
 def vmhwm_mib() -> float | None:
     """This process image's peak resident size so far, MiB (Linux; None elsewhere)."""

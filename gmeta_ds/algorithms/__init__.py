@@ -11,18 +11,23 @@ from gmeta_ds.algorithms.metasgd import MetaSGD
 from gmeta_ds.algorithms.reptile import Reptile
 from gmeta_ds.config import MetaConfig
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.functional.inner import choose_vectorize
 
 ALGORITHMS: dict[str, type[MetaAlgorithm]] = {
     "maml": MAML, "fomaml": FOMAML, "reptile": Reptile, "metasgd": MetaSGD,
 }
 
 
-def build_algorithm(cfg: MetaConfig, kind: str = "binary") -> MetaAlgorithm:
-    """The algorithm named by ``cfg.algorithm``, for labels of ``kind`` (binary | regression)."""
+def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int = 0,
+                    tasks: int = 1) -> MetaAlgorithm:
+    """The algorithm named by ``cfg.algorithm``, for labels of ``kind`` (binary | regression |
+    multiclass); ``bytes_per_task`` (estimated activation memory of one task's inner and outer
+    pass) and ``tasks`` (per micro-batch) resolve ``meta.vectorize: auto``."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError([f"meta.algorithm: {cfg.algorithm!r} is not one of "
                            f"{', '.join(ALGORITHMS)}"])
-    return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, cfg.vectorize, kind)
+    vectorize = choose_vectorize(cfg.vectorize, bytes_per_task, tasks, cfg.vectorize_budget_mb)
+    return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, vectorize, kind)
 
 
 __all__ = ["ALGORITHMS", "FOMAML", "MAML", "MetaAlgorithm", "MetaLearner", "MetaOutput",

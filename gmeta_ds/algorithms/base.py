@@ -8,17 +8,22 @@ and ranks (it averages, so the micro-batch loss is a mean over its tasks).
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
+
+
+HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -47,8 +52,8 @@ def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[
     rows = {j: f for j, f in enumerate(fields) if matches(row_param_name(f))}
     if not chosen and not rows:
         candidates = dense + [row_param_name(f) for f in fields]
-        raise ConfigError([f"meta.adapt: {patterns!r} matches nothing; candidates are: "
-                           f"{', '.join(candidates)}"])
+        shown = ", ".join(candidates[:12]) + (f", ... ({len(candidates) - 12} more)" if len(candidates) > 12 else "")
+        raise ConfigError([f"meta.adapt: {patterns!r} matches nothing; candidates are: {shown}"])
     return chosen, rows
 
 
@@ -145,9 +150,39 @@ class MetaLearner(nn.Module):
             xs, xq = (rows_s, index_s), (rows_q, index_q)
         return theta, (xs, batch.support_y, batch.support_mask), (xq, batch.query_y, batch.query_mask)
 
+    def prepare_zero3(self) -> None:
+        """Call before ZeRO-3 partitions this module: keep a parameter-less copy of it (on the
+        meta device, not registered as a submodule, so DeepSpeed never sees it) that `forward`
+        runs with the full parameters gathered for the micro-step. The functional inner loop
+        then never goes through ZeRO-3's per-module fetch/release hooks, which would swap
+        parameters out from under a second-order graph."""
+        self.__dict__["_skeleton"] = copy.deepcopy(self).to("meta")
+
     def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
         """``rows``: support and query rows looked up outside (sharded tables); by default the
-        net's own embedding module looks them up."""
+        net's own embedding module looks them up. After `prepare_zero3` the parameters must be
+        gathered (``ds_engine.gathered``) around the forward and the backward."""
+        skeleton = self.__dict__.get("_skeleton")
+        if skeleton is not None:
+            state = dict(self.named_parameters())
+            state.update(self.named_buffers())
+            return functional_call(skeleton, state, (batch, rows))
+        return self.meta_forward(batch, rows)
+
+    def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:
+        """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows)."""
         rows_s, rows_q = rows if rows is not None else embed_batch(self.net.embed, batch)
         theta, support, query = self.task_inputs(batch, rows_s, rows_q)
-        return self.algorithm.outer_loss(self, theta, support, query)
+        return self.outer_loss(theta, support, query)
+
+    def outer_loss(self, theta: Params, support: tuple, query: tuple) -> MetaOutput:
+        """The algorithm's outer loss. With half-precision parameters (DeepSpeed bf16 / fp16)
+        the adapted fast weights, their inner-loop updates and every loss stay float32 (an
+        inner step of lr x grad is often below bf16's resolution of a weight) while the
+        model's matrix products run in the parameters' dtype under autocast."""
+        first = next(iter(theta.values()))
+        if first.dtype not in HALF:
+            return self.algorithm.outer_loss(self, theta, support, query)
+        with torch.autocast(device_type=first.device.type, dtype=first.dtype):
+            return self.algorithm.outer_loss(self, {n: p.float() for n, p in theta.items()},
+                                             support, query)

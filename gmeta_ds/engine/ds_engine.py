@@ -8,6 +8,7 @@ ranks, loss scaling in fp16) is DeepSpeed's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -15,24 +16,83 @@ import torch
 from torch import nn
 
 
+def zero_stage(ds_config: dict) -> int:
+    return ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
 def initialize(module: nn.Module, ds_config: dict):
-    """``deepspeed.initialize`` on the dense module; returns the engine."""
+    """``deepspeed.initialize`` on the dense module; returns the engine.
+
+    ZeRO-3 partitions the parameters themselves: the module first keeps a hook-free skeleton
+    of itself (`MetaLearner.prepare_zero3`) and every micro-step runs inside `gathered`."""
     import deepspeed
 
+    if zero_stage(ds_config) == 3:
+        module.prepare_zero3()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                            config=ds_config)
+    if zero_stage(ds_config) == 3:
+        _remove_zero3_module_hooks(engine)
     return engine
+
+
+def _remove_zero3_module_hooks(engine) -> None:
+    """ZeRO-3 fetches and releases each submodule's parameters from module hooks, and wraps
+    the module's tensor inputs (e.g. sharded embedding rows) in backward hooks. The learner
+    runs its skeleton on parameters gathered for the whole micro-step instead, so those hooks
+    would only release parameters a second-order graph still holds: remove them."""
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    remove = getattr(offload, "_remove_module_hooks", None)
+    if remove is None:
+        import deepspeed
+
+        raise RuntimeError(f"ZeRO-3 with deepspeed {deepspeed.__version__}: the engine has no "
+                           "parameter_offload._remove_module_hooks; use ZeRO-2 "
+                           "(ds_configs/zero2.json) or the DeepSpeed version gmeta_ds was tested with")
+    remove()
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO-3 partitions this module's parameters."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """Full parameters of a ZeRO-3 module for the duration of the block (read-only: nothing
+    is broadcast back); a no-op for ZeRO 0-2. One micro-step's forward and ``engine.backward``
+    run inside it, so the gradients land on full parameters and DeepSpeed's hooks
+    reduce-scatter them into their partitions (the outer reduction stays DeepSpeed's)."""
+    if not is_partitioned(module):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        yield
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """The module's state dict as plain (copied) tensors, gathered under ZeRO-3."""
+    with gathered(module):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def numel(module: nn.Module) -> int:
+    """Parameter count of a module, also when ZeRO-3 has partitioned it."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
 def checksums(module: nn.Module, embedding_prefix: str = "net.embedding.") -> tuple[float, float]:
     """(dense, embedding) float64 sums over all parameters of the (replicated) module."""
     dense = embedding = 0.0
-    for name, p in module.named_parameters():
-        value = p.detach().double().sum().item()
-        if name.startswith(embedding_prefix):
-            embedding += value
-        else:
-            dense += value
+    with gathered(module):
+        for name, p in module.named_parameters():
+            value = p.detach().double().sum().item()
+            if name.startswith(embedding_prefix):
+                embedding += value
+            else:
+                dense += value
     return dense, embedding
 
 

@@ -15,6 +15,7 @@ differentiates through the inner loop. First order: inner gradients are detached
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -44,11 +45,18 @@ def masked_mse(preds: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
     return ((preds - targets).pow(2) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def masked_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Mean cross-entropy over the real rows of one task (N-way classification): logits
+    (N, C), labels (N,) in 0..C-1, mask (N,); computed in float32 whatever the logits' dtype."""
+    per_row = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+    return (per_row * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 # Label kind -> (per-task loss on model outputs, map from model output to prediction).
-LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {"binary": masked_bce,
-                                                                 "regression": masked_mse}
-PREDICTIONS: dict[str, Callable[[Tensor], Tensor]] = {"binary": torch.sigmoid,
-                                                      "regression": lambda x: x}
+LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "binary": masked_bce, "regression": masked_mse, "multiclass": masked_cross_entropy}
+PREDICTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "binary": torch.sigmoid, "regression": lambda x: x, "multiclass": lambda x: x.softmax(-1)}
 
 
 @dataclass
@@ -161,6 +169,26 @@ def loop_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tup
     support_loss = torch.stack([r[1] for r in results]).detach()
     fast = {n: torch.stack([r[2][n] for r in results]) for n in theta}
     return TaskOutputs(query_loss, support_loss, fast)
+
+
+def available_memory_bytes() -> int:
+    """Memory this rank may use: free GPU memory, or available host RAM shared by the node's
+    ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local)
+
+
+def choose_vectorize(setting: "bool | str", bytes_per_task: int, tasks: int,
+                     budget_mb: "int | str" = "auto") -> bool:
+    """``meta.vectorize``: true / false as given; "auto": vmap when the micro-batch's estimated
+    activation memory (``bytes_per_task`` x ``tasks``) fits the budget (``budget_mb``, or a
+    quarter of `available_memory_bytes`), else the per-task loop."""
+    if setting != "auto":
+        return bool(setting)
+    budget = available_memory_bytes() // 4 if budget_mb == "auto" else int(budget_mb) * 2**20
+    return bytes_per_task * tasks <= budget
 
 
 def run_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tuple,

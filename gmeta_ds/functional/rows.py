@@ -50,7 +50,7 @@ def unique_rows(ids_s: Tensor, ids_q: Tensor, rows_s: Tensor, rows_q: Tensor,
 def compose_rows(fast: dict[str, Tensor], x, fields: dict[int, str]) -> Tensor:
     """One task's model input: rows (N, F, d) with adapted fields' columns read from the
     (adapted) deduplicated rows in ``fast``. ``x`` is rows, or (rows, index) when rows adapt."""
-    if not isinstance(x, tuple):
+    if not fields or not isinstance(x, tuple):  # nothing adapts per row (or not MeLU rows)
         return x
     rows, index = x
     columns = [fast[row_param_name(fields[j])][index[:, j]] if j in fields else rows[:, j]

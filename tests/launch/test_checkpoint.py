@@ -53,7 +53,7 @@ def uninterrupted(tmp_path_factory) -> dict:
     return get
 
 
-@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1), (2, 2)])
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1), (2, 2), (2, 3)])
 def test_exact_resume(tmp_path, uninterrupted, world, stage):
     """Stopped after 3 of 6 meta-steps and resumed: the same parameters and the same per-step
     losses as the uninterrupted run."""
@@ -88,15 +88,16 @@ def test_resume_at_another_world_size_reshards_tables(tmp_path, uninterrupted, b
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
 
 
-def test_zero2_at_another_world_size_goes_through_universal_checkpoint(tmp_path, uninterrupted):
-    """ZeRO-2 partitions written by 2 ranks: resuming on 1 converts with DeepSpeed's
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_partitions_at_another_world_size_go_through_universal_checkpoint(tmp_path, uninterrupted, stage):
+    """ZeRO-2/3 partitions written by 2 ranks: resuming on 1 converts with DeepSpeed's
     ds_to_universal and restores Adam in full, giving the uninterrupted run's model."""
-    path = config(tmp_path, 2, 3)
+    path = config(tmp_path, stage, 3)
     train(path, 2)
     resumed = train(path, 1, "train.meta_steps=6", "train.resume=auto")
     assert resumed["resumed_from"]["optimizer_restored"] is True
     assert (tmp_path / "run" / "checkpoints" / "universal" / "step_00000003" / "zero").is_dir()
-    full = uninterrupted(2, 2)[0]
+    full = uninterrupted(2, stage)[0]
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
 

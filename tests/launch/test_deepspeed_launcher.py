@@ -10,7 +10,7 @@ from conftest import (BIN, REPO, assert_same_model, deepspeed_cmd, leaked_shm, r
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
 
-@pytest.mark.parametrize("ds_file", ["zero0", "zero1", "zero2", "zero2_offload"])
+@pytest.mark.parametrize("ds_file", ["zero0", "zero1", "zero2", "zero2_offload", "zero3"])
 def test_two_ranks_equal_one_process(tmp_path, reference_run, ds_file):
     """Every shipped fp32 DeepSpeed config (CPU optimizer offload included) trains the same
     model on 2 ranks as one process, and leaves no shared-memory buffer behind."""
@@ -64,7 +64,7 @@ def single_process_sharded(tmp_path_factory):
     return summary(path)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sharded_tables_two_ranks_equal_one_process(tmp_path, single_process_sharded, stage):
     """Row-wise/table-wise/replicated tables outside DeepSpeed + ZeRO for the dense part,
     with item rows adapted in the inner loop."""
@@ -72,7 +72,15 @@ def test_sharded_tables_two_ranks_equal_one_process(tmp_path, single_process_sha
                        deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"))
     run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path)))
     result = summary(path)
-    assert_same_model(result, single_process_sharded)
+    if stage < 3:
+        assert_same_model(result, single_process_sharded)
+    else:
+        # ZeRO-3 accumulates the row-adapted table's gradient in its fp32 partitions in another
+        # order: ~1e-6 relative after 4 meta-steps, on an embedding checksum that is a near-zero
+        # signed sum (so compared absolutely).
+        assert result["dense_checksum"] == pytest.approx(single_process_sharded["dense_checksum"], rel=1e-5)
+        assert result["embedding_checksum"] == pytest.approx(single_process_sharded["embedding_checksum"], abs=1e-5)
+        assert result["final_query_loss"] == pytest.approx(single_process_sharded["final_query_loss"], rel=1e-5)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     comm = records[-1]["embedding_comm"]
     assert comm["input_dist"]["collectives"] == 2 * 2 * 1  # counts + ids, 2 steps, 1 micro-batch each

@@ -38,7 +38,7 @@ def test_validate_prints_resolved_plan(tmp_path, capsys):
 @pytest.mark.parametrize("overrides, message", [
     (["meta.algorithm=protonet"], "meta.algorithm: 'protonet' is not one of maml, fomaml, reptile, metasgd"),
     (["meta.bogus=1"], "meta.bogus: unknown key; valid keys here:"),
-    (["deepspeed={zero_optimization: {stage: 3}}"], "supported stages: 0, 1, 2"),
+    (["deepspeed={zero_optimization: {stage: 4}}"], "supported stages: 0, 1, 2, 3"),
     (["meta.tasks_per_meta_step=6"], "must be a multiple of meta.tasks_per_micro_batch (4)"),
     (["meta.adapt=[decoder.*]"], "matches nothing; candidates are: mlp.0.weight"),
     (["train.nonfinite=skip"], "train.nonfinite: 'skip' needs one micro-batch per rank and meta-step"),

@@ -97,10 +97,10 @@ def test_auto_everywhere_takes_deepspeed_values(tmp_path):
     assert (plan.tasks_per_micro_batch, plan.grad_accum_steps, ds["train_batch_size"]) == (6, 2, 24)
 
 
-def test_zero3_is_rejected_naming_supported_stages(tmp_path):
-    cfg = config_from_dict({"deepspeed": ds_file(tmp_path, zero_optimization={"stage": 3})})
-    with pytest.raises(ConfigError, match=r"zero_optimization.stage: 3 is not supported; "
-                                          r"supported stages: 0, 1, 2"):
+def test_unknown_zero_stage_is_rejected_naming_supported_stages(tmp_path):
+    cfg = config_from_dict({"deepspeed": ds_file(tmp_path, zero_optimization={"stage": 4})})
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: 4 is not supported; "
+                                          r"supported stages: 0, 1, 2, 3"):
         resolve_ds_config(cfg, 1)
 
 
@@ -115,7 +115,7 @@ def test_deepspeed_file_errors(tmp_path):
 
 def test_repo_ds_configs_resolve_relative_to_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         ds, _ = resolve_ds_config(config_from_dict({"deepspeed": f"ds_configs/zero{stage}.json"}), 2)
         assert ds["zero_optimization"]["stage"] == stage
 

@@ -100,6 +100,8 @@ def test_dense_state_bytes_by_stage():
     assert dense_state_bytes({"zero_optimization": {"stage": 1}}, n, w)["optimizer"] == 2000
     two = dense_state_bytes({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, n, w)
     assert two == {"stage": 2, "params": 2000, "grads": 500, "optimizer": 3000}
+    three = dense_state_bytes({"zero_optimization": {"stage": 3}}, n, w)
+    assert three == {"stage": 3, "params": 1000, "grads": 1000, "optimizer": 2000}
 
 
 @pytest.fixture(scope="module")
