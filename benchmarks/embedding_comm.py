@@ -24,9 +24,7 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +46,8 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import Jagged, TableConfig
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import LaunchFailure, bench_env, run_group
+from common import LaunchFailure, bench_env, free_port, rank_main, run_group
+from common import run_ranks as common_run_ranks
 
 RESULTS = ROOT / "benchmarks" / "results" / "embedding_comm.json"
 DIM, TASKS, SUPPORT, QUERY, ZIPF, WORLD = 32, 32, 40, 10, 1.1, 2
@@ -154,45 +153,12 @@ def rss_worker(rows: str, ids_path: str) -> dict:
     return {**res, **peaks()}
 
 
-def worker_main(name: str, args: list[str]) -> int:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    res = {"comm": comm_worker, "rss": rss_worker}[name](*args)
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), **res}), flush=True)
-    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
-    dist.destroy_process_group()
-    return 0
-
-
-# ------------------------------------------------------------------ launching
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(name: str, world: int, *args: str, timeout: float = 300.0) -> list[dict]:
     """This script's worker ``name`` on ``world`` gloo ranks; each rank's RESULT dict."""
-    port, procs = str(free_port()), []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", name, *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline, outs = time.monotonic() + timeout, []
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-        raise RankFailure(f"{name} {args} on {world} ranks did not finish in {timeout:.0f}s")
-    if any(p.returncode for p in procs):
-        detail = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-3000:]}"
-                           for r, (p, o) in enumerate(zip(procs, outs)))
-        raise RankFailure(f"{name} {args} failed on {world} ranks\n{detail}")
-    return [json.loads(line[7:]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
+        return common_run_ranks(__file__, name, world, *args, timeout=timeout)
+    except LaunchFailure as e:
+        raise RankFailure(str(e)) from None
 
 
 def run_trainer(sharding: list[str], steps: int, timeout: float) -> dict:
@@ -326,5 +292,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        sys.exit(worker_main(sys.argv[2], sys.argv[3:]))
+        sys.exit(rank_main({"comm": comm_worker, "rss": rss_worker}, sys.argv[2], sys.argv[3:]))
     sys.exit(main())
