@@ -82,6 +82,8 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise ConfigError([f"--num_gpus: {args.num_gpus} must be >= 1"])
     world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
+    if cfg.task == "text":
+        return _validate_text(cfg, ds_config, plan)
     data = build_data(cfg)
     sharded = cfg.embedding.sharding == "sharded"
     tables = embedding_plan(cfg, data.fields, world) if sharded else None
@@ -110,6 +112,28 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_text(cfg: RunConfig, ds_config: dict, plan) -> int:
+    from gmeta_ds.ds_config import dense_state_bytes
+    from gmeta_ds.text.train import build
+
+    _, tasks, learner = build(cfg)
+    n_params = sum(p.numel() for p in learner.parameters())
+    print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
+    print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
+    print(f"batch: {plan.describe().replace('tasks', 'episodes')}")
+    print(f"data: {tasks.describe()}")
+    print(f"model: {type(learner.net.model).__name__}, {n_params} parameters; adapted in the inner "
+          f"loop: {len(learner.adapted)} tensors ({', '.join(learner.adapted[:6])}"
+          f"{', ...' if len(learner.adapted) > 6 else ''}); tasks run "
+          f"{'vectorized (vmap)' if learner.algorithm.vectorize else 'one by one (loop)'}")
+    dense = dense_state_bytes(ds_config, n_params, plan.world_size)
+    print(f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {plan.world_size} rank(s)): "
+          f"parameters {_size(dense['params'])}, gradients {_size(dense['grads'])}, "
+          f"optimizer {_size(dense['optimizer'])}")
+    print("config OK")
+    return 0
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -125,16 +149,27 @@ def _cmd_train(cfg: RunConfig) -> int:
 
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
-    preflight(cfg, plan.world_size)
+    built = None
+    if cfg.task == "text":
+        from gmeta_ds.text.train import build
+
+        built = build(cfg)
+    else:
+        preflight(cfg, plan.world_size)
     set_threads(cfg.train.threads)
     try:
         rank, world = init_process_group(cfg.train.collective_timeout_s)
         if world != plan.world_size:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
-        from gmeta_ds.trainer import train
+        if cfg.task == "text":
+            from gmeta_ds.text.train import train_text
 
-        summary = train(cfg, ds_config, plan, rank)
+            summary = train_text(cfg, ds_config, plan, rank, built)
+        else:
+            from gmeta_ds.trainer import train
+
+            summary = train(cfg, ds_config, plan, rank)
         if rank == 0:
             _print_summary(summary, cfg.output_dir)
     finally:
@@ -144,6 +179,17 @@ def _cmd_train(cfg: RunConfig) -> int:
 
 def _print_summary(summary: dict, output_dir: str) -> None:
     ev = summary.get("eval", {})
+    if summary.get("task") == "text":
+        print(f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} episodes on "
+              f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
+              f"{summary['final_query_loss']:.4f}")
+        if ev:
+            print(f"held-out classes, {ev['ways']}-way {ev['shots']}-shot accuracy: meta-learned + "
+                  f"adaptation {ev['accuracy']:.4f} | without adaptation {ev['accuracy_no_adapt']:.4f}"
+                  f" | fine-tuned from scratch {ev.get('baseline_scratch_accuracy', float('nan')):.4f}"
+                  f" | chance {ev['chance']:.4f}")
+        print(f"outputs: {output_dir}/summary.json, metrics.jsonl, model/ (save_pretrained)")
+        return
     line = (f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} tasks on "
             f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; "
             f"final query loss {summary['final_query_loss']:.4f}")
@@ -159,6 +205,8 @@ def _print_summary(summary: dict, output_dir: str) -> None:
 
 
 def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
+    if cfg.task == "text":
+        return _eval_text(cfg, weights)
     from gmeta_ds.engine.ds_engine import load_weights
     from gmeta_ds.trainer import WEIGHTS_FILE, build_data, build_learner, run_evaluation, write_json
 
@@ -167,6 +215,23 @@ def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
     load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
     result = run_evaluation(cfg, learner, data)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    write_json(Path(cfg.output_dir) / "eval.json", result)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _eval_text(cfg: RunConfig, weights: str | None) -> int:
+    """Held-out-class accuracy of a saved classifier (default: OUTPUT_DIR/model)."""
+    import dataclasses
+
+    from gmeta_ds.text.train import MODEL_DIR, build, evaluate
+    from gmeta_ds.trainer import write_json
+
+    folder = weights or str(Path(cfg.output_dir) / MODEL_DIR)
+    model_cfg = dataclasses.replace(cfg.text.model, pretrained=folder, tokenizer=folder)
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, model=model_cfg))
+    tokenizer, tasks, learner = build(cfg)
+    result = evaluate(cfg, learner, tokenizer, tasks)
     write_json(Path(cfg.output_dir) / "eval.json", result)
     print(json.dumps(result, indent=2))
     return 0

@@ -175,9 +175,10 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids; ``skip`` (one
     micro-batch per meta-step) drops the meta-step on all ranks, so no update happens at all."""
     query, support = [], []
+    lookups = sharded.lookups(batches, lambda b: embed_batch(  # overlapped when sharded.overlap
+        lambda ids, multi: sharded.lookup_fields(ids, fields, multi), b)) if sharded else None
     for batch in batches:
-        rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
-                if sharded else None)
+        rows = next(lookups) if sharded else None
         with ds_engine.gathered(engine.module):  # ZeRO-3: full parameters for this micro-step
             out = engine(batch, rows)
             finite = bool(torch.isfinite(out.loss.detach()).all())
@@ -367,6 +368,27 @@ def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields) ->
             "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
 
 
+def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, sharded,
+                 ckpt_meta: dict):
+    """The DeepSpeed engine, restored from ``train.resume`` when set: (engine, the resumed
+    checkpoint's state or None, the ds_config used)."""
+    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
+    universal = manifest = None
+    if found is not None:
+        manifest = checkpoint.verify(found, ckpt_meta)
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        if manifest["world_size"] != plan.world_size and stage > 0:
+            # ZeRO partitions were cut for the old world size: go through DeepSpeed's
+            # universal checkpoint, which loads at any data-parallel size.
+            universal = checkpoint.to_universal(found, cfg.output_dir)
+            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+    engine = ds_engine.initialize(learner, ds_config)
+    resume = None
+    if found is not None:
+        resume = {**checkpoint.load(found, manifest, engine, sharded, universal), "checkpoint": found}
+    return engine, resume, ds_config
+
+
 def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     """Meta-train, evaluate (rank 0) and write ``summary.json``; returns the summary."""
     start = time.perf_counter()
@@ -376,20 +398,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     ckpt_meta = checkpoint_meta(cfg, learner, sharded, data.fields)
-    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
-    universal = manifest = None
-    if found is not None:
-        manifest = checkpoint.verify(found, ckpt_meta)
-        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-        if manifest["world_size"] != plan.world_size and stage > 0:
-            # ZeRO-1/2 partitions were cut for the old world size: go through DeepSpeed's
-            # universal checkpoint, which loads at any data-parallel size.
-            universal = checkpoint.to_universal(found, cfg.output_dir)
-            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
-    engine = ds_engine.initialize(learner, ds_config)
-    resume = None
-    if found is not None:
-        resume = checkpoint.load(found, manifest, engine, sharded, universal)
+    engine, resume, ds_config = start_engine(cfg, learner, ds_config, plan, sharded, ckpt_meta)
+    found = resume["checkpoint"] if resume else None
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
         last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)

@@ -47,8 +47,10 @@ def masked_mse(preds: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
 
 def masked_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     """Mean cross-entropy over the real rows of one task (N-way classification): logits
-    (N, C), labels (N,) in 0..C-1, mask (N,); computed in float32 whatever the logits' dtype."""
-    per_row = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+    (N, C), labels (N,) in 0..C-1, mask (N,); half-precision logits are upcast to float32."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    per_row = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     return (per_row * mask).sum() / mask.sum().clamp(min=1.0)
 
 
