@@ -175,10 +175,9 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids; ``skip`` (one
     micro-batch per meta-step) drops the meta-step on all ranks, so no update happens at all."""
     query, support = [], []
-    lookups = sharded.lookups(batches, lambda b: embed_batch(  # overlapped when sharded.overlap
-        lambda ids, multi: sharded.lookup_fields(ids, fields, multi), b)) if sharded else None
     for batch in batches:
-        rows = next(lookups) if sharded else None
+        rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
+                if sharded else None)
         with ds_engine.gathered(engine.module):  # ZeRO-3: full parameters for this micro-step
             out = engine(batch, rows)
             finite = bool(torch.isfinite(out.loss.detach()).all())

@@ -52,36 +52,32 @@ def _row_bytes(x: Tensor) -> int:
     return math.prod(x.shape[1:]) * x.element_size()
 
 
-def _exchange(x: Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> Tensor:
+def _exchange(x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, stats, rank, stage, group):
+    def forward(ctx, x, send_splits, recv_splits, stats, rank, stage):
         ctx.splits, ctx.stats, ctx.rank, ctx.stage = (send_splits, recv_splits), stats, rank, stage
         row_bytes = _row_bytes(x)
         ctx.row_bytes = row_bytes
         stats.record(stage, send_splits, recv_splits, row_bytes, rank)
-        return _exchange(x, send_splits, recv_splits, group)
+        return _exchange(x, send_splits, recv_splits)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         ctx.stats.record(ctx.stage + "_backward", recv_splits, send_splits, ctx.row_bytes, ctx.rank)
-        # Always on the default group: backward runs on the caller's thread, in the same order
-        # as the engine's collectives, whichever group the forward used.
-        return _exchange(grad, recv_splits, send_splits), None, None, None, None, None, None
+        return _exchange(grad, recv_splits, send_splits), None, None, None, None, None
 
 
 def all_to_all(x: Tensor, send_splits: list[int], recv_splits: list[int], stats: CommStats,
-               rank: int, stage: str, group=None) -> Tensor:
-    """Differentiable all-to-all of rows of ``x`` (splits along dim 0), counted in ``stats``.
-    ``group``: the forward's process group (default: the default group); the backward's is
-    always the default group."""
+               rank: int, stage: str) -> Tensor:
+    """Differentiable all-to-all of rows of ``x`` (splits along dim 0), counted in ``stats``."""
     if x.requires_grad:
-        return _AllToAll.apply(x, send_splits, recv_splits, stats, rank, stage, group)
+        return _AllToAll.apply(x, send_splits, recv_splits, stats, rank, stage)
     stats.record(stage, send_splits, recv_splits, _row_bytes(x), rank)
-    return _exchange(x, send_splits, recv_splits, group)
+    return _exchange(x, send_splits, recv_splits)

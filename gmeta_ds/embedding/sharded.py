@@ -13,17 +13,10 @@ Backward sends row gradients to their owners (the reverse all-to-all, one call),
 arrive as sparse gradients of the shard. `finish_gradients` divides by the world size so a
 row's gradient is the mean over ranks, exactly as DeepSpeed averages dense gradients, and
 all-reduces the gradients of replicated tables. World size 1 issues no collectives.
-
-``overlap=True`` (`lookups`): the lookup of micro-batch i+1 runs in a background thread while
-the caller computes micro-batch i; its forward all-to-alls use a process group of their own
-(so their order never interleaves with the caller's collectives), their backward the default
-group. Same numbers as the sequential path (tests/distributed).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -44,7 +37,7 @@ class ShardedEmbeddingCollection:
     """
 
     def __init__(self, plan: ShardingPlan, rank: int, seed: int = 0, bad_ids: str = "error",
-                 dedup: bool = True, overlap: bool = False):
+                 dedup: bool = True):
         self.plan, self.rank, self.world = plan, rank, plan.world_size
         self.bad_ids, self.dedup = bad_ids, dedup
         tables = [p.table for p in plan.tables.values()]
@@ -54,30 +47,6 @@ class ShardedEmbeddingCollection:
         self.optimizers = {name: build_sparse_optimizer(p.table.optimizer, self.shards[name], p.table.lr)
                            for name, p in plan.tables.items()}
         self.stats = CommStats()
-        # Collective (every rank builds its collection in the same order): the lookup group.
-        self.overlap = overlap and self.world > 1
-        self._group = dist.new_group(backend="gloo") if self.overlap else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gmeta-lookup") if self.overlap else None
-
-    def lookups(self, batches: Sequence, lookup: Callable) -> Iterator:
-        """``lookup(batch)`` of each batch, in order. With ``overlap`` the next batch's lookup
-        is started (background thread) before this one's result is handed out, so it runs
-        while the caller computes; a pending lookup is finished when the caller stops early
-        (every rank issued it)."""
-        if not self.overlap:
-            for batch in batches:
-                yield lookup(batch)
-            return
-        pending = self._pool.submit(lookup, batches[0]) if len(batches) else None
-        try:
-            for i in range(len(batches)):
-                rows, pending = pending.result(), None
-                if i + 1 < len(batches):
-                    pending = self._pool.submit(lookup, batches[i + 1])
-                yield rows
-        finally:
-            if pending is not None:
-                pending.result()
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.shards.values())
@@ -139,15 +108,14 @@ class ShardedEmbeddingCollection:
 
     def _exchange(self, names: list[str], send_ids: Tensor, counts: Tensor) -> Tensor:
         n_tables = len(names)
-        group = self._group if self.overlap else None
         recv_counts = all_to_all(counts, [n_tables] * self.world, [n_tables] * self.world,
-                                 self.stats, self.rank, "input_dist", group)
+                                 self.stats, self.rank, "input_dist")
         send_splits = counts.view(self.world, n_tables).sum(1).tolist()
         recv_splits = recv_counts.view(self.world, n_tables).sum(1).tolist()
-        recv_ids = all_to_all(send_ids, send_splits, recv_splits, self.stats, self.rank, "input_dist", group)
+        recv_ids = all_to_all(send_ids, send_splits, recv_splits, self.stats, self.rank, "input_dist")
         recv_table = torch.repeat_interleave(torch.arange(n_tables).repeat(self.world), recv_counts)
         rows = self._lookup(names, recv_ids, recv_table)
-        return all_to_all(rows, recv_splits, send_splits, self.stats, self.rank, "output_dist", group)
+        return all_to_all(rows, recv_splits, send_splits, self.stats, self.rank, "output_dist")
 
     def _lookup(self, names: list[str], local_ids: Tensor, table_of: Tensor) -> Tensor:
         """Rows of local shards for (local id, table) pairs, in the given order."""

@@ -19,9 +19,3 @@ def test_nonfinite_loss_policy_on_two_ranks(policy):
     outputs = run_ranks("nonfinite", 2, policy, timeout=180)
     word = "skipped" if policy == "skip" else "raised"
     assert all(out.strip().endswith(f"{word} {r}") for r, out in enumerate(outputs)), outputs
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_overlapped_lookups_equal_sequential(world):
-    outputs = run_ranks("overlap_equals_sequential", world, timeout=120)
-    assert all(out.strip().endswith(f"same {r}") for r, out in enumerate(outputs)), outputs

@@ -125,55 +125,6 @@ def nonfinite(policy: str) -> None:
     print("skipped", rank)
 
 
-def overlap_equals_sequential() -> None:
-    """The trainer's meta_step with the next micro-batch's lookup overlapped (background thread,
-    own process group) gives bit-identical losses, dense weights and shards to the sequential
-    lookups: two setups from the same seed, 3 meta-steps of 3 micro-batches on the same batches."""
-    from pathlib import Path
-
-    from gmeta_ds.config import load_config
-    from gmeta_ds.data.loader import TaskLoader
-    from gmeta_ds.data.sampler import MetaBatchSampler
-    from gmeta_ds.data.tasks import single_fields
-    from gmeta_ds.ds_config import resolve_ds_config
-    from gmeta_ds.engine import ds_engine
-    from gmeta_ds.engine.dist import skip_deepspeed_shm_op
-    from gmeta_ds.trainer import build_data, build_learner, embedding_plan, meta_step
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    skip_deepspeed_shm_op()
-    config = Path(__file__).resolve().parents[2] / "examples/synthetic/config.yaml"
-    cfg = load_config(config, ["data.synthetic.num_users=400", "meta.tasks_per_micro_batch=4",
-                               f"meta.tasks_per_meta_step={4 * 3 * world}"])
-    ds, plan = resolve_ds_config(cfg, world)
-    assert plan.grad_accum_steps == 3, plan.describe()
-    data = build_data(cfg)
-    sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps, world,
-                               rank, cfg.seed)
-    loader = TaskLoader(data.train, sampler, prefetch=False)
-    steps = [loader.next() for _ in range(3)]
-    loader.close()
-    fields = [f.name for f in single_fields(data.fields)]
-    runs = {}
-    for overlap in (False, True):
-        sharded = ShardedEmbeddingCollection(embedding_plan(cfg, data.fields, world), rank, cfg.seed,
-                                             overlap=overlap)
-        assert sharded.overlap == (overlap and world > 1)
-        engine = ds_engine.initialize(build_learner(cfg, data.fields, with_tables=False), ds)
-        losses = [meta_step(engine, sharded, fields, batches, step) for step, batches in enumerate(steps)]
-        runs[overlap] = ([(s.query_loss, s.support_loss) for s in losses],
-                         {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
-                         {k: p.detach().clone() for k, p in sharded.shards.items()}, sharded.stats.as_dict())
-    (loss_a, dense_a, shards_a, stats_a), (loss_b, dense_b, shards_b, stats_b) = runs[False], runs[True]
-    assert loss_a == loss_b, (loss_a, loss_b)
-    for k in dense_a:
-        assert torch.equal(dense_a[k], dense_b[k]), f"dense {k}"
-    for k in shards_a:
-        assert torch.equal(shards_a[k], shards_b[k]), f"shard {k}"
-    assert stats_a == stats_b, (stats_a, stats_b)
-    print("same", rank)
-
-
 def main() -> None:
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     globals()[sys.argv[1]](*sys.argv[2:])
