@@ -25,28 +25,30 @@ actual unique/remote counts (must equal the counters), "expected" uses E[U] only
 """
 from __future__ import annotations
 
-import os
+import sys
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # first: sets OMP_WAIT_POLICY before torch loads
+    LaunchFailure,
+    machine,
+    rank_main,
+    run_ranks,
+)
+
+# isort: split
 
 import argparse
 import json
-import sys
+import os
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-try:
-    import gmeta_ds  # noqa: F401
-except ImportError:  # not installed: run from a checkout
-    sys.path.insert(0, str(ROOT))
-from common import LaunchFailure, machine, rank_main, run_ranks
 
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection

@@ -1,6 +1,9 @@
-"""Helpers shared by the benchmarks that launch real processes (memory.py, overlap.py)."""
+"""Helpers shared by the benchmarks. Importing this module first (before torch) sets
+OMP_WAIT_POLICY=PASSIVE (ranks share cores) and, when gmeta_ds is not installed, puts the
+checkout on sys.path."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -13,6 +16,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv's deepspeed / gmeta-ds sit next to its python
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if importlib.util.find_spec("gmeta_ds") is None:  # not installed: run from a checkout
+    sys.path.insert(0, str(REPO))
 
 
 def free_port() -> int:

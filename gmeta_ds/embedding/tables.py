@@ -86,16 +86,19 @@ def init_rows(table: TableConfig, seed: int, ids: Tensor) -> Tensor:
 
 @dataclass
 class Jagged:
-    """Ids of one feature for N samples: values (nnz,) int64, offsets (N + 1,) int64."""
+    """Ids of one feature for N samples: values (nnz,) int64, offsets (N + 1,) int64.
+    ``one_per_sample``: known to hold exactly one id per sample (`single`), so pooling is the
+    identity and `pool` skips it."""
 
     values: Tensor
     offsets: Tensor
+    one_per_sample: bool = False
 
     @staticmethod
     def single(ids: Tensor) -> "Jagged":
         """One id per sample: ids (N,) -> offsets [0, 1, ..., N]."""
         ids = ids.reshape(-1).long()
-        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long))
+        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long), one_per_sample=True)
 
     @property
     def num_samples(self) -> int:
@@ -123,8 +126,9 @@ def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> 
 
 
 def pool(rows: Tensor, jagged: Jagged, pooling: str) -> Tensor:
-    """Pool looked-up rows (nnz, d) per sample: (N, d) for sum/mean, unchanged for none."""
-    if pooling == "none":
+    """Pool looked-up rows (nnz, d) per sample: (N, d) for sum/mean, unchanged for none (and
+    for single-hot ids, where the sum or mean of one row is that row)."""
+    if pooling == "none" or jagged.one_per_sample:
         return rows
     out = rows.new_zeros(jagged.num_samples, rows.shape[1])
     out = out.index_add(0, jagged.segment_ids(), rows)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from gmeta_ds.embedding import tables
 from gmeta_ds.embedding.tables import (EmbeddingCollection, Jagged, TableConfig, check_ids, init_rows,
                                        lookup_fields)
 
@@ -74,3 +75,19 @@ def test_bad_table_configs_are_rejected():
         TableConfig("t", 0, 2, ("f",))
     with pytest.raises(ValueError, match="feature 'f' is assigned to tables 'a' and 'b'"):
         EmbeddingCollection([TableConfig("a", 3, 2, ("f",)), TableConfig("b", 3, 2, ("f",))])
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_single_hot_pooling_shortcut_is_exact(pooling):
+    """`Jagged.single` ids skip pooling; the result and the gradient equal pooling the same
+    ids as one-element bags (the index_add path) exactly."""
+    ids = torch.tensor([3, 0, 3, 7, 1])
+    rows = torch.randn(5, 4, requires_grad=True)
+    bags = Jagged(ids, torch.arange(6))
+    assert Jagged.single(ids).one_per_sample and not bags.one_per_sample
+    fast, slow = tables.pool(rows, Jagged.single(ids), pooling), tables.pool(rows, bags, pooling)
+    assert torch.equal(fast, slow)
+    weights = torch.randn(5, 4)
+    grad_fast, = torch.autograd.grad((fast * weights).sum(), rows)
+    grad_slow, = torch.autograd.grad((slow * weights).sum(), rows)
+    assert torch.equal(grad_fast, grad_slow)
