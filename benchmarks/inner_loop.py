@@ -18,6 +18,10 @@ Each variant runs with ``torch.set_num_threads(n)`` for each ``--threads`` value
 interleaved in ``--rounds`` rounds (robust to background load), the median per-micro-batch
 time of all timed iterations is reported. Results go to ``benchmarks/results/inner_loop.json``.
 
+``--device cuda`` runs the variants on the GPU (timed with ``torch.cuda.synchronize``) after
+checking that the device's loss and gradients equal the CPU's (rtol 1e-4); ``--out`` writes the
+JSON elsewhere (benchmarks/gpu_check.sh).
+
 Run from the repo root:  python benchmarks/inner_loop.py [--inner-steps 1] [--threads 1 2]
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -133,6 +138,41 @@ def make_batches(tasks_per_batch, n_batches):
             for i in range(n_batches)]
 
 
+def to_device(batch, device):
+    """The batch's tensors (and multi-hot bags) on ``device``."""
+    moved = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor):
+            moved[f.name] = v.to(device)
+        elif isinstance(v, dict):
+            moved[f.name] = {k: type(j)(j.values.to(device), j.offsets.to(device)) for k, j in v.items()}
+    return dataclasses.replace(batch, **moved)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check_device(net, variants, batch, device) -> list[str]:
+    """The gmeta_ds vmap variant's loss and checked gradients on ``device`` vs on the CPU."""
+    params = dict(net.named_parameters())
+    fn = variants["gmeta_ds vmap"]
+    cpu_loss = step(net, fn, batch)
+    cpu_grads = {p: params[p].grad.clone() for p in CHECKED}
+    net.to(device)
+    loss = step(net, fn, to_device(batch, device)).cpu()
+    problems = []
+    if not torch.allclose(loss, cpu_loss, rtol=1e-4, atol=1e-6):
+        problems.append(f"{device} loss {loss.item():.8f} != cpu {cpu_loss.item():.8f}")
+    for p in CHECKED:
+        if not torch.allclose(params[p].grad.cpu(), cpu_grads[p], rtol=1e-4, atol=1e-6):
+            err = (params[p].grad.cpu() - cpu_grads[p]).abs().max().item()
+            problems.append(f"{device} grad {p} differs from cpu (max abs {err:.2e})")
+    return problems
+
+
 def step(net, fn, batch):
     """One micro-batch: outer loss + backward; returns the loss value."""
     net.zero_grad(set_to_none=True)
@@ -162,7 +202,7 @@ def check_agreement(net, variants, batch) -> list[str]:
     return problems
 
 
-def time_variants(net, variants, batches, iters, warmup, rounds):
+def time_variants(net, variants, batches, iters, warmup, rounds, device="cpu"):
     """Interleave the variants in rounds; return name -> per-iteration seconds."""
     times = {name: [] for name in variants}
     per_round = max(1, iters // rounds)
@@ -172,8 +212,10 @@ def time_variants(net, variants, batches, iters, warmup, rounds):
                 step(net, fn, batches[i % len(batches)])
             for i in range(per_round):
                 net.zero_grad(set_to_none=True)
+                sync(device)
                 start = time.perf_counter()
                 fn(batches[i % len(batches)]).backward()
+                sync(device)
                 times[name].append(time.perf_counter() - start)
     return times
 
@@ -194,15 +236,17 @@ def print_table(rows):
               f"{r['tasks_per_s']:>8.0f} {r['vs_loop']:>8.2f} {r['vs_bare_func']:>8.2f}")
 
 
-def write_json(params, rows):
+def write_json(params, rows, path=RESULTS):
     machine = {"platform": platform.platform(), "python": platform.python_version(),
                "torch": torch.__version__, "cpu_count": os.cpu_count(),
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".json.tmp")
+    if torch.cuda.is_available():
+        machine["cuda_device"] = torch.cuda.get_device_name(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"machine": machine, "parameters": params, "results": rows},
                               indent=2) + "\n")
-    os.replace(tmp, RESULTS)
+    os.replace(tmp, path)
 
 
 def parse_args(argv=None):
@@ -215,6 +259,8 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=400, help="timed iterations per variant")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up iterations per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     return ap.parse_args(argv)
 
 
@@ -230,17 +276,24 @@ def main(argv=None) -> int:
         print("variants disagree:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     print(f"agreement ok: losses rtol 1e-5, grads {', '.join(CHECKED)} rtol 1e-4 atol 1e-6")
+    if args.device != "cpu":
+        problems = check_device(net, variants, batches[0], args.device)
+        if problems:
+            print("device disagrees with cpu:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 1
+        print(f"{args.device} == cpu: loss and grads {', '.join(CHECKED)} rtol 1e-4 atol 1e-6")
+        batches = [to_device(b, args.device) for b in batches]
     rows = []
     for n in args.threads:
         torch.set_num_threads(n)
         rows += summarize(time_variants(net, variants, batches, args.iters, args.warmup,
-                                        args.rounds), n, args.tasks)
+                                        args.rounds, args.device), n, args.tasks)
     print_table(rows)
-    params = {**vars(args), "embed_dim": mc.embed_dim, "hidden": mc.hidden, "adapt": ["mlp.*"],
+    params = {**vars(args), "out": str(args.out), "embed_dim": mc.embed_dim, "hidden": mc.hidden, "adapt": ["mlp.*"],
               "algorithm": "maml (second order)", "fields": len(synthetic_fields(SyntheticConfig())),
               "batch_shapes": [list(b.support_ids.shape) + [b.query_ids.shape[1]] for b in batches]}
-    write_json(params, rows)
-    print(f"wrote {RESULTS}")
+    write_json(params, rows, args.out)
+    print(f"wrote {args.out}")
     return 0
 
 
