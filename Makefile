@@ -26,11 +26,19 @@ test: install
 test-all: install
 	$(PY) -m pytest -q
 
+# The benchmark suite (~10 min on 2 cores): tables on stdout, JSON under benchmarks/results/,
+# charts under docs/img/ (docs/performance.md). The venv's bin first on PATH: DeepSpeed
+# JIT-rebuilds its CPU ops when launchers see another PATH.
+bench: export PATH := $(abspath $(VENV))/bin:$(PATH)
 bench: install
 	$(PY) benchmarks/inner_loop.py
 	$(PY) benchmarks/embedding_comm.py
 	$(PY) benchmarks/meta_io.py
 	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/comm_model.py
+	$(PY) benchmarks/lookup.py
+	$(PY) benchmarks/plots.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -59,7 +59,8 @@ def machine() -> dict:
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), platform.processor())
     return {"cpu": model, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__,
+            "load_avg_at_end": os.getloadavg()}
 
 
 def run_ranks(script: str, name: str, world: int, *args: str, timeout: float = 300.0) -> list[dict]:

@@ -71,7 +71,7 @@ def main() -> None:
     same = all(abs(two[k] - one[k]) <= 1e-5 * max(1.0, abs(one[k]))
                for k in ("dense_checksum", "embedding_checksum", "final_query_loss"))
     result = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version()},
+                          "python": platform.python_version(), "load_avg_at_end": os.getloadavg()},
               "config": args.config, "meta_steps": args.steps, "runs": runs,
               "speedup": two["tasks_per_s"] / one["tasks_per_s"],
               "scaling_efficiency": two["tasks_per_s"] / (2 * one["tasks_per_s"]),
