@@ -186,7 +186,9 @@ def _print_summary(summary: dict, output_dir: str) -> None:
         if ev:
             print(f"held-out classes, {ev['ways']}-way {ev['shots']}-shot accuracy: meta-learned + "
                   f"adaptation {ev['accuracy']:.4f} | without adaptation {ev['accuracy_no_adapt']:.4f}"
-                  f" | fine-tuned from scratch {ev.get('baseline_scratch_accuracy', float('nan')):.4f}"
+                  f" | from scratch: {ev.get('baseline_scratch_steps', 0)} Adam steps "
+                  f"{ev.get('baseline_scratch_accuracy', float('nan')):.4f}, the same inner loop "
+                  f"{ev.get('baseline_scratch_inner_loop_accuracy', float('nan')):.4f}"
                   f" | chance {ev['chance']:.4f}")
         print(f"outputs: {output_dir}/summary.json, metrics.jsonl, model/ (save_pretrained)")
         return

@@ -195,14 +195,14 @@ class EvalConfig:
 @dataclass
 class TextSyntheticConfig:
     """Generated few-shot text classification data (``text.data.path: null``): each class is
-    a pair of topic words from a shared pool; texts mix the pair with filler words, so
-    classes unseen in training are new combinations of words the encoder has seen."""
+    a pair of words from a pool of ``topic_words``; its texts hold both among filler words
+    that every class shares (see gmeta_ds/text/data.py)."""
 
-    num_classes: int = 48
-    examples_per_class: int = 30
-    topic_words: int = 24
-    filler_words: int = 300
-    words_per_text: int = 10
+    num_classes: int = 60
+    examples_per_class: int = 20
+    topic_words: int = 12
+    filler_words: int = 200
+    words_per_text: int = 8
 
 
 @dataclass
@@ -394,8 +394,12 @@ def _validate_text(text: TextConfig, problems: list[str]) -> None:
     for name in ("num_classes", "examples_per_class", "topic_words", "filler_words", "words_per_text"):
         _positive(problems, f"text.data.synthetic.{name}", getattr(syn, name))
     if d.path is None and syn.topic_words * (syn.topic_words - 1) // 2 < syn.num_classes:
-        problems.append(f"text.data.synthetic.topic_words: {syn.topic_words} words make fewer "
-                        f"pairs than num_classes ({syn.num_classes})")
+        problems.append(f"text.data.synthetic.topic_words: {syn.topic_words} words make "
+                        f"{syn.topic_words * (syn.topic_words - 1) // 2} pairs, fewer than "
+                        f"num_classes ({syn.num_classes})")
+    if d.path is None and syn.words_per_text < 2:
+        problems.append(f"text.data.synthetic.words_per_text: {syn.words_per_text} must be >= 2 "
+                        "(a text holds its class's two topic words)")
     for name in ("eval_episodes", "baseline_steps", "baseline_lr"):
         _positive(problems, f"text.{name}", getattr(text, name))
     _positive(problems, "text.model.vocab_size", text.model.vocab_size)

@@ -175,6 +175,8 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids; ``skip`` (one
     micro-batch per meta-step) drops the meta-step on all ranks, so no update happens at all."""
     query, support = [], []
+    if engine.device.type != "cpu":  # batches are collated on the host
+        batches = [ds_engine.to_device(b, engine.device) for b in batches]
     for batch in batches:
         rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                 if sharded else None)

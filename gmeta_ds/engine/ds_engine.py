@@ -9,6 +9,7 @@ ranks, loss scaling in fp16) is DeepSpeed's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -70,6 +71,21 @@ def gathered(module: nn.Module):
 
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         yield
+
+
+def to_device(obj, device):
+    """``obj`` (a tensor, or a dataclass / dict / list / tuple holding tensors, e.g. a
+    `TaskBatch`) with every tensor moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
 
 
 def full_state_dict(module: nn.Module) -> dict:

@@ -25,21 +25,22 @@ _TRAIN_KEY, _TEST_KEY, _SPLIT_KEY = 0, 1, 2
 
 
 def generate_texts(cfg: TextSyntheticConfig, seed: int) -> tuple[list[str], list[str]]:
-    """(texts, labels): class c is a pair of topic words; each text holds both words of its
-    class (in random positions), one distractor topic word and filler words."""
+    """(texts, labels): class c is a pair of topic words drawn from a pool of
+    ``topic_words``; each of its texts holds both words, at random places among
+    ``words_per_text - 2`` filler words shared by every class. Held-out classes are new pairs
+    of words seen in meta-training, so what transfers is a representation of which topic
+    words a text holds (and that fillers carry no signal), which a model fine-tuned from
+    scratch must learn anew from each support set."""
     rng = np.random.default_rng([seed, 7])
-    topics = [f"topic{i}" for i in range(cfg.topic_words)]
     fillers = [f"w{i}" for i in range(cfg.filler_words)]
     pairs = [(a, b) for a in range(cfg.topic_words) for b in range(a + 1, cfg.topic_words)]
     chosen = rng.choice(len(pairs), size=cfg.num_classes, replace=False)
     texts, labels = [], []
     for c, pair in enumerate(chosen):
-        a, b = pairs[pair]
         for _ in range(cfg.examples_per_class):
-            words = list(rng.choice(fillers, size=max(0, cfg.words_per_text - 3)))
-            distractor = rng.choice([t for t in range(cfg.topic_words) if t not in (a, b)])
-            for w in (topics[a], topics[b], topics[distractor]):
-                words.insert(int(rng.integers(0, len(words) + 1)), w)
+            words = list(rng.choice(fillers, size=cfg.words_per_text - 2))
+            for topic in pairs[pair]:
+                words.insert(int(rng.integers(0, len(words) + 1)), f"topic{topic}")
             texts.append(" ".join(words))
             labels.append(f"class_{c:03d}")
     return texts, labels
@@ -91,11 +92,11 @@ class TextEpisodes:
 
     @property
     def support_mask(self) -> Tensor:
-        return torch.ones(self.support_y.shape)
+        return torch.ones(self.support_y.shape, device=self.support_y.device)
 
     @property
     def query_mask(self) -> Tensor:
-        return torch.ones(self.query_y.shape)
+        return torch.ones(self.query_y.shape, device=self.query_y.device)
 
     def trimmed(self) -> "TextEpisodes":
         """The same episodes without the token columns that are padding in every text."""

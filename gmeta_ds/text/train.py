@@ -113,7 +113,7 @@ def scratch_accuracy(cfg: RunConfig, tokenizer, batch: TextEpisodes) -> float:
     fine-tuned on each episode's support (all parameters, Adam, ``text.baseline_steps``)."""
     accuracies = []
     for i in range(batch.support_y.shape[0]):
-        net = SequenceClassifier(build_classifier(cfg.text, tokenizer, cfg.seed))
+        net = SequenceClassifier(build_classifier(cfg.text, tokenizer, cfg.seed)).to(batch.support_y.device)
         opt = torch.optim.Adam(net.parameters(), lr=cfg.text.baseline_lr)
         xs = (batch.support_ids[i], batch.support_attention[i])
         for _ in range(cfg.text.baseline_steps):
@@ -126,19 +126,25 @@ def scratch_accuracy(cfg: RunConfig, tokenizer, batch: TextEpisodes) -> float:
     return float(np.mean(accuracies))
 
 
-def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTasks) -> dict:
-    """Accuracy on ``text.eval_episodes`` episodes of held-out classes (deterministic)."""
+def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTasks,
+             initial: TextMetaLearner | None = None) -> dict:
+    """Accuracy on ``text.eval_episodes`` episodes of held-out classes (deterministic); with
+    ``eval.baseline`` also of the initial model fine-tuned from scratch: with Adam for
+    ``text.baseline_steps`` steps, and with the meta-learner's own inner loop (``initial``)."""
     numbers = list(range(cfg.text.eval_episodes))
     steps = cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
-    adapted, plain, scratch = [], [], []
+    adapted, plain, scratch, same = [], [], [], []
     for chunk in range(0, len(numbers), cfg.eval.tasks_per_batch):
         batch = tasks.episodes("test", numbers[chunk:chunk + cfg.eval.tasks_per_batch])
+        batch = ds_engine.to_device(batch, next(learner.parameters()).device)
         a, p = adapted_accuracy(learner, batch, steps)
         n = batch.support_y.shape[0]
         adapted += [a] * n
         plain += [p] * n
         if cfg.eval.baseline:
             scratch += [scratch_accuracy(cfg, tokenizer, batch)] * n
+            if initial is not None:
+                same += [adapted_accuracy(initial, batch, steps)[0]] * n
     d = cfg.text.data
     result = {"episodes": len(numbers), "ways": d.ways, "shots": d.shots, "queries": d.queries,
               "held_out_classes": len(tasks.class_names["test"]), "inner_steps": steps,
@@ -147,6 +153,8 @@ def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTas
     if scratch:
         result["baseline_scratch_accuracy"] = float(np.mean(scratch))
         result["baseline_scratch_steps"] = cfg.text.baseline_steps
+    if same:
+        result["baseline_scratch_inner_loop_accuracy"] = float(np.mean(same))
     return result
 
 
@@ -174,9 +182,11 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
     if rank == 0:
         _, _, final = build(cfg)  # a plain float32 copy for saving and evaluation
         final.load_state_dict({k: v.float() for k, v in state.items()})
+        final.to(engine.device)
         final.net.model.save_pretrained(str(out_dir / MODEL_DIR))
         tokenizer.save_pretrained(str(out_dir / MODEL_DIR))
-        evaluation = evaluate(cfg, final, tokenizer, tasks) if cfg.eval.enabled else {}
+        initial = build(cfg)[2].to(engine.device)
+        evaluation = evaluate(cfg, final, tokenizer, tasks, initial) if cfg.eval.enabled else {}
         log.write_eval(evaluation, cfg.train.meta_steps)
         summary = {"task": "text", "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
                    "resumed_from": ({"checkpoint": str(resume["checkpoint"]), "step": resume["step"],

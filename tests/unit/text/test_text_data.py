@@ -50,18 +50,19 @@ def test_table_errors_name_the_file_and_what_is_expected(tmp_path):
         read_table(TextDataConfig(path=str(path)))
 
 
-def test_generated_texts_hold_their_class_words():
-    cfg = TextSyntheticConfig(num_classes=6, examples_per_class=3, topic_words=5, filler_words=10, words_per_text=6)
+def test_generated_texts_hold_the_pair_of_their_class():
+    cfg = TextSyntheticConfig(num_classes=6, examples_per_class=3, topic_words=5, filler_words=10,
+                              words_per_text=6)
     texts, labels = generate_texts(cfg, seed=1)
     assert len(texts) == 18 and len(set(labels)) == 6
     assert generate_texts(cfg, seed=1) == (texts, labels) and generate_texts(cfg, seed=2) != (texts, labels)
-    by_class = {}
+    pairs = {}
     for text, label in zip(texts, labels):
-        by_class.setdefault(label, []).append(set(w for w in text.split() if w.startswith("topic")))
-    for sets in by_class.values():
-        common = set.intersection(*sets)
-        assert len(common) >= 2  # the class's pair is in every text of the class
-        assert all(len(s) in (2, 3) and len(t.split()) == 6 for s, t in zip(sets, texts))
+        words = text.split()
+        topics = frozenset(w for w in words if w.startswith("topic"))
+        assert len(words) == 6 and len(topics) == 2
+        assert pairs.setdefault(label, topics) == topics  # the same pair in every text of a class
+    assert len(set(pairs.values())) == 6  # classes are distinct pairs
 
 
 @pytest.fixture(scope="module")
