@@ -48,8 +48,9 @@ info = {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "cuda": 
 print(json.dumps(info))
 sys.exit(0 if info["available"] else "no CUDA device visible")'
 
-# 1. the test subset marked for GPUs
-step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/gpu --junitxml="$OUT/gpu_tests.xml"
+# 1. the test subset marked for GPUs (tests/launch first: tests/gpu imports its helpers)
+step gpu_tests 150 "$PY" -m pytest -q -m gpu tests/launch tests/gpu tests/unit tests/distributed \
+    --junitxml="$OUT/gpu_tests.xml"
 
 # 2. inner loop on the device: CUDA == CPU (loss, gradients), then tasks/s of every variant
 step inner_loop_cuda 90 "$PY" benchmarks/inner_loop.py --device cuda --threads 1 --iters 200 \
