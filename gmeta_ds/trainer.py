@@ -433,6 +433,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation,
+                   "vectorize": engine.module.algorithm.vectorize,
                    "batch": plan.describe(), "ds_config": ds_config,
                    "config": config_to_dict(cfg), "elapsed_s": time.perf_counter() - start}
         summary["peak_rss_mib_per_rank"] = peak_rss

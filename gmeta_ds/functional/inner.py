@@ -173,23 +173,25 @@ def loop_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tup
     return TaskOutputs(query_loss, support_loss, fast)
 
 
-def available_memory_bytes() -> int:
-    """Memory this rank may use: free GPU memory, or available host RAM shared by the node's
-    ranks."""
+def memory_bytes_per_rank() -> int:
+    """Memory one rank may plan for: the GPU's total memory, or the host's physical memory
+    shared by the node's ranks. Totals, not what is free right now: the vmap-or-loop choice
+    must not change from one run to the next with the machine's load (the two paths agree
+    only to rounding, which Adam amplifies over many steps)."""
     if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(1, local)
 
 
 def choose_vectorize(setting: "bool | str", bytes_per_task: int, tasks: int,
                      budget_mb: "int | str" = "auto") -> bool:
     """``meta.vectorize``: true / false as given; "auto": vmap when the micro-batch's estimated
     activation memory (``bytes_per_task`` x ``tasks``) fits the budget (``budget_mb``, or a
-    quarter of `available_memory_bytes`), else the per-task loop."""
+    quarter of `memory_bytes_per_rank`), else the per-task loop."""
     if setting != "auto":
         return bool(setting)
-    budget = available_memory_bytes() // 4 if budget_mb == "auto" else int(budget_mb) * 2**20
+    budget = memory_bytes_per_rank() // 4 if budget_mb == "auto" else int(budget_mb) * 2**20
     return bytes_per_task * tasks <= budget
 
 

@@ -8,8 +8,7 @@ import os
 
 import pytest
 import torch
-from launch.conftest import BIN, run, summary
-from launch.test_text import text_config
+from launch.conftest import BIN, run, summary, text_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -43,6 +43,32 @@ def tiny_config(tmp_path: Path, **sections) -> Path:
     return path
 
 
+TEXT_TINY_BERT = {"model_type": "bert", "hidden_size": 16, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "intermediate_size": 32}
+
+
+def text_config(tmp_path: Path, algorithm: str = "maml", ds: str = "zero0", **extra) -> Path:
+    """A small few-shot text run config (tiny BERT, 3-way episodes, 4 meta-steps, no evaluation)."""
+    cfg = {
+        "task": "text", "output_dir": str(tmp_path / "run"), "seed": 1,
+        "meta": {"algorithm": algorithm, "inner_steps": 2, "inner_lr": 0.5, "adapt": ["*"],
+                 "tasks_per_micro_batch": 2, "tasks_per_meta_step": 4},
+        "text": {"data": {"ways": 3, "shots": 2, "queries": 2, "max_length": 10,
+                          "synthetic": {"num_classes": 12, "examples_per_class": 6, "topic_words": 8,
+                                        "filler_words": 20, "words_per_text": 5}},
+                 "model": {"config": TEXT_TINY_BERT}, "eval_episodes": 6, "baseline_steps": 3},
+        "train": {"meta_steps": 4, "log_every": 1, "lr": 0.01, "progress": False},
+        "eval": {"enabled": False},
+        "deepspeed": str(REPO / "ds_configs" / f"{ds}.json"),
+    }
+    for key, value in extra.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
         expect_ok: bool = True) -> subprocess.CompletedProcess:
     """Run a command with a hard timeout; on failure show its output."""
