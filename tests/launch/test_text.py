@@ -88,3 +88,15 @@ def test_bad_text_inputs_fail_before_training(tmp_path):
     bad = text_config(tmp_path / "b", text={"data": {"ways": 1, "format": "xml"}})
     out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(bad)], expect_ok=False)
     assert "text.data.ways: 1 must be >= 2" in out.stderr and "text.data.format: 'xml' is not one of" in out.stderr
+
+
+def test_zero3_checkpoint_resumes_exactly(tmp_path, one_process):
+    """Stopped after 2 of 4 meta-steps on 2 ZeRO-3 ranks and resumed: the uninterrupted model."""
+    path = text_config(tmp_path, "maml", "zero3", train={"meta_steps": 2, "log_every": 1, "lr": 0.01,
+                                                          "progress": False, "checkpoint_every": 2})
+    train(path, 2)
+    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "train.meta_steps=4",
+                      "--set", "train.resume=auto"))
+    resumed = summary(path)
+    assert resumed["resumed_from"]["step"] == 2 and resumed["resumed_from"]["optimizer_restored"]
+    same_model(resumed, one_process("maml"))
