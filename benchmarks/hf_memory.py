@@ -3,9 +3,9 @@
 Runs ``gmeta-ds train`` on ``examples/hf_fewshot/config.yaml`` under ``deepspeed --num_gpus 2``
 for a few meta-steps (evaluation off) in three cases:
 
-- ``example``: the example's BERT (hidden 64, 2 layers), MAML adapting every parameter;
-- ``activations``: a wider BERT (512 x 4, ~13M parameters), same episodes: second-order
-  activations dominate;
+- ``example``: the example as configured (BERT 64 x 2, head-only adaptation);
+- ``activations``: a wider BERT (512 x 4, ~13M parameters), MAML adapting every parameter:
+  second-order activations dominate;
 - ``state``: BERT 1024 x 6 (~80M parameters), head-only adaptation (ANIL), 1-shot 1-query
   episodes, 1 inner step: the dense state dominates.
 
@@ -32,9 +32,10 @@ RESULTS = REPO / "benchmarks" / "results" / "hf_memory.json"
 
 
 CASES = {  # name: (hidden, layers, extra --set overrides)
-    "example": (64, 2, ["meta.adapt=['*']"]),
-    "activations": (512, 4, ["meta.adapt=['*']"]),
-    "state": (1024, 6, ["meta.adapt=['model.classifier.*']", "meta.inner_steps=1", "text.data.shots=1",
+    "example": (64, 2, []),
+    "activations": (512, 4, ["meta.adapt=['*']", "meta.inner_steps=2", "meta.inner_lr=0.5",
+                             "meta.tasks_per_micro_batch=4", "meta.tasks_per_meta_step=8"]),
+    "state": (1024, 6, ["meta.inner_steps=1", "text.data.shots=1",
                         "text.data.queries=1"]),
 }
 

@@ -149,6 +149,9 @@ def _cmd_train(cfg: RunConfig) -> int:
 
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
+    from gmeta_ds.engine.ds_engine import check_device_support
+
+    check_device_support(ds_config)
     built = None
     if cfg.task == "text":
         from gmeta_ds.text.train import build

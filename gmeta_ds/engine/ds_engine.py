@@ -21,6 +21,17 @@ def zero_stage(ds_config: dict) -> int:
     return ds_config.get("zero_optimization", {}).get("stage", 0)
 
 
+def check_device_support(ds_config: dict, source: str = "deepspeed") -> None:
+    """Reject precisions this machine's accelerator cannot run, before any collective
+    (DeepSpeed itself only raises after the process group is up)."""
+    from gmeta_ds.errors import ConfigError
+
+    if ds_config.get("fp16", {}).get("enabled", False) and not torch.cuda.is_available():
+        raise ConfigError(["deepspeed.fp16.enabled: fp16 needs a CUDA GPU (DeepSpeed's CPU "
+                           "accelerator has no fp16); use bf16 (ds_configs/zero2_bf16.json, "
+                           "zero3_bf16.json) or fp32 on this machine"], source)
+
+
 def initialize(module: nn.Module, ds_config: dict):
     """``deepspeed.initialize`` on the dense module; returns the engine.
 

@@ -81,3 +81,12 @@ def test_eval_without_weights_names_the_missing_file(tmp_path):
                            write(tmp_path, TINY)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0
     assert "model.safetensors does not exist" in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 runs where CUDA is")
+def test_fp16_without_a_gpu_is_refused_before_training(tmp_path, capsys):
+    args = ["train", "--config", write(tmp_path, TINY), "--set", "deepspeed=ds_configs/zero2_fp16.json"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "deepspeed.fp16.enabled: fp16 needs a CUDA GPU" in err and "zero2_bf16.json" in err
+    assert not (tmp_path / "out" / "summary.json").exists()
