@@ -81,7 +81,8 @@ def memory(d, ax):
 
 def scaling(d, ax):
     runs = d["runs"]
-    bars(ax, [f"world {r['world_size']}" for r in runs], {"tasks/s": [r["tasks_per_s"] for r in runs]}, "tasks/s")
+    bars(ax, [f"world {r['world_size']}" + (f" #{i // 2 + 1}" if len(runs) > 2 else "") for i, r in enumerate(runs)],
+         {"tasks/s": [r["tasks_per_s"] for r in runs]}, "tasks/s")
     ax.set_title(f"Demo config, same global batch: {d['speedup']:.2f}x, "
                  f"efficiency {d['scaling_efficiency']:.0%}")
 
