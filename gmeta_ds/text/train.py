@@ -185,7 +185,7 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
         final.to(engine.device)
         final.net.model.save_pretrained(str(out_dir / MODEL_DIR))
         tokenizer.save_pretrained(str(out_dir / MODEL_DIR))
-        initial = build(cfg)[2].to(engine.device)
+        initial = build(cfg)[2].to(engine.device) if cfg.eval.enabled and cfg.eval.baseline else None
         evaluation = evaluate(cfg, final, tokenizer, tasks, initial) if cfg.eval.enabled else {}
         log.write_eval(evaluation, cfg.train.meta_steps)
         summary = {"task": "text", "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
