@@ -19,23 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BIN, REPO, free_port, machine, run_group
 
 
 def run(world: int, config: str, steps: int, out: Path, timeout: int, threads: str = "auto") -> dict:
@@ -47,12 +38,9 @@ def run(world: int, config: str, steps: int, out: Path, timeout: int, threads: s
     else:
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
                str(BIN / "gmeta-ds"), *args]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    run_group(cmd, timeout, f"world {world}")
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"world {world} failed:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     return {"world_size": world, "wall_s": wall, "train_s": summary["elapsed_s"],
@@ -82,8 +70,7 @@ def main() -> None:
                for k in ("dense_checksum", "embedding_checksum", "final_query_loss"))
     speed = {w: statistics.median(r["tasks_per_s"] for r in rs) for w, rs in ((1, ones), (2, twos))}
     ratios = [t["tasks_per_s"] / o["tasks_per_s"] for o, t in zip(ones, twos)]
-    result = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version(), "load_avg_at_end": os.getloadavg()},
+    result = {"machine": {**machine(), "load_avg_at_end": os.getloadavg()},
               "config": args.config, "meta_steps": args.steps, "repeats": args.repeats, "runs": runs,
               "same_model_reference": reference,
               "tasks_per_s_median": speed, "speedup_per_pair": ratios,

@@ -39,6 +39,11 @@ class BatchPlan:
                 "tasks/meta-step")
 
 
+def zero_stage(ds: dict) -> int:
+    """The DeepSpeed config's ZeRO stage (0 when it has no ``zero_optimization``)."""
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
 def find_ds_config_file(name: str, config_dir: str) -> Path:
     """Resolve a ``deepspeed:`` path: as given (absolute or from cwd), next to the run config,
     or inside the gmeta_ds checkout (``ds_configs/zero2.json``)."""
@@ -116,7 +121,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     ds, source = load_ds_config(cfg)
     problems: list[str] = []
     plan = _resolve_batch(cfg, ds, world_size, problems)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"deepspeed.zero_optimization.stage: {stage!r} is not supported; "
                         f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))}")
@@ -140,7 +145,7 @@ def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
     stage 3 also parameters between micro-steps (gathered in full during one);
     bf16/fp16 keep 2-byte parameters and gradients plus fp32 master weights in the optimizer
     state; CPU offload moves the optimizer state to host memory, still counted here)."""
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
     weight = 2 if half else 4
     optimizer = (12 if half else 8) * n_params  # Adam moments (+ fp32 master copy)

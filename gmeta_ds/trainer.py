@@ -26,7 +26,7 @@ from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
 from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
 from gmeta_ds.data.tasks import TaskBatch, single_fields
-from gmeta_ds.ds_config import BatchPlan
+from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
@@ -68,8 +68,7 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearn
     rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
     width = len(fields) * cfg.model.embed_dim + sum(cfg.model.hidden)
     per_task = rows * width * 4 * (cfg.meta.inner_steps + 1) * 3
-    tasks = cfg.meta.tasks_per_micro_batch if isinstance(cfg.meta.tasks_per_micro_batch, int) else 32
-    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task, tasks))
+    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task))
 
 
 def label_kind(cfg: RunConfig) -> str:
@@ -377,8 +376,7 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
     universal = manifest = None
     if found is not None:
         manifest = checkpoint.verify(found, ckpt_meta)
-        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-        if manifest["world_size"] != plan.world_size and stage > 0:
+        if manifest["world_size"] != plan.world_size and zero_stage(ds_config) > 0:
             # ZeRO partitions were cut for the old world size: go through DeepSpeed's
             # universal checkpoint, which loads at any data-parallel size.
             universal = checkpoint.to_universal(found, cfg.output_dir)
@@ -388,6 +386,14 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
     if found is not None:
         resume = {**checkpoint.load(found, manifest, engine, sharded, universal), "checkpoint": found}
     return engine, resume, ds_config
+
+
+def resumed_from(resume: dict | None) -> dict | None:
+    """The summary's ``resumed_from``: where `start_engine` resumed from, or None."""
+    if resume is None:
+        return None
+    return {"checkpoint": str(resume["checkpoint"]), "step": resume["step"],
+            "world_size": resume["world_size"], "optimizer_restored": resume["optimizer_restored"]}
 
 
 def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
@@ -400,7 +406,6 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     learner = build_learner(cfg, data.fields, with_tables=sharded is None)
     ckpt_meta = checkpoint_meta(cfg, learner, sharded, data.fields)
     engine, resume, ds_config = start_engine(cfg, learner, ds_config, plan, sharded, ckpt_meta)
-    found = resume["checkpoint"] if resume else None
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
         last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)
@@ -426,10 +431,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
     summary = {}
     if rank == 0:
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
-                   "resumed_from": ({"checkpoint": str(found), "step": resume["step"],
-                                     "world_size": resume["world_size"],
-                                     "optimizer_restored": resume["optimizer_restored"]}
-                                    if resume else None),
+                   "resumed_from": resumed_from(resume),
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation,

@@ -10,6 +10,7 @@ from gmeta_ds.algorithms.maml import FOMAML, MAML
 from gmeta_ds.algorithms.metasgd import MetaSGD
 from gmeta_ds.algorithms.reptile import Reptile
 from gmeta_ds.config import MetaConfig
+from gmeta_ds.ds_config import DEFAULT_MICRO_BATCH
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import choose_vectorize
 
@@ -18,14 +19,14 @@ ALGORITHMS: dict[str, type[MetaAlgorithm]] = {
 }
 
 
-def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int = 0,
-                    tasks: int = 1) -> MetaAlgorithm:
+def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int = 0) -> MetaAlgorithm:
     """The algorithm named by ``cfg.algorithm``, for labels of ``kind`` (binary | regression |
     multiclass); ``bytes_per_task`` (estimated activation memory of one task's inner and outer
-    pass) and ``tasks`` (per micro-batch) resolve ``meta.vectorize: auto``."""
+    pass) times the tasks per micro-batch resolves ``meta.vectorize: auto``."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError([f"meta.algorithm: {cfg.algorithm!r} is not one of "
                            f"{', '.join(ALGORITHMS)}"])
+    tasks = cfg.tasks_per_micro_batch if isinstance(cfg.tasks_per_micro_batch, int) else DEFAULT_MICRO_BATCH
     vectorize = choose_vectorize(cfg.vectorize, bytes_per_task, tasks, cfg.vectorize_budget_mb)
     return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, vectorize, kind)
 

@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
-def zero_stage(ds_config: dict) -> int:
-    return ds_config.get("zero_optimization", {}).get("stage", 0)
+from gmeta_ds.ds_config import zero_stage
 
 
 def check_device_support(ds_config: dict, source: str = "deepspeed") -> None:
@@ -65,8 +63,10 @@ def _remove_zero3_module_hooks(engine) -> None:
 
 
 def is_partitioned(module: nn.Module) -> bool:
-    """Whether ZeRO-3 partitions this module's parameters."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
+    """Whether ZeRO-3 partitions this module's parameters (it partitions all of them, so the
+    first one tells; checked on every micro-step)."""
+    first = next(iter(module.parameters()), None)
+    return first is not None and hasattr(first, "ds_id")
 
 
 @contextlib.contextmanager

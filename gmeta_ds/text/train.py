@@ -28,8 +28,8 @@ from gmeta_ds.functional.inner import masked_cross_entropy
 from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
-from gmeta_ds.trainer import (MetricsLog, meta_step, peak_rss_per_rank, start_engine, vmhwm_mib,
-                              write_json)
+from gmeta_ds.trainer import (MetricsLog, checkpoint_meta, meta_step, peak_rss_per_rank, resumed_from,
+                              start_engine, vmhwm_mib, write_json)
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer
 
@@ -39,11 +39,14 @@ def build(cfg: RunConfig):
     texts, labels = load_texts(cfg.text.data, cfg.seed)
     tokenizer = build_tokenizer(cfg.text, texts)
     tasks = build_tasks(texts, labels, tokenizer, cfg.text.data, cfg.seed)
+    return tokenizer, tasks, build_learner(cfg, tokenizer)
+
+
+def build_learner(cfg: RunConfig, tokenizer) -> TextMetaLearner:
+    """The classifier at its initial weights (from the seed) with the configured algorithm."""
     model = build_classifier(cfg.text, tokenizer, cfg.seed)
     per_task = activation_bytes_per_task(cfg.text, model, cfg.meta.inner_steps)
-    tasks_per_micro = cfg.meta.tasks_per_micro_batch if isinstance(cfg.meta.tasks_per_micro_batch, int) else 32
-    algorithm = build_algorithm(cfg.meta, "multiclass", per_task, tasks_per_micro)
-    return tokenizer, tasks, TextMetaLearner(SequenceClassifier(model), algorithm)
+    return TextMetaLearner(SequenceClassifier(model), build_algorithm(cfg.meta, "multiclass", per_task))
 
 
 def episode_numbers(step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
@@ -51,11 +54,6 @@ def episode_numbers(step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
     t, gas = plan.tasks_per_micro_batch, plan.grad_accum_steps
     base = step * plan.tasks_per_meta_step
     return [[base + (rank * gas + m) * t + i for i in range(t)] for m in range(gas)]
-
-
-def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module) -> dict:
-    return {"tables": {}, "fields": [], "algorithm": cfg.meta.algorithm, "task": "text",
-            "dense_shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}}
 
 
 def _loop(cfg: RunConfig, engine, tasks: TextTasks, plan: BatchPlan, rank: int, log: MetricsLog,
@@ -166,7 +164,7 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, tasks, learner = built or build(cfg)
-    ckpt_meta = checkpoint_meta(cfg, learner)
+    ckpt_meta = checkpoint_meta(cfg, learner, None, [])
     engine, resume, ds_config = start_engine(cfg, learner, ds_config, plan, None, ckpt_meta)
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
@@ -180,19 +178,16 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
     peak_rss = peak_rss_per_rank(training_peak)  # collective
     summary = {}
     if rank == 0:
-        _, _, final = build(cfg)  # a plain float32 copy for saving and evaluation
+        final = build_learner(cfg, tokenizer)  # a plain float32 copy for saving and evaluation
         final.load_state_dict({k: v.float() for k, v in state.items()})
         final.to(engine.device)
         final.net.model.save_pretrained(str(out_dir / MODEL_DIR))
         tokenizer.save_pretrained(str(out_dir / MODEL_DIR))
-        initial = build(cfg)[2].to(engine.device) if cfg.eval.enabled and cfg.eval.baseline else None
+        initial = build_learner(cfg, tokenizer).to(engine.device) if cfg.eval.enabled and cfg.eval.baseline else None
         evaluation = evaluate(cfg, final, tokenizer, tasks, initial) if cfg.eval.enabled else {}
         log.write_eval(evaluation, cfg.train.meta_steps)
         summary = {"task": "text", "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
-                   "resumed_from": ({"checkpoint": str(resume["checkpoint"]), "step": resume["step"],
-                                     "world_size": resume["world_size"],
-                                     "optimizer_restored": resume["optimizer_restored"]}
-                                    if resume else None),
+                   "resumed_from": resumed_from(resume),
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": 0.0, "eval": evaluation, "data": tasks.describe(),
