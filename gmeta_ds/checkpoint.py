@@ -302,32 +302,46 @@ def verify(ckpt: Path, meta: dict) -> dict:
     return manifest
 
 
-def to_universal(ckpt: Path, output_dir: str | Path) -> Path:
+def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
     """DeepSpeed's universal checkpoint of ``ckpt`` (ZeRO-1/2 optimizer partitions merged per
     parameter, loadable at any data-parallel size), made by rank 0 with DeepSpeed's own
-    ``ds_to_universal`` after `verify`; collective. Returns its directory."""
+    ``ds_to_universal`` after `verify`; collective. Returns its directory.
+
+    The conversion is redone on every resume, never reused: DeepSpeed loads its files with
+    ``weights_only=False``, so a conversion left on disk (by an earlier resume, of this or of
+    another run in the same output directory, or planted) would be trusted without any check.
+    It is written under a name tied to the source manifest's SHA-256, into a temporary folder
+    renamed into place, and its pickles pass `check_pickles` on every rank before DeepSpeed
+    opens them."""
     import subprocess
     import sys
 
-    target = checkpoint_root(output_dir) / "universal" / ckpt.name
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    root = checkpoint_root(output_dir) / "universal"
+    target = root / f"{ckpt.name}-{digest}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     failure = ""
-    if rank == 0 and not (target / "zero").is_dir():
-        shutil.rmtree(target, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)  # any earlier conversion is never reused
+        root.mkdir(parents=True)
+        tmp = root / (target.name + ".tmp")
         done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", str(ckpt), "--output_folder", str(target),
+                               "--input_folder", str(ckpt), "--output_folder", str(tmp),
                                "--inject_missing_state", "--num_extract_workers", "1",
                                "--num_merge_workers", "1"],
                               capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
-            shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             failure = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             failure = failure[0]
+        else:
+            os.replace(tmp, target)
     flag = torch.tensor([1.0 if failure else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag)
     if flag.item():
         raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed: {failure or 'on rank 0'}")
+    check_pickles(target)
     return target
 
 

@@ -13,6 +13,10 @@ and Accelerate's ``deepspeed_config_file`` override the run config's ``deepspeed
 Runs unchanged as one plain process or under a launcher (``deepspeed``, ``torchrun``,
 ``accelerate launch``); the ``--local_rank=N`` the deepspeed launcher inserts before the
 subcommand is accepted and ignored (LOCAL_RANK in the environment is what counts).
+
+Exit codes: 0 done; 2 bad input (config, data, arguments; the problems on stderr); 3 a
+collective timed out (``train.collective_timeout_s``: a peer rank is stuck or gone; stderr
+names the meta-step or phase and the last complete checkpoint); anything else: a bug.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
-from gmeta_ds.errors import ConfigError, DataError  # noqa: E402
+from gmeta_ds.errors import CollectiveTimeout, ConfigError, DataError  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,15 +77,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     from gmeta_ds.ds_config import dense_state_bytes, resolve_ds_config
-    from gmeta_ds.engine.dist import env_world
     from gmeta_ds.launchers import hostfile_world_size, parse_hostfile
-    from gmeta_ds.trainer import build_data, build_learner, embedding_plan
 
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
-    if args.num_gpus is not None and args.num_gpus < 1:
-        raise ConfigError([f"--num_gpus: {args.num_gpus} must be >= 1"])
+    for flag, value in (("--num_gpus", args.num_gpus), ("--world-size", args.world_size)):
+        if value is not None and value < 1:
+            raise ConfigError([f"{flag}: {value} must be >= 1"])
+    if hosts is None and args.num_gpus is not None:
+        raise ConfigError([f"--num_gpus {args.num_gpus}: only applies with --hostfile (ranks per "
+                           "host); plan for one host with --world-size N"])
+    from gmeta_ds.engine.dist import env_world  # torch from here on
+    from gmeta_ds.trainer import build_data, build_learner, embedding_plan
+
     world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
+    from gmeta_ds.engine.ds_engine import check_ds_config
+
+    check_ds_config(ds_config)
+    check_output_dir(cfg.output_dir, create=False)
+    if cfg.train.resume:
+        from gmeta_ds import checkpoint
+
+        checkpoint.find(cfg.train.resume, cfg.output_dir)
     if cfg.task == "text":
         return _validate_text(cfg, ds_config, plan)
     data = build_data(cfg)
@@ -149,9 +166,18 @@ def _cmd_train(cfg: RunConfig) -> int:
 
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
-    from gmeta_ds.engine.ds_engine import check_device_support
+    from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
 
     check_device_support(ds_config)
+    check_ds_config(ds_config)
+    from gmeta_ds.trainer import completed_run
+
+    done = completed_run(cfg)
+    if done is not None:  # a requeue of a finished run: exit 0, touch nothing
+        if env_world()[0] == 0:
+            print(f"gmeta-ds train: {done}")
+        return 0
+    check_output_dir(cfg.output_dir)
     built = None
     if cfg.task == "text":
         from gmeta_ds.text.train import build
@@ -210,6 +236,7 @@ def _print_summary(summary: dict, output_dir: str) -> None:
 
 
 def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
+    check_output_dir(cfg.output_dir)  # eval.json goes there
     if cfg.task == "text":
         return _eval_text(cfg, weights)
     from gmeta_ds.engine.ds_engine import load_weights
@@ -219,7 +246,6 @@ def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
     learner = build_learner(cfg, data.fields)
     load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
     result = run_evaluation(cfg, learner, data)
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     write_json(Path(cfg.output_dir) / "eval.json", result)
     print(json.dumps(result, indent=2))
     return 0
@@ -251,12 +277,60 @@ def _cmd_plot(run_dir: str, out: str | None) -> int:
 
 
 def _cmd_export(checkpoint_path: str, out: str) -> int:
+    from safetensors import SafetensorError
+
     from gmeta_ds import checkpoint
 
-    ckpt = checkpoint.find(checkpoint_path, ".")
-    path = checkpoint.export(ckpt, Path(out))
+    source = Path(checkpoint_path)
+    expected = "expected OUTPUT_DIR/checkpoints or one of its step_* directories"
+    if not source.is_dir():
+        what = "is a file, not a directory" if source.exists() else "does not exist"
+        raise ConfigError([f"CHECKPOINT {checkpoint_path!r} {what} ({expected})"])
+    if Path(out).is_dir():
+        raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors file to write"])
+    check_output_dir(Path(out).parent, key="OUT's folder")
+    try:
+        ckpt = checkpoint.find(checkpoint_path, ".")
+    except ConfigError as exc:  # find() words its errors for train.resume
+        raise ConfigError([p.replace("train.resume: ", "CHECKPOINT ", 1) for p in exc.problems]) from exc
+    try:
+        path = checkpoint.export(ckpt, Path(out))
+    except OSError as exc:
+        raise ConfigError([f"{exc.filename or out}: {exc.strerror or exc}"]) from exc
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError, SafetensorError) as exc:
+        raise ConfigError([f"CHECKPOINT {str(ckpt)!r}: its manifest and files do not make one gmeta-ds "
+                           f"checkpoint ({type(exc).__name__}: {exc})"]) from exc
     print(f"wrote {path} (checkpoint {ckpt})")
     return 0
+
+
+def check_output_dir(path: str | Path, create: bool = True, key: str = "output_dir") -> None:
+    """Pre-flight for a folder the command writes into, run on every rank before any data is
+    built or any collective: it is (or can be made) a directory, and a small file can be
+    written there and removed. Permission bits do not stop root, so the write itself is the
+    test: it also finds read-only mounts and full disks. ``create=False`` (validate) makes
+    nothing and tests the nearest existing parent instead."""
+    import tempfile
+
+    target = Path(path)
+    existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "exists and is not a directory" if existing == target else f"is under {str(existing)!r}, a file"
+        raise ConfigError([f"{key}: {str(target)!r} {where}; expected a directory to write the run's files in"])
+    try:
+        if create:
+            target.mkdir(parents=True, exist_ok=True)
+            existing = target
+        fd, probe = tempfile.mkstemp(prefix=".gmeta-ds-write-test-", dir=existing)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError([f"{key}: {str(target)!r} is not writable: {exc.strerror or exc} (writing a "
+                           f"test file in {str(existing)!r} failed; expected a writable directory)"]) from exc
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -290,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as exc:
+        print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)
+        return 3
 
 
 def entry() -> None:

@@ -5,8 +5,10 @@ lines name the dotted key, the value and what is allowed. Defaults live here onl
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
+import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,7 +299,7 @@ def _type_name(tp: Any) -> str:
 
 def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
     if not isinstance(data, dict):
-        problems.append(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        problems.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
         return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
@@ -316,6 +318,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             kwargs[key] = {k: _build(inner, v or {}, f"{dotted}.{k}.", problems) for k, v in value.items()}
         elif dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", problems)
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{dotted}: {value!r} is not a finite number")
         elif _type_ok(value, tp):
             kwargs[key] = float(value) if tp is float else value
         else:
@@ -331,13 +335,17 @@ def _one_of(problems: list[str], key: str, value: Any, allowed: tuple) -> None:
 def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = False) -> None:
     if allow_auto and value == AUTO:
         return
-    if isinstance(value, str) or value <= 0:
+    if isinstance(value, str) or not value > 0:  # `not >` also refuses NaN
         allowed = "a positive number" + (" or 'auto'" if allow_auto else "")
         problems.append(f"{key}: {value!r} is not {allowed}")
 
 
 def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _one_of(problems, "task", cfg.task, TASKS)
+    if not cfg.output_dir.strip():
+        problems.append("output_dir: empty; expected the directory the run writes its files to")
+    if cfg.seed < 0:
+        problems.append(f"seed: {cfg.seed} must be an integer >= 0")
     if cfg.meta.vectorize not in (True, False, AUTO):
         problems.append(f"meta.vectorize: {cfg.meta.vectorize!r} is not one of true, false, auto")
     _positive(problems, "meta.vectorize_budget_mb", cfg.meta.vectorize_budget_mb, allow_auto=True)
@@ -456,21 +464,47 @@ def _check_task_sizes(section, p: str, problems: list[str]) -> None:
 def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
     for name in ("num_users", "num_items", "latent_dim"):
         _positive(problems, "data.synthetic." + name, getattr(syn, name))
+    if syn.num_users == 1:
+        problems.append(f"data.synthetic.num_users: {syn.num_users} must be >= 2 (train and test "
+                        "each need a user)")
+    if syn.user_bias_std < 0:
+        problems.append(f"data.synthetic.user_bias_std: {syn.user_bias_std} must be >= 0")
     _check_task_sizes(syn, "data.synthetic.", problems)
 
 
 # ---------------------------------------------------------------- public API
+class YAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads exponent floats without a dot (``1e-3``, ``5E+2``,
+    ``1e3``) as floats, as YAML 1.2 does (PyYAML follows YAML 1.1, where they are strings)."""
+
+
+YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text as config files and ``--set`` values are parsed (`YAMLLoader`)."""
+    return yaml.load(text, Loader=YAMLLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"meta.inner_lr=0.05"`` -> (["meta", "inner_lr"], 0.05); values are parsed as YAML."""
     if "=" not in text:
         raise ConfigError([f"--set {text!r}: expected dotted.key=value"])
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
+    path = key.strip().split(".")
+    if not all(part.strip() for part in path):
+        raise ConfigError([f"--set {text!r}: empty key part in {key.strip()!r}; expected dotted.key=value"])
+    try:
+        return path, load_yaml(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"--set {text!r}: the value is not valid YAML ({exc.problem or exc})"]) from exc
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Return a copy of ``data`` with each ``dotted.key=value`` override applied."""
-    data = json.loads(json.dumps(data))
+    data = copy.deepcopy(data)  # not a JSON round trip: YAML dates would fail it
     for text in overrides:
         path, value = parse_override(text)
         node = data
@@ -497,11 +531,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     """Read a YAML config file, apply ``--set`` overrides, validate."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([f"config file {str(path)!r} does not exist"])
+        what = "is a directory, expected a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError([f"config file {str(path)!r} {what}"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], str(path)) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"config file {str(path)!r} cannot be read as text ({exc})"]) from exc
+    if data is None:
+        expected = "a YAML mapping of sections (model, meta, data, train, deepspeed, ...)"
+        raise ConfigError([f"the file is empty; expected {expected}"], str(path))
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: expected a mapping of sections (model, meta, ...), got a "
+                           f"{type(data).__name__}"], str(path))
     data = apply_overrides(data, overrides or [])
     return config_from_dict(data, str(path), str(path.parent))
 

@@ -47,10 +47,12 @@ def zero_stage(ds: dict) -> int:
 def find_ds_config_file(name: str, config_dir: str) -> Path:
     """Resolve a ``deepspeed:`` path: as given (absolute or from cwd), next to the run config,
     or inside the gmeta_ds checkout (``ds_configs/zero2.json``)."""
-    candidates = [Path(name), Path(config_dir) / name, REPO_ROOT / name]
+    candidates = list(dict.fromkeys([Path(name), Path(config_dir) / name, REPO_ROOT / name]))
     for path in candidates:
         if path.is_file():
             return path
+    if Path(name).is_dir():
+        raise ConfigError([f"deepspeed: {name!r} is a directory, expected a DeepSpeed JSON file"])
     tried = ", ".join(str(p) for p in candidates)
     raise ConfigError([f"deepspeed: file {name!r} not found (tried {tried})"])
 
@@ -62,11 +64,26 @@ def load_ds_config(cfg: RunConfig) -> tuple[dict, str]:
     path = find_ds_config_file(cfg.deepspeed, cfg.config_dir)
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"deepspeed: {path} is not valid JSON: {exc}"]) from exc
     if not isinstance(data, dict):
         raise ConfigError([f"deepspeed: {path} must hold a JSON object, got {type(data).__name__}"])
     return data, str(path)
+
+
+# Sections gmeta_ds reads (and DeepSpeed requires to be objects): a number or list here would
+# otherwise fail deep inside the resolution with an AttributeError.
+_SECTIONS = ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16", "checkpoint")
+
+
+def _check_sections(ds: dict, source: str) -> None:
+    problems = [f"deepspeed.{key}: expected a JSON object, got {ds[key]!r}"
+                for key in _SECTIONS if key in ds and not isinstance(ds[key], dict)]
+    params = ds.get("optimizer", {}).get("params", {}) if isinstance(ds.get("optimizer"), dict) else {}
+    if not isinstance(params, dict):
+        problems.append(f"deepspeed.optimizer.params: expected a JSON object, got {params!r}")
+    if problems:
+        raise ConfigError(problems, source)
 
 
 def _as_int(value, key: str, problems: list[str]):
@@ -119,6 +136,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     collective so a bad config fails everywhere the same way.
     """
     ds, source = load_ds_config(cfg)
+    _check_sections(ds, source)
     problems: list[str] = []
     plan = _resolve_batch(cfg, ds, world_size, problems)
     stage = zero_stage(ds)

@@ -16,3 +16,9 @@ class ConfigError(ValueError):
 class DataError(ValueError):
     """An interaction log on disk is missing, unreadable or malformed, or leaves no usable task;
     the message names the file, the line or column, and what was expected."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective (ours or DeepSpeed's) did not complete within ``train.collective_timeout_s``:
+    a peer rank is stuck or gone. The message names the phase (meta-step N, checkpoint save,
+    evaluation, final gather), the timeout, this rank and the last complete checkpoint."""

@@ -37,11 +37,16 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     """The hosts of a DeepSpeed hostfile, in order; `ConfigError` naming every bad line."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([f"hostfile {str(path)!r} does not exist"])
+        what = "is a directory, expected a file of 'HOST slots=N' lines" if path.is_dir() else "does not exist"
+        raise ConfigError([f"hostfile {str(path)!r} {what}"])
     hosts: list[Host] = []
     seen: dict[str, int] = {}
     problems: list[str] = []
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"hostfile {str(path)!r} cannot be read as text ({exc})"]) from exc
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -94,7 +99,8 @@ def launcher_ds_config(cli_path: str | None, env: Mapping[str, str] | None = Non
                 "and name the JSON in the run config's 'deepspeed:' key")
     for name, value in sources.items():
         if not Path(value).is_file():
-            problems.append(f"{name}: DeepSpeed config file {value!r} does not exist")
+            what = "is a directory, expected a JSON file" if Path(value).is_dir() else "does not exist"
+            problems.append(f"{name}: DeepSpeed config file {value!r} {what}")
     if len(sources) == 2 and not problems:
         a, b = (Path(v).resolve() for v in sources.values())
         if a != b:

@@ -12,36 +12,65 @@ _BARS = (("{m}_no_adapt", "meta, no adaptation"), ("{m}", "meta + adaptation"),
          ("baseline_{m}", "non-meta baseline"), ("baseline_finetune_{m}", "baseline + fine-tune"))
 
 
+# Keys every metrics.jsonl record has (trainer.train_loop writes them), plotted below.
+_KEYS = ("step", "query_loss", "support_loss", "tasks_per_s")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
+    if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise ConfigError([f"RUN_DIR {str(run_dir)!r} {what}; expected the output_dir of a "
+                           "'gmeta-ds train' run"])
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError([f"{path}: no metrics.jsonl here; expected the output_dir of a "
                            "'gmeta-ds train' run"])
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text ({exc}); expected one JSON object per line"]) from exc
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError([f"{path}:{number}: not a JSON object ({exc.msg})"]) from exc
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), (int, float)) for k in _KEYS):
+            raise ConfigError([f"{path}:{number}: expected a JSON object with numbers "
+                               f"{', '.join(_KEYS)}, got {line.strip()[:120]}"])
+        records.append(record)
     if not records:
         raise ConfigError([f"{path}: empty (the run logged no meta-step yet)"])
     return records
 
 
+def _summary(path: Path) -> dict:
+    try:
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: not valid JSON ({exc})"]) from exc
+    if not isinstance(summary, dict) or not isinstance(summary.get("eval") or {}, dict):
+        raise ConfigError([f"{path}: expected a JSON object with an 'eval' object (a run's summary.json)"])
+    return summary
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Write loss, throughput, communication and (when the run evaluated) cold-start charts;
     returns the files written."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)  # before matplotlib: bad input fails fast
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
     out_dir = Path(out) if out else run_dir / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError([f"--out: cannot make the folder {str(out_dir)!r} ({exc.strerror})"]) from exc
     steps = [r["step"] for r in records]
     written = []
 
@@ -74,7 +103,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     save(fig, "communication.png")
 
     summary_path = run_dir / "summary.json"
-    evaluation = json.loads(summary_path.read_text()).get("eval") if summary_path.is_file() else None
+    evaluation = _summary(summary_path).get("eval") if summary_path.is_file() else None
     if evaluation:
         sets = {"held-out users": evaluation, **evaluation.get("states", {})}
         metric = "auc" if "auc" in evaluation else "mae"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +32,17 @@ from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.engine.dist import all_mean
+from gmeta_ds.engine.dist import all_mean, collective_phase
 from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
+from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models.melu import build_melu, melu_tables
 
 WEIGHTS_FILE = "model.safetensors"
+# "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
+# its last micro-batch's backward, so its peers wait in DeepSpeed's gradient all-reduce;
+# "STEP:RANK:start": at the start of meta-step STEP (peers wait in our first collective). Tests only.
+FAULT_STOP_ENV = "GMETA_DS_FAULT_STOP_AT"
 
 
 def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
@@ -184,6 +191,8 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
             finite = bool(torch.isfinite(out.loss.detach()).all())
             bad = _nonfinite_anywhere(finite)
             if not bad:
+                if batch is batches[-1]:
+                    _fault_stop(f"{step + 1}:{_rank()}")
                 engine.backward(out.loss)
         if bad:
             where = _who_is_nonfinite(finite, batch)
@@ -204,6 +213,16 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     return StepStats(sum(query) / len(query), sum(support) / len(support), padding)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _fault_stop(point: str) -> None:
+    """Fault injection for the reliability tests (`FAULT_STOP_ENV`)."""
+    if os.environ.get(FAULT_STOP_ENV) == point:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _who_is_nonfinite(finite: bool, batch: TaskBatch) -> list[tuple[int, list[int]]]:
     """(rank, task ids of its micro-batch) of every rank whose loss is not finite."""
     mine = None if finite else batch.task_ids.tolist()
@@ -219,6 +238,13 @@ def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     """Bytes each rank sends per meta-step in a ring all-reduce of the gradients."""
     grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
     return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
+
+
+def run_phase(cfg: RunConfig, phase: str):
+    """`collective_phase` for this run: a collective that exceeds ``train.collective_timeout_s``
+    in it raises `CollectiveTimeout` naming ``phase`` and the last complete checkpoint."""
+    return collective_phase(phase, cfg.train.collective_timeout_s,
+                            checkpoint.checkpoint_root(cfg.output_dir) / checkpoint.LATEST)
 
 
 def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int,
@@ -243,7 +269,9 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
     skipped, last_query, last_support = 0, float("nan"), float("nan")
     try:
         for step in range(first, cfg.train.meta_steps):
-            stats = meta_step(engine, sharded, fields, loader.next(), step, cfg.train.nonfinite)
+            _fault_stop(f"{step + 1}:{rank}:start")
+            with run_phase(cfg, f"meta-step {step + 1}"):
+                stats = meta_step(engine, sharded, fields, loader.next(), step, cfg.train.nonfinite)
             if stats.skipped:
                 skipped += 1
                 if rank == 0:
@@ -255,12 +283,14 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
                 last_query, last_support = stats.query_loss, stats.support_loss
             last = step + 1 == cfg.train.meta_steps
             if every and ((step + 1) % every == 0 or last):
-                checkpoint.save(engine, sharded, loader.state_dict(), step + 1, cfg.output_dir,
-                                cfg.train.keep_last, ckpt_meta or {})
+                with run_phase(cfg, f"checkpoint save at step {step + 1}"):
+                    checkpoint.save(engine, sharded, loader.state_dict(), step + 1, cfg.output_dir,
+                                    cfg.train.keep_last, ckpt_meta or {})
             if (step + 1) % cfg.train.log_every and not last:
                 bar.update(1)
                 continue
-            query, support, pad = all_mean([last_query, last_support, padding / max(1, window_steps)])
+            with run_phase(cfg, f"meta-step {step + 1}"):
+                query, support, pad = all_mean([last_query, last_support, padding / max(1, window_steps)])
             elapsed = time.perf_counter() - window_start
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                       "query_loss": query, "support_loss": support,
@@ -373,19 +403,70 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
     """The DeepSpeed engine, restored from ``train.resume`` when set: (engine, the resumed
     checkpoint's state or None, the ds_config used)."""
     found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        clear_stale_outputs(Path(cfg.output_dir), fresh=found is None)
     universal = manifest = None
     if found is not None:
         manifest = checkpoint.verify(found, ckpt_meta)
         if manifest["world_size"] != plan.world_size and zero_stage(ds_config) > 0:
             # ZeRO partitions were cut for the old world size: go through DeepSpeed's
             # universal checkpoint, which loads at any data-parallel size.
-            universal = checkpoint.to_universal(found, cfg.output_dir)
+            universal = checkpoint.to_universal(found, cfg.output_dir, manifest)
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
     engine = ds_engine.initialize(learner, ds_config)
     resume = None
     if found is not None:
         resume = {**checkpoint.load(found, manifest, engine, sharded, universal), "checkpoint": found}
     return engine, resume, ds_config
+
+
+# A run's results in output_dir, written at its end (metrics.jsonl is rewritten by MetricsLog).
+RUN_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json")
+
+
+def clear_stale_outputs(out_dir: Path, fresh: bool) -> list[Path]:
+    """Remove what an earlier run left in ``out_dir`` that this run will write again (rank 0,
+    before training): its summary, weights, evaluation and charts, so that a run that fails
+    leaves nothing a reader could take for its own result (the text task's ``model/`` folder
+    is replaced by save_pretrained at the end); on a fresh start (no checkpoint to
+    resume) also its metrics, TensorBoard events and checkpoints, which a later
+    ``train.resume: auto`` would otherwise mix with this run's. Returns what was removed."""
+    names = RUN_OUTPUTS + (("metrics.jsonl", "tensorboard", "checkpoints") if fresh else ())
+    removed = [out_dir / n for n in names if (out_dir / n).exists()]
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if fresh and any(p.name == "checkpoints" for p in removed):
+        print(f"gmeta-ds: starting fresh (train.resume is not set or found no checkpoint): removed the "
+              f"earlier run's checkpoints and outputs in {out_dir}", flush=True)
+    return removed
+
+
+def completed_run(cfg: RunConfig) -> str | None:
+    """With ``train.resume``, a message when there is nothing left to do: the checkpoint it
+    names is at or beyond ``train.meta_steps`` and ``summary.json`` records that run as
+    finished at that step (a scheduler's requeue of a finished job). Read-only; every rank
+    calls it before the first collective."""
+    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
+    if found is None:
+        return None
+    step = checkpoint.read_manifest(found)["step"]
+    if step < cfg.train.meta_steps:
+        return None
+    summary_path = Path(cfg.output_dir) / "summary.json"
+    try:
+        finished = json.loads(summary_path.read_text()).get("meta_steps") == step
+    except (OSError, ValueError):
+        finished = False
+    if not finished:
+        raise ConfigError([f"train.meta_steps: {cfg.train.meta_steps} is not above the step of the "
+                           f"checkpoint to resume ({found}, meta-step {step}) and {summary_path} does "
+                           "not record that run as finished; raise train.meta_steps to train further"])
+    return (f"the run is already complete: {found} is at meta-step {step} (train.meta_steps="
+            f"{cfg.train.meta_steps}) and {summary_path} records it; nothing to do, outputs left as "
+            "they are (raise train.meta_steps to train further)")
 
 
 def resumed_from(resume: dict | None) -> dict | None:
@@ -413,21 +494,24 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
         log.close()
         raise
     training_peak = vmhwm_mib()  # before the tables are gathered for saving
-    dense, embedding = ds_engine.checksums(engine.module)
-    tables = {}
-    if sharded is not None:
-        embedding = sharded.checksum()
-        tables = sharded.gather_tables(everywhere=cfg.eval.enabled)
-    state = full_state(engine.module, tables)
+    with run_phase(cfg, "final gather"):
+        dense, embedding = ds_engine.checksums(engine.module)
+        tables = {}
+        if sharded is not None:
+            embedding = sharded.checksum()
+            tables = sharded.gather_tables(everywhere=cfg.eval.enabled)
+        state = full_state(engine.module, tables)
     if rank == 0:
         ds_engine.save_weights(state, out_dir / WEIGHTS_FILE)
     evaluation = {}
     if cfg.eval.enabled:
-        evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state), data,
-                                    rank, plan.world_size)
+        with run_phase(cfg, "evaluation"):
+            evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state), data,
+                                        rank, plan.world_size)
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
-    peak_rss = peak_rss_per_rank(training_peak)  # collective
+    with run_phase(cfg, "final gather"):
+        peak_rss = peak_rss_per_rank(training_peak)  # collective
     summary = {}
     if rank == 0:
         summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
@@ -441,7 +525,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
         summary["peak_rss_mib_per_rank"] = peak_rss
         write_json(out_dir / "summary.json", summary)
     if dist.is_initialized():
-        dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
+        with run_phase(cfg, "evaluation (waiting for rank 0)"):
+            dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary
 
 

@@ -15,6 +15,7 @@ log files' sizes and modification times, so a second run skips steps 1-5.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -250,7 +251,11 @@ def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> tupl
 
 def save_tasks(path: Path, data: TaskData) -> None:
     """Write ``data`` atomically as one .npz (tmp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"data.cache_dir: cannot make the task cache folder {path.parent} "
+                        f"({exc.strerror}); set data.cache_dir to a writable directory") from exc
     arrays = {"fields": np.array(json.dumps([dataclasses.asdict(f) for f in data.fields])),
               "stats": np.array(json.dumps(data.stats))}
     arrays["states"] = np.array(json.dumps(sorted(data.states)))
@@ -261,8 +266,14 @@ def save_tasks(path: Path, data: TaskData) -> None:
             arrays[f"{split}.multi.{name}.values"] = values
             arrays[f"{split}.multi.{name}.offsets"] = offsets
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")  # ranks may build concurrently
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    try:
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DataError(f"data.cache_dir: cannot write the task cache {path} ({exc.strerror}); set "
+                        "data.cache_dir to a writable directory") from exc
 
 
 def load_tasks(path: Path) -> TaskData:

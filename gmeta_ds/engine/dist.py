@@ -5,6 +5,7 @@ launcher library's own state (Accelerate reports 1 process on CPU under DeepSpee
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from gmeta_ds.errors import CollectiveTimeout
 
 
 # Rendezvous variables init_process_group set itself (no launcher), removed at teardown.
@@ -62,12 +65,114 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
         _SET_BY_US.update(single)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     shm_skipped = backend == "gloo" and skip_deepspeed_shm_op()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    inherit_timeout(timeout)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
         if backend == "gloo" and not shm_skipped:
             unlink_shm_buffers()  # this DeepSpeed built the op anyway: remove its buffers
     return dist.get_rank(), dist.get_world_size()
+
+
+def inherit_timeout(timeout: datetime.timedelta) -> None:
+    """Make every process group of the run use ``timeout``, not only the default one.
+
+    DeepSpeed builds its own groups (the data-parallel group its gradient all-reduce runs on,
+    ``deepspeed.utils.groups._clone_world_group``; ZeRO's, MoE's, pipeline's) with
+    ``torch.distributed.new_group(ranks)`` and no timeout, so torch gives them
+    ``distributed_c10d._get_default_timeout(backend)``: 30 min for gloo, 10 min for NCCL,
+    whatever ``init_process_group`` got. That function reads the module globals set here at
+    call time, so one assignment before the first group covers every later ``new_group``
+    call, DeepSpeed's and ours (passing a timeout at each of DeepSpeed's ~40 call sites is
+    impossible); `enforce_group_timeouts` re-checks the groups that exist. Tested with torch
+    2.13.0 and deepspeed 0.19.8 (gloo: the data-parallel group then times out at the
+    configured value, measured with 2 real processes).
+
+    NCCL (not testable here, no GPU pair): the same value reaches NCCL groups through
+    ``default_pg_nccl_timeout``; torch's watchdog then aborts a timed-out collective only with
+    async error handling on, which is torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    unset = 3); it is set to 3 here when unset, so the watchdog ends a stuck NCCL job (it
+    takes the process down itself, with torch's own "Watchdog caught collective operation
+    timeout" message, since CUDA work cannot be trusted after an aborted collective)."""
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    if c10d.default_pg_nccl_timeout is not None:  # None when torch is built without NCCL
+        c10d.default_pg_nccl_timeout = timeout
+    if torch.cuda.is_available():
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+
+
+def _group_backends():
+    """(group, backend) of every process group of this rank, where torch's private API tells
+    (read defensively: nothing where it is missing)."""
+    for pg in list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None) or {}):
+        for device in ("cpu", "cuda"):
+            try:
+                backend = pg._get_backend(torch.device(device))
+                backend.options._timeout  # noqa: B018 (probe)
+            except (AttributeError, RuntimeError, ValueError):
+                continue
+            yield pg, backend
+
+
+def group_timeouts() -> dict[str, datetime.timedelta]:
+    """{"NAME (BACKEND)": timeout} of every process group of this rank."""
+    return {f"{pg.group_name} ({type(b).__name__})": b.options._timeout for pg, b in _group_backends()}
+
+
+_CHECKED_GROUPS = [-1]  # how many groups existed at the last `enforce_group_timeouts`
+
+
+def enforce_group_timeouts(timeout_s: int) -> list[str]:
+    """Give every existing group whose timeout is not ``timeout_s`` that timeout (defence in
+    depth behind `inherit_timeout`, e.g. for a group built with an explicit other timeout;
+    verified: it makes a 30-min gloo group time out at the new value). Cheap when no group
+    was added since the last call. Returns the groups changed."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    count = len(getattr(world, "pg_map", None) or {})
+    if not dist.is_initialized() or count == _CHECKED_GROUPS[0]:
+        return []
+    _CHECKED_GROUPS[0] = count
+    timeout = datetime.timedelta(seconds=timeout_s)
+    changed = []
+    for pg, backend in _group_backends():
+        if backend.options._timeout != timeout:
+            backend._set_default_timeout(timeout)
+            changed.append(f"{pg.group_name} ({type(backend).__name__})")
+    return changed
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's report of a collective that did not complete in time."""
+    if not isinstance(exc, RuntimeError):  # DistBackendError is a RuntimeError
+        return False
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@contextlib.contextmanager
+def collective_phase(phase: str, timeout_s: int, latest: Path | None = None):
+    """Run the block as ``phase`` ("meta-step 7", "checkpoint save at step 6", "evaluation",
+    "final gather"): a collective that times out in it (a peer rank stuck or gone) becomes
+    `CollectiveTimeout` naming the phase, ``train.collective_timeout_s``, this rank and the
+    last complete checkpoint (``latest``: the file naming it, read when the error happens)."""
+    enforce_group_timeouts(timeout_s)
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as exc:
+        if not is_collective_timeout(exc):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        ckpt = "no checkpoint was completed (train.checkpoint_every)"
+        if latest is not None and latest.is_file():
+            ckpt = f"the last complete checkpoint is {latest.parent / latest.read_text().strip()}"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CollectiveTimeout(
+            f"{phase}: a collective did not complete within train.collective_timeout_s="
+            f"{timeout_s} s on rank {rank} (a peer rank is stuck or gone); {ckpt} "
+            f"[{type(exc).__name__}: {first}]") from None
 
 
 def skip_deepspeed_shm_op() -> bool:

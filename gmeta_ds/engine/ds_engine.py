@@ -30,6 +30,44 @@ def check_device_support(ds_config: dict, source: str = "deepspeed") -> None:
                            "zero3_bf16.json) or fp32 on this machine"], source)
 
 
+def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
+    """Run DeepSpeed's own config parser (pydantic models: unknown or mistyped ZeRO, bf16,
+    ... keys) and the engine's optimizer checks on a resolved config, before any collective:
+    ``deepspeed.initialize`` only raises them on every rank after the process group is up.
+    The batch keys are re-expressed for one rank (the world size was checked already)."""
+    import math
+
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+
+    from gmeta_ds.errors import ConfigError
+
+    one_rank = {**ds_config, "train_batch_size": ds_config["train_micro_batch_size_per_gpu"]
+                * ds_config["gradient_accumulation_steps"]}
+    try:
+        DeepSpeedConfig(one_rank)
+    except Exception as exc:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic" not in ln]
+        raise ConfigError([f"deepspeed: DeepSpeed rejects the config: {' | '.join(lines[:4])}"],
+                          source) from exc
+    problems = []
+    optimizer = ds_config.get("optimizer")
+    name = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
+    if not name:
+        problems.append("deepspeed.optimizer: missing (or without 'type'); gmeta_ds gives DeepSpeed no "
+                        "optimizer of its own, e.g. {type: Adam, params: {lr: auto}}")
+    elif name.lower() not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, name, None) is None:
+        problems.append(f"deepspeed.optimizer.type: {name!r} is neither a DeepSpeed optimizer "
+                        f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one in torch.optim")
+    lr = optimizer.get("params", {}).get("lr") if name else None
+    if name and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0):
+        problems.append(f"deepspeed.optimizer.params.lr: {lr!r} is not a number >= 0 (or 'auto')")
+    clip = ds_config.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        problems.append(f"deepspeed.gradient_clipping: {clip!r} is not a number >= 0")
+    if problems:
+        raise ConfigError(problems, source)
+
+
 def initialize(module: nn.Module, ds_config: dict):
     """``deepspeed.initialize`` on the dense module; returns the engine.
 
@@ -136,20 +174,39 @@ def save_weights(state: dict, path: str | Path) -> Path:
 
 
 def load_weights(module: nn.Module, path: str | Path) -> None:
-    """Load weights written by `save_weights`; a missing file or mismatched names is an error
-    naming the file."""
+    """Load weights written by `save_weights` (or ``gmeta-ds export``); a missing, unreadable
+    or non-safetensors file, and weights of another model, are a `ConfigError` naming the file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from gmeta_ds.errors import ConfigError
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} does not exist (train first, or pass "
-                                "--weights to the file written by gmeta-ds train)")
-    state = load_file(str(path))
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match the model built from the config: "
-                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        what = "is a directory, expected a .safetensors file" if path.is_dir() else "does not exist"
+        raise ConfigError([f"weights file {path} {what} (train first, or pass --weights to the "
+                           "model.safetensors of gmeta-ds train or a gmeta-ds export file)"])
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError([f"weights file {path}: not a readable safetensors file ({exc}); expected "
+                           "the model.safetensors of gmeta-ds train or a gmeta-ds export file"]) from exc
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(expected[k].shape)}"
+              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    differences = [f"{what} {_few(items)}" for what, items in
+                   (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if items]
+    if differences:
+        raise ConfigError([f"weights file {path} does not match the model built from the config "
+                           f"(weights of another model?): {'; '.join(differences)}"])
+    module.load_state_dict(state, strict=False)
     with torch.no_grad():
         for p in module.parameters():
             if not torch.isfinite(p).all():
-                raise ValueError(f"{path} holds non-finite weights")
+                raise ConfigError([f"weights file {path} holds non-finite weights"])
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    return "[" + ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "") + "]"

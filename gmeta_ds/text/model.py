@@ -110,10 +110,10 @@ def build_classifier(cfg: TextConfig, tokenizer, seed: int) -> nn.Module:
         try:
             config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer),
                                           num_labels=ways, pad_token_id=tokenizer.pad_token_id, **spec)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ConfigError([f"text.model.config: {exc}"]) from exc
-        _no_dropout(config)
-        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attn)
+            _no_dropout(config)
+            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attn)
+        except (KeyError, ValueError, TypeError) as exc:  # unknown model_type, inconsistent sizes
+            raise ConfigError([f"text.model.config: {str(exc)[:400]}"]) from exc
     if model.config.num_labels != ways:
         raise ConfigError([f"text.model: the model has {model.config.num_labels} labels, "
                            f"episodes have text.data.ways = {ways}"])

@@ -29,7 +29,7 @@ from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
 from gmeta_ds.trainer import (MetricsLog, checkpoint_meta, meta_step, peak_rss_per_rank, resumed_from,
-                              start_engine, vmhwm_mib, write_json)
+                              run_phase, start_engine, vmhwm_mib, write_json)
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer
 
@@ -65,14 +65,17 @@ def _loop(cfg: RunConfig, engine, tasks: TextTasks, plan: BatchPlan, rank: int, 
     try:
         for step in range(first, cfg.train.meta_steps):
             batches = [tasks.episodes("train", ids) for ids in episode_numbers(step, plan, rank)]
-            stats = meta_step(engine, None, [], batches, step, cfg.train.nonfinite)
+            with run_phase(cfg, f"meta-step {step + 1}"):
+                stats = meta_step(engine, None, [], batches, step, cfg.train.nonfinite)
             steps += 0 if stats.skipped else 1
             last = step + 1 == cfg.train.meta_steps
             if every and ((step + 1) % every == 0 or last):
-                checkpoint.save(engine, None, {"episodes": "by meta-step"}, step + 1, cfg.output_dir,
-                                cfg.train.keep_last, ckpt_meta)
+                with run_phase(cfg, f"checkpoint save at step {step + 1}"):
+                    checkpoint.save(engine, None, {"episodes": "by meta-step"}, step + 1, cfg.output_dir,
+                                    cfg.train.keep_last, ckpt_meta)
             if (step + 1) % cfg.train.log_every == 0 or last:
-                query, support = all_mean([stats.query_loss, stats.support_loss])
+                with run_phase(cfg, f"meta-step {step + 1}"):
+                    query, support = all_mean([stats.query_loss, stats.support_loss])
                 elapsed = time.perf_counter() - start
                 record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                           "query_loss": query, "support_loss": support,
@@ -173,9 +176,10 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
         log.close()
         raise
     training_peak = vmhwm_mib()
-    dense, _ = ds_engine.checksums(engine.module)
-    state = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
-    peak_rss = peak_rss_per_rank(training_peak)  # collective
+    with run_phase(cfg, "final gather"):
+        dense, _ = ds_engine.checksums(engine.module)
+        state = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
+        peak_rss = peak_rss_per_rank(training_peak)  # collective
     summary = {}
     if rank == 0:
         final = build_learner(cfg, tokenizer)  # a plain float32 copy for saving and evaluation
@@ -198,5 +202,6 @@ def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, buil
         write_json(out_dir / "summary.json", summary)
     log.close()
     if dist.is_initialized():
-        dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
+        with run_phase(cfg, "evaluation (waiting for rank 0)"):
+            dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary

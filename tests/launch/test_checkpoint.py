@@ -96,10 +96,36 @@ def test_zero_partitions_at_another_world_size_go_through_universal_checkpoint(t
     train(path, 2)
     resumed = train(path, 1, "train.meta_steps=6", "train.resume=auto")
     assert resumed["resumed_from"]["optimizer_restored"] is True
-    assert (tmp_path / "run" / "checkpoints" / "universal" / "step_00000003" / "zero").is_dir()
+    converted = list((tmp_path / "run" / "checkpoints" / "universal").glob("step_00000003-*"))
+    assert len(converted) == 1 and (converted[0] / "zero").is_dir()
     full = uninterrupted(2, stage)[0]
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
+
+
+def test_universal_conversion_is_never_reused_stale_or_planted(tmp_path):
+    """Run A (2 ranks) resumed on 1 rank leaves a conversion; a fresh run B (other seed) in the
+    same output directory, resumed on 1 rank, must load B's state (= B uninterrupted on 2
+    ranks), not A's conversion; a pickle planted where a conversion used to be reused never
+    runs."""
+    path = config(tmp_path, 2, 3)
+    train(path, 2)
+    train(path, 1, "train.meta_steps=6", "train.resume=auto")
+    train(path, 2, "seed=4")  # run B, fresh, same output directory
+    planted = tmp_path / "run" / "checkpoints" / "universal" / "step_00000003" / "zero" / "net.mlp.0.weight"
+    planted.mkdir(parents=True, exist_ok=True)
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    (planted / "fp32.pt").write_bytes(pickle.dumps({"param": Evil()}))
+    resumed = train(path, 1, "seed=4", "train.meta_steps=6", "train.resume=auto")
+    assert not (tmp_path / "pwned").exists()
+    assert resumed["resumed_from"]["step"] == 3 and resumed["resumed_from"]["world_size"] == 2
+    reference = train(config(tmp_path / "b", 2, 6, seed=4), 2)
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert resumed[key] == pytest.approx(reference[key], rel=1e-5), key
 
 
 def test_export_equals_the_final_weights(tmp_path):
@@ -137,6 +163,35 @@ def test_tampered_or_malicious_files_are_refused(saved, tmp_path):
     with pytest.raises(ConfigError, match="refused by torch.load.weights_only=True."):
         checkpoint.check_pickles(ckpt)  # even with a forged manifest hash
     assert not (tmp_path / "pwned").exists()
+
+
+def test_requeue_of_a_finished_run_and_a_failed_fresh_run_leave_nothing_stale(saved, tmp_path):
+    """A scheduler's requeue (same command + train.resume=auto) of a finished run exits 0
+    and touches nothing; with train.meta_steps raised it continues; a fresh run that fails in
+    the same directory leaves none of the earlier run's results behind."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(saved / "run", out)
+    gmeta = [str(BIN / "gmeta-ds"), "train", "--config", str(saved / "config.yaml"),
+             "--set", f"output_dir={out}"]
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for steps in (3, 2):  # at and beyond the checkpoint's step
+        proc = run([*gmeta, "--set", "train.resume=auto", "--set", f"train.meta_steps={steps}"])
+        assert "the run is already complete" in proc.stdout and "meta-step 3" in proc.stdout
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (out / "summary.json").rename(tmp_path / "summary.json")
+    proc = run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=2"], expect_ok=False)
+    assert proc.returncode == 2 and "train.meta_steps: 2 is not above the step" in proc.stderr
+    (tmp_path / "summary.json").rename(out / "summary.json")
+    run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=4"])
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["meta_steps"] == 4 and resumed["resumed_from"]["step"] == 3
+    proc = run([*gmeta, "--set", "seed=9"], env={checkpoint.FAULT_ENV: "3:0"}, expect_ok=False)
+    assert proc.returncode != 0  # killed while saving its first checkpoint
+    for stale in ("summary.json", "model.safetensors", "checkpoints/latest",
+                  "checkpoints/step_00000004/manifest.json"):
+        assert not (out / stale).exists(), stale
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_incomplete_checkpoint_is_never_picked(saved, tmp_path):

@@ -125,3 +125,125 @@ def test_valid_split_needs_valid_users():
         config_from_dict({"eval": {"split": "valid"}})
     with pytest.raises(ConfigError, match="data.valid_fraction: 0.9 must be in"):
         config_from_dict({"data": {"valid_fraction": 0.9}})
+
+
+def _float_keys(cls=RunConfig, prefix="") -> list[str]:
+    """Every dotted key whose schema type is float (or float | None)."""
+    import dataclasses
+    import typing
+
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += _float_keys(tp, f"{prefix}{f.name}.")
+        elif tp is float or float in typing.get_args(tp):
+            keys.append(prefix + f.name)
+    return keys
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
+def test_non_finite_numbers_are_rejected_for_every_float_key(tmp_path, text):
+    keys = _float_keys() + ["embedding.tables.item_id.lr"]
+    assert {"meta.inner_lr", "train.lr", "embedding.lr", "data.threshold", "text.baseline_lr"} <= set(keys)
+    path = tmp_path / "c.yaml"
+    path.write_text("embedding: {sharding: sharded}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"{key}={text}" for key in keys])
+    shown = text.replace(".", "")
+    for key in keys:
+        assert f"{key}: {shown} is not a finite number" in str(err.value), key
+    # the same in the file itself, not only in --set values
+    path.write_text(f"meta: {{inner_lr: {text}}}\ntrain: {{lr: {text}}}\n")
+    with pytest.raises(ConfigError, match=rf"meta.inner_lr: {shown} is not a finite number"):
+        load_config(path)
+
+
+def test_positive_check_refuses_nan_that_skipped_the_type_check():
+    from gmeta_ds.config import _positive
+
+    problems: list[str] = []
+    _positive(problems, "train.lr", float("nan"))
+    assert problems == ["train.lr: nan is not a positive number"]
+
+
+def test_exponent_floats_parse_in_files_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: {lr: 1e-3}\nmeta: {inner_lr: 5E+2}\nembedding: {lr: 2.5e-2}\n")
+    cfg = load_config(path, ["eval.baseline_lr=1e3", "data.synthetic.zipf_exponent=1.5E0"])
+    assert (cfg.train.lr, cfg.meta.inner_lr, cfg.embedding.lr) == (1e-3, 500.0, 0.025)
+    assert (cfg.eval.baseline_lr, cfg.data.synthetic.zipf_exponent) == (1000.0, 1.5)
+
+
+def test_other_scalars_parse_as_before():
+    import yaml
+
+    from gmeta_ds.config import load_yaml
+
+    for text in ("1.5", "10", "-3", "0x1F", "012", "1_000", "1:30", "yes", "off", "~", "null", ".inf",
+                 "2020-01-01", "1e", "e3", "1.2.3", "1e-3x", "abc", "[1, 2e0]", "{a: 1}"):
+        expected = yaml.safe_load(text)
+        if text == "[1, 2e0]":
+            expected = [1, 2.0]
+        assert load_yaml(text) == expected, text
+
+
+def test_deepspeed_json_configs_are_unaffected():
+    from pathlib import Path
+
+    from gmeta_ds.ds_config import load_ds_config
+
+    files = sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json"))
+    assert files
+    for path in files:
+        ds, _ = load_ds_config(config_from_dict({"deepspeed": str(path)}))
+        assert ds == json.loads(path.read_text()), path.name
+
+
+def test_config_file_that_is_empty_a_list_or_a_directory(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="the file is empty; expected a YAML mapping"):
+        load_config(empty)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model\n- meta\n")
+    with pytest.raises(ConfigError, match="config: expected a mapping of sections .* got a list"):
+        load_config(listed, ["meta.inner_lr=0.1"])
+    with pytest.raises(ConfigError, match="is a directory, expected a YAML file"):
+        load_config(tmp_path)
+
+
+def test_overrides_with_an_empty_key_or_bad_yaml_or_a_yaml_date(tmp_path):
+    for text in ("=3", "meta..inner_lr=1", "meta.=1"):
+        with pytest.raises(ConfigError, match="empty key part"):
+            apply_overrides({}, [text])
+    with pytest.raises(ConfigError, match=r"--set 'meta.adapt=\[x': the value is not valid YAML"):
+        apply_overrides({}, ["meta.adapt=[x"])
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: 2020-01-01\n")  # a YAML date: an error, not a TypeError
+    with pytest.raises(ConfigError, match="output_dir: expected str, got datetime.date"):
+        load_config(path, ["seed=1"])
+
+
+def test_values_the_data_generator_would_refuse_are_config_errors():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"seed": -1, "output_dir": " ", "model": 3,
+                          "data": {"synthetic": {"num_users": 1, "user_bias_std": -0.5}}})
+    text = str(err.value)
+    for message in ("seed: -1 must be an integer >= 0", "output_dir: empty",
+                    "model: expected a mapping, got 3",
+                    "data.synthetic.num_users: 1 must be >= 2",
+                    "data.synthetic.user_bias_std: -0.5 must be >= 0"):
+        assert message in text
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"zero_optimization": 3}, "deepspeed.zero_optimization: expected a JSON object, got 3"),
+    ({"bf16": True}, "deepspeed.bf16: expected a JSON object, got True"),
+    ({"optimizer": {"type": "Adam", "params": [0.1]}}, "deepspeed.optimizer.params: expected a JSON object"),
+])
+def test_deepspeed_sections_that_are_not_objects(tmp_path, keys, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(keys))
+    with pytest.raises(ConfigError, match=message):
+        resolve_ds_config(config_from_dict({"deepspeed": str(path)}), 1)
