@@ -286,13 +286,14 @@ def _cmd_export(checkpoint_path: str, out: str) -> int:
     if not source.is_dir():
         what = "is a file, not a directory" if source.exists() else "does not exist"
         raise ConfigError([f"CHECKPOINT {checkpoint_path!r} {what} ({expected})"])
-    if Path(out).is_dir():
-        raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors file to write"])
-    check_output_dir(Path(out).parent, key="OUT's folder")
     try:
         ckpt = checkpoint.find(checkpoint_path, ".")
     except ConfigError as exc:  # find() words its errors for train.resume
         raise ConfigError([p.replace("train.resume: ", "CHECKPOINT ", 1) for p in exc.problems]) from exc
+    if Path(out).is_dir():
+        raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors "
+                           "file to write"])
+    check_output_dir(Path(out).parent, key="OUT's folder")
     try:
         path = checkpoint.export(ckpt, Path(out))
     except OSError as exc:
@@ -315,8 +316,10 @@ def check_output_dir(path: str | Path, create: bool = True, key: str = "output_d
     target = Path(path)
     existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
     if not existing.is_dir():
-        where = "exists and is not a directory" if existing == target else f"is under {str(existing)!r}, a file"
-        raise ConfigError([f"{key}: {str(target)!r} {where}; expected a directory to write the run's files in"])
+        where = ("exists and is not a directory" if existing == target
+                 else f"is under {str(existing)!r}, a file")
+        raise ConfigError([f"{key}: {str(target)!r} {where}; expected a directory to write the "
+                           "run's files in"])
     try:
         if create:
             target.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,8 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     """The hosts of a DeepSpeed hostfile, in order; `ConfigError` naming every bad line."""
     path = Path(path)
     if not path.is_file():
-        what = "is a directory, expected a file of 'HOST slots=N' lines" if path.is_dir() else "does not exist"
+        what = ("is a directory, expected a file of 'HOST slots=N' lines" if path.is_dir()
+                else "does not exist")
         raise ConfigError([f"hostfile {str(path)!r} {what}"])
     hosts: list[Host] = []
     seen: dict[str, int] = {}

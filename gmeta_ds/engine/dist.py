@@ -110,8 +110,8 @@ def _group_backends():
             try:
                 backend = pg._get_backend(torch.device(device))
                 backend.options._timeout  # noqa: B018 (probe)
-            except (AttributeError, RuntimeError, ValueError):
-                continue
+            except (AttributeError, RuntimeError, TypeError, ValueError):  # no backend on this
+                continue  # device, or another torch's private API: nothing to check there
             yield pg, backend
 
 

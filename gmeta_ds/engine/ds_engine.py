@@ -59,7 +59,8 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
         problems.append(f"deepspeed.optimizer.type: {name!r} is neither a DeepSpeed optimizer "
                         f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one in torch.optim")
     lr = optimizer.get("params", {}).get("lr") if name else None
-    if name and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0):
+    number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
+    if name and not (number and math.isfinite(lr) and lr >= 0):
         problems.append(f"deepspeed.optimizer.params.lr: {lr!r} is not a number >= 0 (or 'auto')")
     clip = ds_config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:

@@ -1,13 +1,14 @@
 """The bad-input matrix: the real ``gmeta-ds`` CLI, as a subprocess, on one bad input per case
 (config, DeepSpeed config, launch arguments, data, output paths, checkpoints, weights, run
 directories). Every case exits 2 with ``gmeta-ds <cmd>: ...`` naming the key or file and what
-was expected, and no traceback. A few run under ``deepspeed --num_gpus 2`` and must fail the
-same way on both ranks, before any collective.
+was expected, and no traceback. Three run as two ranks of one job, which must each fail the same
+way before any collective; one runs under ``deepspeed --num_gpus 2``.
 
 Most cases fail before torch is imported; the only training run is the tiny checkpoint that
 the checkpoint and weights cases start from (built once per module)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import shlex
@@ -16,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import BIN, deepspeed_cmd, run, text_config, tiny_config
+from conftest import BIN, REPO, deepspeed_cmd, free_port, run, text_config, tiny_config
 
 pytestmark = [pytest.mark.launcher]
 
@@ -68,7 +69,8 @@ def ckpt(ws) -> dict[str, str]:
     for name, damage in (("tampered", lambda d: (d / "dense.safetensors").open("ab").write(b"x")),
                          ("notjson", lambda d: (d / "manifest.json").write_text(NOT_JSON)),
                          ("listed", lambda d: (d / "manifest.json").write_text("[1]")),
-                         ("nomanifest", lambda d: (d / "manifest.json").unlink())):
+                         ("nomanifest", lambda d: (d / "manifest.json").unlink()),
+                         ("faketable", _add_table_to_manifest)):
         copy = root / name
         shutil.copytree(checkpoints, copy)
         damage(copy / step)
@@ -79,31 +81,38 @@ def ckpt(ws) -> dict[str, str]:
             "truncated": str(root / "truncated.safetensors"), **copies}
 
 
+def _add_table_to_manifest(ckpt: Path) -> None:
+    """The manifest (not itself hashed) names a table no rank file holds."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["tables"] = {**manifest.get("tables", {}), "ghost": [3, 4]}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
 @pytest.fixture(scope="module")
 def mounts(ws) -> dict[str, str]:
     """A read-only tmpfs and a full one (root may write anywhere else: chmod stops nobody)."""
     ro, full = Path(ws["ws"]) / "ro", Path(ws["ws"]) / "full"
-    ro.mkdir()
-    full.mkdir()
-    done = []
-    for path, options in ((ro, "size=1m,ro"), (full, "size=64k")):
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                              capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            for p in done:
-                subprocess.run(["umount", str(p)], timeout=30)
-            pytest.skip(f"mounting a tmpfs is not permitted here ({proc.stderr.strip()})")
-        done.append(path)
-    with open(full / "filler", "wb", buffering=0) as f:
+    mounted = []
+    try:
+        for path, options in ((ro, "size=1m,ro"), (full, "size=64k")):
+            path.mkdir()
+            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                  capture_output=True, text=True, timeout=30)
+            if proc.returncode != 0:
+                pytest.skip(f"mounting a tmpfs is not permitted here ({proc.stderr.strip()})")
+            mounted.append(path)
+        fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT)
         try:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
+            while os.write(fd, b"\0" * 4096):
+                pass
         except OSError:  # ENOSPC: the disk is full
             pass
-    yield {"ro": str(ro), "full": str(full)}
-    for path in done:
-        subprocess.run(["umount", str(path)], timeout=30)
+        finally:
+            os.close(fd)
+        yield {"ro": str(ro), "full": str(full)}
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", str(path)], timeout=30)
 
 
 # id, command (after gmeta-ds), words the message must hold. {name} is a path from the fixtures.
@@ -120,9 +129,12 @@ CASES = [
      ["meta.inner_stepz: unknown key; valid keys here:", "inner_steps"]),
     ("set-without-equals", "validate --config {cfg} --set meta.inner_lr",
      ["--set 'meta.inner_lr': expected dotted.key=value"]),
-    ("set-into-a-value", "validate --config {cfg} --set model.embed_dim.x=3", ["'embed_dim' is not a section"]),
-    ("set-empty-key-part", "validate --config {cfg} --set meta..inner_lr=1", ["empty key part in 'meta..inner_lr'"]),
-    ("set-bad-yaml-value", "validate --config {cfg} --set 'meta.adapt=[x'", ["meta.adapt=[x", "not valid YAML"]),
+    ("set-into-a-value", "validate --config {cfg} --set model.embed_dim.x=3",
+     ["'embed_dim' is not a section"]),
+    ("set-empty-key-part", "validate --config {cfg} --set meta..inner_lr=1",
+     ["empty key part in 'meta..inner_lr'"]),
+    ("set-bad-yaml-value", "validate --config {cfg} --set 'meta.adapt=[x'",
+     ["meta.adapt=[x", "not valid YAML"]),
     ("section-not-a-mapping", "validate --config {cfg} --set model=3", ["model: expected a mapping, got 3"]),
     ("config-is-a-list", "validate --config {ws}/list.yaml", ["list.yaml", "expected a mapping of sections"]),
     ("config-is-empty", "validate --config {ws}/empty.yaml", ["empty.yaml", "the file is empty"]),
@@ -156,10 +168,12 @@ CASES = [
     ("world-size-zero", "validate --config {cfg} --world-size 0", ["--world-size: 0 must be >= 1"]),
     ("num-gpus-zero", "validate --config {cfg} --hostfile {ws}/hostfile1 --num_gpus 0",
      ["--num_gpus: 0 must be >= 1"]),
-    ("num-gpus-without-hostfile", "validate --config {cfg} --num_gpus 2", ["--num_gpus 2: only applies with --hostfile"]),
+    ("num-gpus-without-hostfile", "validate --config {cfg} --num_gpus 2",
+     ["--num_gpus 2: only applies with --hostfile"]),
     ("deepspeed-config-missing", "train --config {cfg} --deepspeed --deepspeed_config {ws}/nope.json",
      ["--deepspeed_config: DeepSpeed config file", "nope.json' does not exist"]),
-    ("hostfile-missing", "validate --config {cfg} --hostfile {ws}/nohosts", ["hostfile", "nohosts' does not exist"]),
+    ("hostfile-missing", "validate --config {cfg} --hostfile {ws}/nohosts",
+     ["hostfile", "nohosts' does not exist"]),
     ("hostfile-is-a-directory", "validate --config {cfg} --hostfile {ws}/emptydir",
      ["emptydir' is a directory, expected a file of 'HOST slots=N' lines"]),
     ("hostfile-bad-line", "validate --config {cfg} --hostfile {ws}/hostfile",
@@ -173,11 +187,13 @@ CASES = [
      ["data.path: required for data.source 'table'"]),
     ("table-missing-file", "validate --config {cfg} --set data.source=table --set data.path={ws}/nope.csv",
      ["nope.csv: file does not exist"]),
-    ("table-path-is-a-directory", "validate --config {cfg} --set data.source=table --set data.path={ws}/garbage",
+    ("table-path-is-a-directory", "validate --config {cfg} --set data.source=table "
+     "--set data.path={ws}/garbage",
      ["garbage: a folder, expected a file"]),
     ("movielens-dir-of-garbage", "validate --config {cfg} --set data.source=movielens-100k "
      "--set data.path={ws}/garbage", ["garbage: no u.data", "the folder holds: notes.txt, ratings.bin"]),
-    ("table-non-numeric-label", "validate --config {cfg} --set data.source=table --set data.path={ws}/ratings.csv",
+    ("table-non-numeric-label", "validate --config {cfg} --set data.source=table "
+     "--set data.path={ws}/ratings.csv",
      ["ratings.csv: line 2: column 'rating' must be a number, got 'five'"]),
     ("cache-dir-is-a-file", "validate --config {cfg} --set data.source=table --set data.path={ws}/good.csv "
      "--set data.cache_dir={ws}/afile", ["data.cache_dir: cannot make the task cache folder", "afile"]),
@@ -217,6 +233,8 @@ CASES = [
     ("export-manifest-not-json", "export {notjson} {ws}/out.safetensors", ["manifest.json: not valid JSON"]),
     ("export-manifest-a-list", "export {listed} {ws}/out.safetensors",
      ["CHECKPOINT", "its manifest and files do not make one gmeta-ds checkpoint"]),
+    ("export-manifest-names-a-missing-table", "export {faketable} {ws}/out.safetensors",
+     ["its manifest and files do not make one gmeta-ds checkpoint", "table.ghost.ids"]),
     ("export-tampered-file", "export {tampered} {ws}/out.safetensors",
      ["dense.safetensors: contents differ from the manifest's SHA-256"]),
     ("export-out-is-a-directory", "export {ck} {ws}/emptydir", ["OUT", "emptydir' is a directory"]),
@@ -243,7 +261,8 @@ CASES = [
      ["plot_keys/metrics.jsonl:1: expected a JSON object with numbers step, query_loss"]),
 ]
 assert len({c[0] for c in CASES}) == len(CASES)
-CHECKPOINT_NAMES = ("ck", "run", "weights", "truncated", "tampered", "notjson", "listed", "nomanifest")
+CHECKPOINT_NAMES = ("ck", "run", "weights", "truncated", "tampered", "notjson", "listed", "nomanifest",
+                    "faketable")
 
 
 def _names(command: str, request) -> dict[str, str]:
@@ -257,14 +276,15 @@ def _names(command: str, request) -> dict[str, str]:
 
 
 def assert_bad_input(proc: subprocess.CompletedProcess, words: list[str], ranks: int = 0) -> None:
-    """Exit 2, no traceback, every word on stderr (with ``ranks``: in the launcher's output,
-    once per rank)."""
+    """Exit 2, no traceback, every word on stderr (with ``ranks``: in the messages of the
+    launcher's output, at least that many times)."""
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-3000:]}"
     assert "Traceback" not in out, out[-3000:]
+    messages = "\n".join(ln for ln in out.splitlines() if ln.startswith(("gmeta-ds ", "  - ")))
     for word in words:
         if ranks:
-            assert out.count(word) == ranks, f"{word!r} not {ranks}x in the output:\n{out[-3000:]}"
+            assert messages.count(word) >= ranks, f"{word!r} not {ranks}x in the output:\n{out[-3000:]}"
         else:
             assert word in proc.stderr, f"{word!r} not in stderr:\n{proc.stderr[-3000:]}"
 
@@ -277,19 +297,48 @@ def test_bad_input_is_a_clear_error(request, command, words):
     assert_bad_input(proc, words)
 
 
-@pytest.mark.parametrize("command, words", [
-    ("train --config {cfg} --set output_dir={ws}/afile", ["afile' exists and is not a directory"]),
-    ("train --config {cfg} --set 'deepspeed={{optimizer: {{type: Adam}}, zero_optimization: {{bogus: 1}}}}'",
+RANK_CASES = [
+    ("output-dir-is-a-file", "train --config {cfg} --set output_dir={ws}/afile",
+     ["afile' exists and is not a directory"]),
+    ("ds-refused-by-deepspeed", "train --config {cfg} --set "
+     "'deepspeed={{optimizer: {{type: Adam}}, zero_optimization: {{bogus: 1}}}}'",
      ["DeepSpeed rejects the config", "bogus"]),
-    ("train --config {cfg} --set train.resume={tampered}", ["contents differ from the manifest's SHA-256"]),
-], ids=["output-dir-is-a-file", "ds-refused-by-deepspeed", "resume-tampered-file"])
+    ("resume-tampered-file", "train --config {cfg} --set train.resume={tampered}",
+     ["contents differ from the manifest's SHA-256"]),
+]
+
+
+@pytest.mark.parametrize("command, words", [c[1:] for c in RANK_CASES], ids=[c[0] for c in RANK_CASES])
 def test_bad_input_fails_the_same_on_every_rank(request, command, words):
-    """Under ``deepspeed --num_gpus 2`` both ranks print the message and the launcher exits 2:
-    nothing waits in a collective for a rank that already left."""
+    """Two ranks of one job (RANK / WORLD_SIZE / MASTER_* as a launcher sets them): each exits
+    2 with the message on its own, so none waits in a collective for a rank that left."""
     names = _names(command, request)
-    cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), *shlex.split(command.format(**names)))
+    port = str(free_port())
+    procs = [subprocess.Popen([str(BIN / "gmeta-ds"), *shlex.split(command.format(**names))], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **VENV_PATH, "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert_bad_input(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                             ["gmeta-ds train: ", *words])
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def test_bad_input_under_the_deepspeed_launcher_exits_2(ws):
+    """``deepspeed --num_gpus 2``: the ranks refuse a config DeepSpeed would reject (before the
+    check it failed inside ``deepspeed.initialize``, after the process group was up) and the
+    launcher exits 2. It ends the job when the first rank exits, so the message may come from
+    one rank only; `test_bad_input_fails_the_same_on_every_rank` checks each rank."""
+    bad = "deepspeed={optimizer: {type: Adam}, zero_optimization: {stage: 1, bogus: 3}}"
+    cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", ws["cfg"], "--set", bad)
     proc = run(cmd, expect_ok=False, timeout=180, env=VENV_PATH)
-    assert_bad_input(proc, ["gmeta-ds train: ", *words], ranks=2)
+    assert_bad_input(proc, ["gmeta-ds train: ", "DeepSpeed rejects the config", "bogus"], ranks=1)
 
 
 def test_the_matrix_covers_every_command():
