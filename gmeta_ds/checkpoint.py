@@ -232,6 +232,9 @@ def read_manifest(ckpt: Path) -> dict:
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError([f"{ckpt / MANIFEST}: not valid JSON ({exc.msg})"]) from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ConfigError([f"{ckpt / MANIFEST}: expected a JSON object with a 'files' mapping "
+                           f"(file -> SHA-256), got {type(manifest).__name__}"])
     if manifest.get("format") != FORMAT_VERSION:
         raise ConfigError([f"{ckpt / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}"])
     problems = []

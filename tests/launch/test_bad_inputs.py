@@ -223,6 +223,8 @@ CASES = [
      ["manifest.json: not valid JSON"]),
     ("resume-tampered-file", "train --config {cfg} --set train.resume={tampered}",
      ["dense.safetensors: contents differ from the manifest's SHA-256"]),
+    ("resume-manifest-a-list", "train --config {cfg} --set train.resume={listed}",
+     ["manifest.json: expected a JSON object with a 'files' mapping", "got list"]),
     ("resume-other-model", "train --config {cfg} --set train.resume={ck} --set model.embed_dim=8",
      ["manifest.json (the run config does not match the checkpoint)", "dense_shapes"]),
     # ---- checkpoints (export)
@@ -232,7 +234,7 @@ CASES = [
      ["CHECKPOINT", "is not a complete checkpoint (no manifest.json"]),
     ("export-manifest-not-json", "export {notjson} {ws}/out.safetensors", ["manifest.json: not valid JSON"]),
     ("export-manifest-a-list", "export {listed} {ws}/out.safetensors",
-     ["CHECKPOINT", "its manifest and files do not make one gmeta-ds checkpoint"]),
+     ["manifest.json: expected a JSON object with a 'files' mapping"]),
     ("export-manifest-names-a-missing-table", "export {faketable} {ws}/out.safetensors",
      ["its manifest and files do not make one gmeta-ds checkpoint", "table.ghost.ids"]),
     ("export-tampered-file", "export {tampered} {ws}/out.safetensors",
