@@ -24,6 +24,7 @@ file crafted to run code on unpickling is refused.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -37,12 +38,16 @@ import torch.distributed as dist
 
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.ds_engine import save_weights
-from gmeta_ds.errors import ConfigError
+from gmeta_ds.engine.dist import is_collective_timeout
+from gmeta_ds.errors import CheckpointWriteError, ConfigError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
 # "STEP:RANK": that rank SIGKILLs itself in the middle of saving checkpoint STEP (tests only).
 FAULT_ENV = "GMETA_DS_FAULT_KILL_IN_SAVE"
+# "STEP": rank 0 fills the output directory's file system just before saving checkpoint STEP,
+# so that its writes meet a real ENOSPC (tests only).
+FAULT_FILL_ENV = "GMETA_DS_FAULT_FILL_DISK_AT"
 MANIFEST = "manifest.json"
 
 
@@ -160,9 +165,86 @@ def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
 
 
 # ---------------------------------------------------------------------------- save
+_LOW_SPACE = 1 << 20  # bytes: below this after a failed write, the cause is a full disk
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_failure(exc: BaseException, what: str, where: Path) -> str:
+    """One line naming this rank, the file and the cause of a failed write. torch.save reports
+    a full disk as ``enforce fail ... unexpected pos``, so a disk with under 1 MiB free after
+    the failure is reported as full whatever the exception says."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    try:
+        usage = shutil.disk_usage(_existing(where))
+        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+        low = usage.free < _LOW_SPACE
+    except OSError:
+        free, low = "free space unknown", False
+    full = (getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text
+            or "os error 28" in text or "os error 122" in text or low)
+    cause = f"no space left on the device ({free})" if full else f"{type(exc).__name__}: {text} ({free})"
+    return f"rank {rank}: could not write {what}: {cause}"
+
+
+def _agree(failure: str | None) -> list[str]:
+    """Collective: every rank's write failures (one line each), the same list on every rank;
+    empty when every rank's writes succeeded. Also serves as the barrier of that point."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [failure] if failure else []
+    flag = torch.tensor([1 if failure else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag[0]):
+        return []
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, failure)
+    return [f for f in gathered if f]
+
+
+def _abandon(root: Path, ckpt: Path, step: int, failures: list[str]) -> None:
+    """Every rank: remove the incomplete checkpoint (rank 0; its manifest first, so it can
+    never pass for complete) and raise `CheckpointWriteError` with every rank's failure."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        (ckpt / MANIFEST).unlink(missing_ok=True)
+        (root / (LATEST + ".tmp")).unlink(missing_ok=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    latest = root / LATEST
+    previous = (f"the last complete checkpoint is {root / latest.read_text().strip()} "
+                f"({latest} still names it)") if latest.is_file() else "no earlier checkpoint exists"
+    raise CheckpointWriteError(
+        f"checkpoint step {step} could not be written under {root}:\n  "
+        + "\n  ".join(failures)
+        + f"\nthe incomplete checkpoint {ckpt.name} was removed; {previous}. Free space (or "
+        "lower train.keep_last) and resume with train.resume=auto")
+
+
+def _fill_disk(path: Path) -> None:
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while f.write(b"\0" * 65536):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+        try:
+            while f.write(b"\0"):
+                pass
+        except OSError:
+            pass
+
+
 def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path, keep_last: int,
          meta: dict) -> Path:
-    """Write checkpoint ``step`` (collective: every rank calls it); returns its directory."""
+    """Write checkpoint ``step`` (collective: every rank calls it); returns its directory.
+
+    A write that fails on any rank (disk full, quota, permissions) fails the save on every rank
+    with `CheckpointWriteError` naming the rank, the file and the cause; the incomplete
+    directory is removed and ``latest`` keeps naming the previous checkpoint."""
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -170,33 +252,66 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
     root = checkpoint_root(output_dir)
     tag = tag_of(step)
     ckpt = root / tag
+    failure: str | None = None
+    if os.environ.get(FAULT_FILL_ENV) == str(step) and rank == 0:  # fault injection (tests)
+        _fill_disk(Path(output_dir) / ".fault_fill")
+
+    def attempt(what: str, write) -> None:
+        nonlocal failure
+        if failure is None:
+            try:
+                write()
+            except Exception as exc:  # noqa: BLE001 - any write error becomes one clear report
+                failure = _write_failure(exc, what, ckpt)
+
     if rank == 0:
-        if ckpt.exists():  # an incomplete or older copy of the same step
-            shutil.rmtree(ckpt)
-        ckpt.mkdir(parents=True)
-    _barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"gmeta_ds_step": step},
-                           save_latest=False)
+        def fresh_dir() -> None:
+            if ckpt.exists():  # an incomplete or older copy of the same step
+                shutil.rmtree(ckpt)
+            ckpt.mkdir(parents=True)
+        attempt(f"the checkpoint directory {ckpt}", fresh_dir)
+    failures = _agree(failure)
+    if failures:
+        _abandon(root, ckpt, step, failures)
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"gmeta_ds_step": step},
+                               save_latest=False)
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc, RuntimeError) and is_collective_timeout(exc):
+            raise
+        failure = _write_failure(exc, f"DeepSpeed's checkpoint files in {ckpt}", ckpt)
+        # DeepSpeed's save ends in a barrier after its writes, which the other ranks have
+        # reached or will reach: meet them there, then report at the agreement below.
+        _barrier()
     own = {**shard_state(sharded), **_rng_state()}
-    save_file({k: v.contiguous() for k, v in own.items()}, str(ckpt / f"rank{rank:05d}.safetensors"))
+    own_file = ckpt / f"rank{rank:05d}.safetensors"
+    attempt(str(own_file), lambda: save_file({k: v.contiguous() for k, v in own.items()}, str(own_file)))
     dense = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
     if rank == 0:
-        save_file({k: v.float().contiguous().cpu() for k, v in dense.items()},
-                  str(ckpt / "dense.safetensors"))
+        dense_file = ckpt / "dense.safetensors"
+        attempt(str(dense_file), lambda: save_file(
+            {k: v.float().contiguous().cpu() for k, v in dense.items()}, str(dense_file)))
     if os.environ.get(FAULT_ENV) == f"{step}:{rank}":  # fault injection for the reliability tests
         os.kill(os.getpid(), signal.SIGKILL)
-    _barrier()  # every rank's files are on disk
+    failures = _agree(failure)  # every rank's files are on disk, or every rank knows they are not
+    if failures:
+        _abandon(root, ckpt, step, failures)
     if rank == 0:
-        files = sorted(p for p in ckpt.rglob("*") if p.is_file())
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world,
-                    "loader": loader_state, **meta,
-                    "files": {str(p.relative_to(ckpt)): _sha256(p) for p in files}}
-        _write_json(ckpt / MANIFEST, manifest)
-        tmp = root / (LATEST + ".tmp")
-        tmp.write_text(tag + "\n")
-        os.replace(tmp, root / LATEST)
-        _prune(root, keep_last, tag)
-    _barrier()
+        def commit() -> None:
+            files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+            manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world,
+                        "loader": loader_state, **meta,
+                        "files": {str(p.relative_to(ckpt)): _sha256(p) for p in files}}
+            _write_json(ckpt / MANIFEST, manifest)
+            tmp = root / (LATEST + ".tmp")
+            tmp.write_text(tag + "\n")
+            os.replace(tmp, root / LATEST)
+        attempt(f"{ckpt / MANIFEST} and {root / LATEST}", commit)
+        if failure is None:
+            _prune(root, keep_last, tag)
+    failures = _agree(failure)
+    if failures:
+        _abandon(root, ckpt, step, failures)
     return ckpt
 
 

@@ -21,6 +21,7 @@ names the meta-step or phase and the last complete checkpoint); anything else: a
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -35,7 +36,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
-from gmeta_ds.errors import CollectiveTimeout, ConfigError, DataError  # noqa: E402
+from gmeta_ds.errors import CheckpointWriteError, CollectiveTimeout, ConfigError, DataError  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -370,6 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveTimeout as exc:
         print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as exc:
+        print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)
+        return 4
+    except OSError as exc:  # the file system refused a write (full disk, quota, read-only)
+        if exc.errno not in _STORAGE_ERRNOS and exc.filename is None:
+            raise
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"gmeta-ds {args.command}: could not access{where}: {exc.strerror or exc} "
+              f"(errno {exc.errno}); outputs written before this point may be incomplete",
+              file=sys.stderr)
+        return 4
+
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
 
 
 def entry() -> None:

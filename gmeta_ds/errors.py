@@ -22,3 +22,9 @@ class CollectiveTimeout(RuntimeError):
     """A collective (ours or DeepSpeed's) did not complete within ``train.collective_timeout_s``:
     a peer rank is stuck or gone. The message names the phase (meta-step N, checkpoint save,
     evaluation, final gather), the timeout, this rank and the last complete checkpoint."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, permissions, I/O error) on one or
+    more ranks. Every rank raises it with the same message, naming the rank, the file and the
+    cause; the incomplete checkpoint is removed and ``latest`` still names the previous one."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.errors import CollectiveTimeout
+from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
 
 # Rendezvous variables init_process_group set itself (no launcher), removed at teardown.
@@ -28,12 +28,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env_int(name: str, default: str, minimum: int) -> int:
+    text = os.environ.get(name, default)
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError([f"environment variable {name}={text!r}: expected an integer >= {minimum} "
+                           "(set by the launcher: deepspeed, torchrun, accelerate launch)"])
+    return value
+
+
 def env_world() -> tuple[int, int, int]:
-    """(rank, world size, local world size) as the launcher set them; (0, 1, 1) without one."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """(rank, world size, local world size) as the launcher set them; (0, 1, 1) without one.
+    A value that is not a count (or a rank outside the world) is a `ConfigError` naming it."""
+    rank = _env_int("RANK", "0", 0)
+    world = _env_int("WORLD_SIZE", "1", 1)
     # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", str(world))))
+    local_name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE"
+    local_world = _env_int(local_name, str(world), 1)
+    if rank >= world:
+        raise ConfigError([f"environment variables RANK={rank} and WORLD_SIZE={world}: the rank "
+                           "must be below the world size"])
     return rank, world, local_world
 
 

@@ -346,3 +346,17 @@ def test_bad_input_under_the_deepspeed_launcher_exits_2(ws):
 def test_the_matrix_covers_every_command():
     assert {c[1].split()[0] for c in CASES} >= {"train", "validate", "eval", "export", "plot"}
     assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "zero", "WORLD_SIZE": "2"}, ["environment variable RANK='zero': expected an integer >= 0"]),
+    ({"RANK": "0", "WORLD_SIZE": "-1"}, ["environment variable WORLD_SIZE='-1': expected an integer >= 1"]),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, ["RANK=3 and WORLD_SIZE=2: the rank must be below the world size"]),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": ""},
+     ["environment variable LOCAL_WORLD_SIZE='': expected an integer >= 1"]),
+], ids=["rank-not-a-number", "negative-world", "rank-outside-world", "empty-local-world"])
+def test_garbage_launcher_environment_is_a_clear_error(ws, env, words):
+    """What a broken launcher wrapper (or a hand-written job script) exports is named, exit 2."""
+    proc = run([str(BIN / "gmeta-ds"), "train", "--config", ws["cfg"]], expect_ok=False, timeout=180,
+               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **env})
+    assert_bad_input(proc, ["gmeta-ds train: ", *words])

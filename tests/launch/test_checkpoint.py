@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -268,5 +269,48 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     assert checkpoint.find("auto", tmp_path / "run") == root / "step_00000003"
     checkpoint.read_manifest(root / "step_00000003")  # intact: every hash matches
     resumed = train(path, 2, "train.resume=auto")
+    assert resumed["resumed_from"]["step"] == 3 and resumed["meta_steps"] == 6
+    assert (root / "latest").read_text().strip() == "step_00000006"
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 32 MiB tmpfs: room for a run and its checkpoints until the fault hook fills it."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({proc.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], timeout=30)
+
+
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1)])
+def test_full_disk_during_a_checkpoint_write_is_a_clear_error_on_every_rank(small_disk, world, stage):
+    """The disk fills up just before checkpoint 6 (a real ENOSPC from the kernel): every rank
+    exits with one message naming the checkpoint, the rank, the file and the full disk; the
+    incomplete checkpoint is gone, ``latest`` still names step 3, and once space is freed the
+    run resumes from it. Under ZeRO-1 at world 2 both ranks write DeepSpeed files that fail."""
+    path = config(small_disk, stage, 6, output_dir=str(small_disk / "run"))
+    args = [str(BIN / "gmeta-ds"), "train", "--config", str(path)]
+    cmd = args if world == 1 else deepspeed_cmd(world, *args)
+    proc = run(cmd, env={checkpoint.FAULT_FILL_ENV: "6"}, expect_ok=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-4000:]
+    if world == 1:
+        assert proc.returncode == 4
+    assert out.count("gmeta-ds train: checkpoint step 6 could not be written") == world, out[-4000:]
+    assert "rank 0: could not write" in out and "no space left on the device" in out
+    root = small_disk / "run" / "checkpoints"
+    assert "the incomplete checkpoint step_00000006 was removed" in out
+    assert f"the last complete checkpoint is {root / 'step_00000003'}" in out
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    assert not (root / "step_00000006").exists()
+    checkpoint.read_manifest(root / "step_00000003")  # intact: every hash matches
+    (small_disk / "run" / ".fault_fill").unlink()
+    resumed = train(path, world, "train.resume=auto")
     assert resumed["resumed_from"]["step"] == 3 and resumed["meta_steps"] == 6
     assert (root / "latest").read_text().strip() == "step_00000006"
