@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all test-docs bench wheel-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,10 +24,23 @@ demo: install
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml
 
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu and not docs"
+
+# Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
+# copy of the tree (tests/docs/test_doc_commands.py; ~N min on 2 cores). The venv's bin first on
+# PATH, as for demo.
+test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
+test-docs: install
+	$(PY) -m pytest -q -m docs tests/docs
 
 test-all: install
 	$(PY) -m pytest -q
+
+# A wheel that works anywhere: build it, install it (not editable) into a fresh virtualenv with
+# TORCH_SPEC, and run gmeta-ds validate / train (CTR and text) from a directory outside the
+# checkout (tests/wheel/check_wheel.sh; ~8 min on 2 cores, mostly pip and DeepSpeed's JIT build).
+wheel-check:
+	TORCH_SPEC="$(TORCH_SPEC)" tests/wheel/check_wheel.sh
 
 # The benchmark suite (~10 min on 2 cores): tables on stdout, JSON under benchmarks/results/,
 # charts under docs/img/ (docs/performance.md). The venv's bin first on PATH: DeepSpeed

@@ -68,7 +68,7 @@ def setup():
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine import ds_engine
     from gmeta_ds.engine.dist import skip_deepspeed_shm_op
-    from gmeta_ds.trainer import build_data, build_learner, build_sharded
+    from gmeta_ds.workloads.ctr import build_data, build_learner, build_sharded
 
     skip_deepspeed_shm_op()
     cfg = load_config(ROOT / "examples/synthetic/config.yaml", [])

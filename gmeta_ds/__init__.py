@@ -13,3 +13,35 @@ Glossary:
 Importing this package does not import torch (the CLI sets thread policy first).
 """
 __version__ = "0.1.0"
+
+# The public API (docs/api.md), imported on first use so that ``import gmeta_ds`` stays light.
+_PUBLIC = {
+    "build_tasks": "gmeta_ds.api", "tables_for": "gmeta_ds.api", "meta_learner": "gmeta_ds.api",
+    "initialize": "gmeta_ds.api", "MetaEngine": "gmeta_ds.api", "StepResult": "gmeta_ds.api",
+    "TableConfig": "gmeta_ds.embedding.tables", "EmbeddingCollection": "gmeta_ds.embedding.tables",
+    "Jagged": "gmeta_ds.embedding.tables",
+    "ShardedEmbeddingCollection": "gmeta_ds.embedding.sharded",
+    "ShardingPlan": "gmeta_ds.embedding.plan", "plan_tables": "gmeta_ds.embedding.plan",
+    "MetaLearner": "gmeta_ds.algorithms", "MetaAlgorithm": "gmeta_ds.algorithms",
+    "MetaOutput": "gmeta_ds.algorithms", "MAML": "gmeta_ds.algorithms", "FOMAML": "gmeta_ds.algorithms",
+    "Reptile": "gmeta_ds.algorithms", "MetaSGD": "gmeta_ds.algorithms", "ALGORITHMS": "gmeta_ds.algorithms",
+    "TaskSet": "gmeta_ds.data.tasks", "TaskBatch": "gmeta_ds.data.tasks", "FieldSpec": "gmeta_ds.data.tasks",
+    "collate": "gmeta_ds.data.tasks", "single_fields": "gmeta_ds.data.tasks",
+    "multi_fields": "gmeta_ds.data.tasks", "TaskData": "gmeta_ds.data.builder",
+    "ConfigError": "gmeta_ds.errors", "DataError": "gmeta_ds.errors",
+}
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gmeta_ds' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

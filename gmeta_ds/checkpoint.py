@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.engine import ds_engine
+from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.ds_engine import save_weights
 from gmeta_ds.engine.dist import is_collective_timeout
 from gmeta_ds.errors import CheckpointWriteError, ConfigError
@@ -367,31 +367,12 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
-# Plain data holders DeepSpeed pickles into its checkpoints (loss scaler, ZeRO stage, the
-# fragment map of ZeRO partitions): the only non-tensor classes allowed when unpickling.
-_DEEPSPEED_SAFE = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                   ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-                   ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                   ("deepspeed.utils.tensor_fragment", "fragment_address"))
-
-
-def _deepspeed_safe_globals() -> list:
-    import importlib
-
-    found = []
-    for module, name in _DEEPSPEED_SAFE:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return found
-
-
 def check_pickles(ckpt: Path) -> None:
     """Open every DeepSpeed ``.pt`` file with ``weights_only=True`` (tensors, containers and
     DeepSpeed's few data classes only): a file that would run code or build arbitrary objects
-    on unpickling is refused before DeepSpeed opens it."""
-    allowed = _deepspeed_safe_globals()
+    on unpickling is refused before DeepSpeed opens it (the allowed classes:
+    `ds_internals.PICKLED_CLASSES`)."""
+    allowed = ds_internals.pickled_classes()
     for path in sorted(ckpt.rglob("*.pt")):
         try:
             with torch.serialization.safe_globals(allowed):
@@ -432,7 +413,6 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
     renamed into place, and its pickles pass `check_pickles` on every rank before DeepSpeed
     opens them."""
     import subprocess
-    import sys
 
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     root = checkpoint_root(output_dir) / "universal"
@@ -443,10 +423,7 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
         shutil.rmtree(root, ignore_errors=True)  # any earlier conversion is never reused
         root.mkdir(parents=True)
         tmp = root / (target.name + ".tmp")
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", str(ckpt), "--output_folder", str(tmp),
-                               "--inject_missing_state", "--num_extract_workers", "1",
-                               "--num_merge_workers", "1"],
+        done = subprocess.run(ds_internals.universal_conversion_command(ckpt, tmp),
                               capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from gmeta_ds.ds_config import dense_state_bytes, resolve_ds_config
+    from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.launchers import hostfile_world_size, parse_hostfile
 
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
@@ -88,7 +88,7 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise ConfigError([f"--num_gpus {args.num_gpus}: only applies with --hostfile (ranks per "
                            "host); plan for one host with --world-size N"])
     from gmeta_ds.engine.dist import env_world  # torch from here on
-    from gmeta_ds.trainer import build_data, build_learner, embedding_plan
+    from gmeta_ds.workloads import get_workload
 
     world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
@@ -100,170 +100,59 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
         from gmeta_ds import checkpoint
 
         checkpoint.find(cfg.train.resume, cfg.output_dir)
-    if cfg.task == "text":
-        return _validate_text(cfg, ds_config, plan)
-    data = build_data(cfg)
-    sharded = cfg.embedding.sharding == "sharded"
-    tables = embedding_plan(cfg, data.fields, world) if sharded else None
-    learner = build_learner(cfg, data.fields, with_tables=not sharded)
-    n_params = sum(p.numel() for p in learner.parameters())
+    workload = get_workload(cfg.task)
+    lines = workload.describe(cfg, ds_config, plan)
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
     if hosts:
         print(f"hostfile {args.hostfile}: " + ", ".join(
             f"{h.name} ({args.num_gpus or h.slots} rank(s))" for h in hosts) + f" = {world} ranks")
-    print(f"batch: {plan.describe()}")
-    print(f"tasks: {len(data.train)} train, {len(data.test)} test users; "
-          f"{data.train.num_interactions + data.test.num_interactions} interactions")
-    print(f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}")
-    dense = dense_state_bytes(ds_config, n_params, world)
-    print(f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): "
-          f"parameters {_size(dense['params'])}, gradients {_size(dense['grads'])}, "
-          f"optimizer {_size(dense['optimizer'])}")
-    if tables is not None:
-        print(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
-    else:
-        table_bytes = sum(p.numel() * 4 for n, p in learner.named_parameters() if ".embedding." in n)
-        print(f"embedding: replicated inside the DeepSpeed engine (every rank holds every table: "
-              f"{_size(table_bytes)}, counted in the dense state above)")
+    print(f"batch: {plan.describe().replace('tasks', workload.noun)}")
+    for line in lines:
+        print(line)
     print("config OK")
     return 0
-
-
-def _validate_text(cfg: RunConfig, ds_config: dict, plan) -> int:
-    from gmeta_ds.ds_config import dense_state_bytes
-    from gmeta_ds.text.train import build
-
-    _, tasks, learner = build(cfg)
-    n_params = sum(p.numel() for p in learner.parameters())
-    print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
-    print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
-    print(f"batch: {plan.describe().replace('tasks', 'episodes')}")
-    print(f"data: {tasks.describe()}")
-    print(f"model: {type(learner.net.model).__name__}, {n_params} parameters; adapted in the inner "
-          f"loop: {len(learner.adapted)} tensors ({', '.join(learner.adapted[:6])}"
-          f"{', ...' if len(learner.adapted) > 6 else ''}); tasks run "
-          f"{'vectorized (vmap)' if learner.algorithm.vectorize else 'one by one (loop)'}")
-    dense = dense_state_bytes(ds_config, n_params, plan.world_size)
-    print(f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {plan.world_size} rank(s)): "
-          f"parameters {_size(dense['params'])}, gradients {_size(dense['grads'])}, "
-          f"optimizer {_size(dense['optimizer'])}")
-    print("config OK")
-    return 0
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
-
-    from gmeta_ds.trainer import preflight
+    from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
+    from gmeta_ds.trainer import completed_run, train
+    from gmeta_ds.workloads import get_workload
 
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
-    from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
-
     check_device_support(ds_config)
     check_ds_config(ds_config)
-    from gmeta_ds.trainer import completed_run
-
     done = completed_run(cfg)
     if done is not None:  # a requeue of a finished run: exit 0, touch nothing
         if env_world()[0] == 0:
             print(f"gmeta-ds train: {done}")
         return 0
     check_output_dir(cfg.output_dir)
-    built = None
-    if cfg.task == "text":
-        from gmeta_ds.text.train import build
-
-        built = build(cfg)
-    else:
-        preflight(cfg, plan.world_size)
+    workload = get_workload(cfg.task)
+    prepared = workload.preflight(cfg, plan.world_size)
     set_threads(cfg.train.threads)
     try:
         rank, world = init_process_group(cfg.train.collective_timeout_s)
         if world != plan.world_size:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
-        if cfg.task == "text":
-            from gmeta_ds.text.train import train_text
-
-            summary = train_text(cfg, ds_config, plan, rank, built)
-        else:
-            from gmeta_ds.trainer import train
-
-            summary = train(cfg, ds_config, plan, rank)
+        summary = train(cfg, ds_config, plan, rank, workload, prepared)
         if rank == 0:
-            _print_summary(summary, cfg.output_dir)
+            print("\n".join(workload.report(summary, cfg.output_dir)))
     finally:
         destroy_process_group()
     return 0
 
 
-def _print_summary(summary: dict, output_dir: str) -> None:
-    ev = summary.get("eval", {})
-    if summary.get("task") == "text":
-        print(f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} episodes on "
-              f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
-              f"{summary['final_query_loss']:.4f}")
-        if ev:
-            print(f"held-out classes, {ev['ways']}-way {ev['shots']}-shot accuracy: meta-learned + "
-                  f"adaptation {ev['accuracy']:.4f} | without adaptation {ev['accuracy_no_adapt']:.4f}"
-                  f" | from scratch: {ev.get('baseline_scratch_steps', 0)} Adam steps "
-                  f"{ev.get('baseline_scratch_accuracy', float('nan')):.4f}, the same inner loop "
-                  f"{ev.get('baseline_scratch_inner_loop_accuracy', float('nan')):.4f}"
-                  f" | chance {ev['chance']:.4f}")
-        print(f"outputs: {output_dir}/summary.json, metrics.jsonl, model/ (save_pretrained)")
-        return
-    line = (f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} tasks on "
-            f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; "
-            f"final query loss {summary['final_query_loss']:.4f}")
-    print(line)
-    name = "auc" if "auc" in ev else "mae"
-    if ev:
-        nan = float("nan")
-        print(f"cold-start {name.upper()}: meta-learned + adaptation {ev[name]:.4f} | without "
-              f"adaptation {ev[name + '_no_adapt']:.4f} | non-meta baseline "
-              f"{ev.get('baseline_' + name, nan):.4f} | baseline + fine-tune "
-              f"{ev.get('baseline_finetune_' + name, nan):.4f}")
-    print(f"outputs: {output_dir}/summary.json, metrics.jsonl, model.safetensors")
-
-
 def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
-    check_output_dir(cfg.output_dir)  # eval.json goes there
-    if cfg.task == "text":
-        return _eval_text(cfg, weights)
-    from gmeta_ds.engine.ds_engine import load_weights
-    from gmeta_ds.trainer import WEIGHTS_FILE, build_data, build_learner, run_evaluation, write_json
-
-    data = build_data(cfg)
-    learner = build_learner(cfg, data.fields)
-    load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
-    result = run_evaluation(cfg, learner, data)
-    write_json(Path(cfg.output_dir) / "eval.json", result)
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-def _eval_text(cfg: RunConfig, weights: str | None) -> int:
-    """Held-out-class accuracy of a saved classifier (default: OUTPUT_DIR/model)."""
-    import dataclasses
-
-    from gmeta_ds.text.train import MODEL_DIR, build, evaluate
     from gmeta_ds.trainer import write_json
+    from gmeta_ds.workloads import get_workload
 
-    folder = weights or str(Path(cfg.output_dir) / MODEL_DIR)
-    model_cfg = dataclasses.replace(cfg.text.model, pretrained=folder, tokenizer=folder)
-    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, model=model_cfg))
-    tokenizer, tasks, learner = build(cfg)
-    result = evaluate(cfg, learner, tokenizer, tasks)
+    check_output_dir(cfg.output_dir)  # eval.json goes there
+    result = get_workload(cfg.task).evaluate_saved(cfg, weights)
     write_json(Path(cfg.output_dir) / "eval.json", result)
     print(json.dumps(result, indent=2))
     return 0
@@ -286,11 +175,12 @@ def _cmd_export(checkpoint_path: str, out: str) -> int:
     expected = "expected OUTPUT_DIR/checkpoints or one of its step_* directories"
     if not source.is_dir():
         what = "is a file, not a directory" if source.exists() else "does not exist"
-        raise ConfigError([f"CHECKPOINT {checkpoint_path!r} {what} ({expected})"])
+        raise ConfigError([f"CHECKPOINT {checkpoint_path!r} {what} ({expected}){_no_checkpoint_hint(source)}"])
     try:
         ckpt = checkpoint.find(checkpoint_path, ".")
     except ConfigError as exc:  # find() words its errors for train.resume
-        raise ConfigError([p.replace("train.resume: ", "CHECKPOINT ", 1) for p in exc.problems]) from exc
+        problems = [p.replace("train.resume: ", "CHECKPOINT ", 1) for p in exc.problems]
+        raise ConfigError([problems[0] + _no_checkpoint_hint(source), *problems[1:]]) from exc
     if Path(out).is_dir():
         raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors "
                            "file to write"])
@@ -304,6 +194,24 @@ def _cmd_export(checkpoint_path: str, out: str) -> int:
                            f"checkpoint ({type(exc).__name__}: {exc})"]) from exc
     print(f"wrote {path} (checkpoint {ckpt})")
     return 0
+
+
+def _no_checkpoint_hint(source: Path) -> str:
+    """Why CHECKPOINT holds no checkpoint when it is a finished run's folder or its
+    ``checkpoints/``: ``train.checkpoint_every`` is 0 by default, so a run writes none."""
+    run_dir = source.parent if source.name == "checkpoints" else source
+    if not (run_dir / "summary.json").is_file():
+        return ""
+    root = run_dir / "checkpoints"
+    if source == run_dir and (root / "latest").is_file():
+        return f"; {str(run_dir)!r} is a run's folder: pass its checkpoints, {str(root)!r}"
+    if root.is_dir() and any(root.glob("step_*")):
+        return ""
+    final = run_dir / "model.safetensors"
+    weights = f"; its final weights are {str(final)!r}" if final.is_file() else ""
+    return (f"; the run in {str(run_dir)!r} wrote no checkpoints (train.checkpoint_every is 0 by "
+            "default): train with --set train.checkpoint_every=N to write one every N meta-steps "
+            f"and at the end{weights}")
 
 
 def check_output_dir(path: str | Path, create: bool = True, key: str = "output_dir") -> None:

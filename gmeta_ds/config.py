@@ -17,17 +17,13 @@ from typing import Any, Union
 import yaml
 
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.registry import (ALGORITHMS, DATA_SOURCES, LABEL_KINDS, PLANS, SPARSE_OPTIMIZERS,  # noqa: F401
+                               WORKLOADS)
 
-ALGORITHMS = ("maml", "fomaml", "reptile", "metasgd")
 SHARDINGS = ("replicated", "sharded")
-PLANS = ("auto", "row_wise", "table_wise", "replicated")
 ROW_OWNERS = ("modulo", "block")
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 BAD_ID_POLICIES = ("error", "hash")
-DATA_SOURCES = ("synthetic", "movielens-100k", "movielens-1m", "recbole", "table")
 SPLITS = ("random", "time")
-LABEL_KINDS = ("binary", "regression")
-TASKS = ("ctr", "text")
 TEXT_FORMATS = ("auto", "csv", "json", "parquet")
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
@@ -341,7 +337,7 @@ def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = Fals
 
 
 def _validate(cfg: RunConfig, problems: list[str]) -> None:
-    _one_of(problems, "task", cfg.task, TASKS)
+    _one_of(problems, "task", cfg.task, WORKLOADS.names())
     if not cfg.output_dir.strip():
         problems.append("output_dir: empty; expected the directory the run writes its files to")
     if cfg.seed < 0:
@@ -351,9 +347,9 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _positive(problems, "meta.vectorize_budget_mb", cfg.meta.vectorize_budget_mb, allow_auto=True)
     if cfg.task == "text":
         _validate_text(cfg.text, problems)
-    _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS)
+    _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
     _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
-    _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES)
+    _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES.names())
     _validate_embedding(cfg.embedding, problems)
     for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
                 "train.log_every", "train.collective_timeout_s", "model.embed_dim",
@@ -416,16 +412,16 @@ def _validate_text(text: TextConfig, problems: list[str]) -> None:
 
 
 def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
-    _one_of(problems, "embedding.plan", emb.plan, PLANS)
+    _one_of(problems, "embedding.plan", emb.plan, (AUTO, *PLANS.names()))
     _one_of(problems, "embedding.row_owner", emb.row_owner, ROW_OWNERS)
-    _one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS)
+    _one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS.names())
     _one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
     _positive(problems, "embedding.lr", emb.lr)
     _positive(problems, "embedding.init_std", emb.init_std)
     for name, table in emb.tables.items():
-        _one_of(problems, f"embedding.tables.{name}.plan", table.plan, PLANS)
+        _one_of(problems, f"embedding.tables.{name}.plan", table.plan, (AUTO, *PLANS.names()))
         if table.optimizer is not None:
-            _one_of(problems, f"embedding.tables.{name}.optimizer", table.optimizer, SPARSE_OPTIMIZERS)
+            _one_of(problems, f"embedding.tables.{name}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
         if table.lr is not None:
             _positive(problems, f"embedding.tables.{name}.lr", table.lr)
     if emb.sharding == "replicated" and (emb.tables or emb.plan != "auto"):

@@ -11,12 +11,15 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from gmeta_ds.config import AUTO, SUPPORTED_ZERO_STAGES, RunConfig
 from gmeta_ds.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# The DeepSpeed configs shipped as package data (the checkout's top-level ``ds_configs/`` is a
+# symlink to this folder), named ``ds_configs/<file>.json`` in run configs and docs.
+SHIPPED_DIR = Path(__file__).resolve().parent / "ds_configs"
+SHIPPED_PREFIX = "ds_configs"
 DEFAULT_MICRO_BATCH = 32
 
 
@@ -44,17 +47,40 @@ def zero_stage(ds: dict) -> int:
     return ds.get("zero_optimization", {}).get("stage", 0)
 
 
+def shipped_ds_configs() -> list[str]:
+    """The documented names of the shipped DeepSpeed configs (``ds_configs/zero0.json``, ...)."""
+    return sorted(f"{SHIPPED_PREFIX}/{p.name}" for p in SHIPPED_DIR.glob("*.json"))
+
+
+def shipped_ds_config(name: str) -> Path | None:
+    """The packaged file for a shipped name (``ds_configs/zero2.json``, ``./ds_configs/zero2.json``),
+    or None when ``name`` is not one."""
+    path = PurePath(name)
+    parts = [part for part in path.parts if part != "."]
+    if path.is_absolute() or len(parts) != 2 or parts[0] != SHIPPED_PREFIX:
+        return None
+    packaged = SHIPPED_DIR / parts[1]
+    return packaged if packaged.is_file() else None
+
+
+def missing_ds_config_hint() -> str:
+    return "shipped DeepSpeed configs: " + (", ".join(shipped_ds_configs()) or f"none found in {SHIPPED_DIR}")
+
+
 def find_ds_config_file(name: str, config_dir: str) -> Path:
     """Resolve a ``deepspeed:`` path: as given (absolute or from cwd), next to the run config,
-    or inside the gmeta_ds checkout (``ds_configs/zero2.json``)."""
-    candidates = list(dict.fromkeys([Path(name), Path(config_dir) / name, REPO_ROOT / name]))
+    or, for a shipped name (``ds_configs/zero2.json``) found in neither, the package's copy."""
+    candidates = list(dict.fromkeys([Path(name), Path(config_dir) / name]))
     for path in candidates:
         if path.is_file():
             return path
     if Path(name).is_dir():
         raise ConfigError([f"deepspeed: {name!r} is a directory, expected a DeepSpeed JSON file"])
+    packaged = shipped_ds_config(name)
+    if packaged is not None:
+        return packaged
     tried = ", ".join(str(p) for p in candidates)
-    raise ConfigError([f"deepspeed: file {name!r} not found (tried {tried})"])
+    raise ConfigError([f"deepspeed: file {name!r} not found (tried {tried}); {missing_ds_config_hint()}"])
 
 
 def load_ds_config(cfg: RunConfig) -> tuple[dict, str]:
@@ -86,38 +112,70 @@ def _check_sections(ds: dict, source: str) -> None:
         raise ConfigError(problems, source)
 
 
-def _as_int(value, key: str, problems: list[str]):
+def _as_int(value, key: str, problems: list[str], where: str):
     if value == AUTO or value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        problems.append(f"deepspeed.{key}: {value!r} is not a positive integer or 'auto'")
+        problems.append(f"deepspeed.{key}: {value!r} is not a positive integer or 'auto' ({where})")
         return None
     return value
 
 
-def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str]) -> BatchPlan | None:
-    ds_mb = _as_int(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", problems)
-    ds_tb = _as_int(ds.get("train_batch_size"), "train_batch_size", problems)
-    ds_gas = _as_int(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", problems)
+RUN_CONFIG = "the run config"
+
+
+def _ds_where(source: str) -> str:
+    """Where the DeepSpeed config's keys were read: its file, or the run config's inline dict."""
+    return "inline in the run config's deepspeed:" if source == "deepspeed (inline)" else f"in {source}"
+
+
+def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str],
+                   source: str = "deepspeed (inline)") -> BatchPlan | None:
+    """The batch plan; each problem names where its keys come from: ``meta.*`` from the run
+    config (file + ``--set``), ``deepspeed.*`` from the DeepSpeed config (``source``)."""
+    where = _ds_where(source)
+    ds_mb = _as_int(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", problems, where)
+    ds_tb = _as_int(ds.get("train_batch_size"), "train_batch_size", problems, where)
+    ds_gas = _as_int(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", problems, where)
     meta_t, meta_b = cfg.meta.tasks_per_micro_batch, cfg.meta.tasks_per_meta_step
     t = meta_t if meta_t != AUTO else (ds_mb or DEFAULT_MICRO_BATCH)
     if meta_t != AUTO and ds_mb is not None and ds_mb != meta_t:
         problems.append(f"meta.tasks_per_micro_batch ({meta_t}) contradicts "
-                        f"deepspeed.train_micro_batch_size_per_gpu ({ds_mb}); set one to 'auto'")
+                        f"deepspeed.train_micro_batch_size_per_gpu ({ds_mb}); set one to 'auto' "
+                        f"(meta.* in {RUN_CONFIG}, deepspeed.* {where})")
     b = meta_b if meta_b != AUTO else (ds_tb or t * (ds_gas or 1) * world)
     if meta_b != AUTO and ds_tb is not None and ds_tb != meta_b:
         problems.append(f"meta.tasks_per_meta_step ({meta_b}) contradicts "
-                        f"deepspeed.train_batch_size ({ds_tb}); set one to 'auto'")
+                        f"deepspeed.train_batch_size ({ds_tb}); set one to 'auto' "
+                        f"(meta.* in {RUN_CONFIG}, deepspeed.* {where})")
     if b % (t * world):
+        b_from = (f"deepspeed.train_batch_size {where}" if meta_b == AUTO and ds_tb else
+                  f"T x deepspeed.gradient_accumulation_steps x W {where}" if meta_b == AUTO else None)
+        t_from = (f"deepspeed.train_micro_batch_size_per_gpu {where}" if meta_t == AUTO and ds_mb else
+                  f"the default {DEFAULT_MICRO_BATCH}" if meta_t == AUTO else None)
+        origin = ("B and T from the run config's meta.*" if b_from is None and t_from is None else
+                  f"B from {b_from or 'the run config'}, T from {t_from or 'the run config'}")
+        b_key = "meta.tasks_per_meta_step" if b_from is None else "deepspeed.train_batch_size"
+        t_key = "meta.tasks_per_micro_batch" if t_from is None else "deepspeed.train_micro_batch_size_per_gpu"
+        fix = f"set {b_key} to a multiple of {t * world}"
+        if b % world == 0:
+            fix += (f", or lower {t_key} to a divisor of {b} / {world} = {b // world} "
+                    f"(e.g. {_largest_divisor(b // world, t)})")
         problems.append(f"meta.tasks_per_meta_step ({b}) must be a multiple of "
-                        f"meta.tasks_per_micro_batch ({t}) x world size ({world}) = {t * world}")
+                        f"meta.tasks_per_micro_batch ({t}) x world size ({world}) = {t * world} "
+                        f"({origin}, W from the launch); {fix}")
         return None
     gas = b // (t * world)
     if ds_gas is not None and ds_gas != gas:
         problems.append(f"deepspeed.gradient_accumulation_steps ({ds_gas}) contradicts "
                         f"{b} tasks/meta-step / ({t} tasks/micro-batch x {world} ranks) = {gas}; "
-                        "set it to 'auto'")
+                        f"set it to 'auto' (deepspeed.* {where}, the tasks from {RUN_CONFIG}'s meta.*)")
     return BatchPlan(t, gas, world)
+
+
+def _largest_divisor(n: int, below: int) -> int:
+    """The largest divisor of ``n`` that is at most ``below`` (1 at least)."""
+    return max(d for d in range(1, min(n, below) + 1) if n % d == 0)
 
 
 def _fill_optimizer(ds: dict, lr: float) -> None:
@@ -138,18 +196,19 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     ds, source = load_ds_config(cfg)
     _check_sections(ds, source)
     problems: list[str] = []
-    plan = _resolve_batch(cfg, ds, world_size, problems)
+    plan = _resolve_batch(cfg, ds, world_size, problems, source)
     stage = zero_stage(ds)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"deepspeed.zero_optimization.stage: {stage!r} is not supported; "
-                        f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))}")
+                        f"supported stages: {', '.join(map(str, SUPPORTED_ZERO_STAGES))} "
+                        f"({_ds_where(source)})")
     _fill_optimizer(ds, cfg.train.lr)
     if plan is not None and cfg.train.nonfinite == "skip" and plan.grad_accum_steps != 1:
         problems.append(f"train.nonfinite: 'skip' needs one micro-batch per rank and meta-step "
                         f"(gradient accumulation 1), but {plan.describe()}; raise "
                         "meta.tasks_per_micro_batch or use 'abort'")
-    if problems:
-        raise ConfigError(problems, source)
+    if problems:  # each problem names its source: run config (meta.*, train.*) or DeepSpeed file
+        raise ConfigError(problems)
     ds["train_micro_batch_size_per_gpu"] = plan.tasks_per_micro_batch
     ds["gradient_accumulation_steps"] = plan.grad_accum_steps
     ds["train_batch_size"] = plan.tasks_per_meta_step
@@ -172,3 +231,11 @@ def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
     return {"stage": stage, "params": params // world_size if stage >= 3 else params,
             "grads": grads // world_size if stage >= 2 else grads,
             "optimizer": optimizer // world_size if stage >= 1 else optimizer}
+
+
+def size_text(n: int) -> str:
+    """A byte count for people: ``1.50 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

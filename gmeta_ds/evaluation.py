@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from gmeta_ds.algorithms.base import MetaLearner, embed_batch
+from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
@@ -44,7 +44,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
     for start in range(0, len(which), tasks_per_batch):
         batch = collate(tasks, which[start:start + tasks_per_batch])
         with torch.no_grad():
-            rows_s, rows_q = embed_batch(net.embed, batch)
+            rows_s, rows_q = embed_batch(embedder(net), batch)
             plain = net(rows_q)
             theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
         theta = {n: v.detach() for n, v in theta.items()}
@@ -97,7 +97,7 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
             rows = order[start:start + batch_size]
             multi = {name: Jagged(*(torch.from_numpy(a.astype(np.int64)) for a in take_rows(v, o, rows.numpy())))
                      for name, (v, o) in tasks.multi.items()}
-            loss = loss_fn(net(net.embed(ids[rows], multi)), labels[rows], ones[: len(rows)])
+            loss = loss_fn(net(embedder(net)(ids[rows], multi)), labels[rows], ones[: len(rows)])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

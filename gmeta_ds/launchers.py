@@ -98,9 +98,16 @@ def launcher_ds_config(cli_path: str | None, env: Mapping[str, str] | None = Non
                 "set deepspeed_config.deepspeed_config_file to a JSON in ds_configs/ "
                 "(e.g. launch/accelerate/single_node.yaml) or drop distributed_type: DEEPSPEED "
                 "and name the JSON in the run config's 'deepspeed:' key")
-    for name, value in sources.items():
+    from gmeta_ds.ds_config import missing_ds_config_hint, shipped_ds_config
+
+    for name, value in list(sources.items()):
         if not Path(value).is_file():
-            what = "is a directory, expected a JSON file" if Path(value).is_dir() else "does not exist"
+            packaged = None if Path(value).is_dir() else shipped_ds_config(value)
+            if packaged is not None:  # ds_configs/zero2.json from outside the checkout
+                sources[name] = str(packaged)
+                continue
+            what = ("is a directory, expected a JSON file" if Path(value).is_dir()
+                    else f"does not exist ({missing_ds_config_hint()})")
             problems.append(f"{name}: DeepSpeed config file {value!r} {what}")
     if len(sources) == 2 and not problems:
         a, b = (Path(v).resolve() for v in sources.values())

@@ -11,7 +11,6 @@ and nDCG gives every row of a tied group the group's mean gain (as `ndcg_score` 
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import log_loss, roc_auc_score
 
 KINDS = ("binary", "regression")
 
@@ -102,6 +101,8 @@ def score_tasks(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray, kin
     group_size = np.bincount(gid)
 
     if kind == "binary":
+        from sklearn.metrics import log_loss, roc_auc_score  # not at import time: sklearn takes ~1 s
+
         out["auc"] = float(roc_auc_score(labels, preds)) if 0 < labels.sum() < n else float("nan")
         # Mann-Whitney: ascending 1-based rank of a tie run holding descending positions [s, e] of
         # a task of size m is m - (s + e) / 2.

@@ -1,8 +1,12 @@
-"""The meta-training loop on a DeepSpeed engine, written out top to bottom.
+"""The one meta-training loop on a DeepSpeed engine, for every workload, top to bottom.
 
-Per meta-step, each rank runs its GAS micro-batches (T tasks each): fused embedding lookup,
-inner loop per task, outer loss -> ``engine.backward`` -> ``engine.step`` (DeepSpeed applies
-the update at the accumulation boundary, after averaging across ranks).
+A workload (``task:`` in the config, `gmeta_ds.workloads`) builds the learner, tables and
+data and supplies each meta-step's micro-batches; this module starts the engine (resuming
+from a checkpoint when asked) and runs, per meta-step, each rank's GAS micro-batches (T
+tasks each): fused embedding lookup, inner loop per task, outer loss -> ``engine.backward``
+-> ``engine.step`` (DeepSpeed applies the update at the accumulation boundary, after
+averaging across ranks); then checkpoints, metrics, the workload's final save and scoring,
+and ``summary.json``.
 """
 from __future__ import annotations
 
@@ -14,91 +18,29 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from gmeta_ds import checkpoint
-from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
-from gmeta_ds.data.builder import TaskData, build_tasks
-from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
-from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
-from gmeta_ds.data.tasks import TaskBatch, single_fields
+from gmeta_ds.data.loader import padding_efficiency
+from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.ds_config import BatchPlan, zero_stage
-from gmeta_ds.engine import ds_engine
-from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import all_mean, collective_phase
-from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import LOSSES
-from gmeta_ds.models.melu import build_melu, melu_tables
 
 WEIGHTS_FILE = "model.safetensors"
+# Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
+# ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
+EMBEDDING_PREFIX = "net.embedding."
 # "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
 # its last micro-batch's backward, so its peers wait in DeepSpeed's gradient all-reduce;
 # "STEP:RANK:start": at the start of meta-step STEP (peers wait in our first collective). Tests only.
 FAULT_STOP_ENV = "GMETA_DS_FAULT_STOP_AT"
-
-
-def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
-    """The run's tasks (deterministic by seed: every rank builds the same ones): generated,
-    or built from an interaction log on disk (cached, data/builder.py)."""
-    if cfg.data.source == "synthetic":
-        return generate_synthetic(cfg.data.synthetic, cfg.seed)
-    return build_tasks(cfg.data, cfg.seed)
-
-
-def preflight(cfg: RunConfig, world_size: int) -> None:
-    """Checks that need the model's shape but no data or process group (run on every rank
-    before the first collective): the embedding plan and what ``meta.adapt`` matches."""
-    if cfg.data.source == "synthetic":
-        fields = synthetic_fields(cfg.data.synthetic)
-    else:
-        fields = build_data(cfg).fields  # cached after the first build
-    if cfg.embedding.sharding == "sharded":
-        embedding_plan(cfg, fields, world_size)
-    build_learner(cfg, fields, with_tables=False)
-
-
-def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearner:
-    """Model + algorithm, initialised from the run seed (identical on every rank). Without
-    tables when they are sharded outside the engine."""
-    torch.manual_seed(cfg.seed)
-    net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
-    # meta.vectorize: auto -- activations of one task's padded rows through the MLP, kept for
-    # every inner step and the outer pass (x3: values, gradients, second-order terms).
-    rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
-    width = len(fields) * cfg.model.embed_dim + sum(cfg.model.hidden)
-    per_task = rows * width * 4 * (cfg.meta.inner_steps + 1) * 3
-    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task))
-
-
-def label_kind(cfg: RunConfig) -> str:
-    """binary (clicks; synthetic data is always binary) or regression (ratings)."""
-    return "binary" if cfg.data.source == "synthetic" else cfg.data.label
-
-
-def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
-    """The sharding plan of the model's tables (``embedding.sharding: sharded``)."""
-    return plan_from_config(melu_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
-                            world_size)
-
-
-def build_sharded(cfg: RunConfig, fields, rank: int, world_size: int) -> ShardedEmbeddingCollection | None:
-    """This rank's shards, or None when tables are replicated inside the engine."""
-    if cfg.embedding.sharding != "sharded":
-        return None
-    return ShardedEmbeddingCollection(embedding_plan(cfg, fields, world_size), rank, cfg.seed,
-                                      cfg.embedding.bad_ids, cfg.embedding.dedup)
-
-
-def eval_inner_steps(cfg: RunConfig) -> int:
-    return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
 
 
 class MetricsLog:
@@ -236,7 +178,7 @@ def _who_is_nonfinite(finite: bool, batch: TaskBatch) -> list[tuple[int, list[in
 
 def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     """Bytes each rank sends per meta-step in a ring all-reduce of the gradients."""
-    grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    grad_bytes = sum(ds_internals.full_numel(p) * p.element_size() for p in module.parameters())
     return int(2 * (world - 1) / world * grad_bytes) if world > 1 else 0
 
 
@@ -247,20 +189,18 @@ def run_phase(cfg: RunConfig, phase: str):
                             checkpoint.checkpoint_root(cfg.output_dir) / checkpoint.LATEST)
 
 
-def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: BatchPlan, rank: int,
-               log: MetricsLog, resume: dict | None = None, ckpt_meta: dict | None = None) -> dict:
-    """Run meta-steps up to ``train.meta_steps`` (from a checkpoint's position when ``resume``
-    holds its manifest), logging to ``log`` and checkpointing every
-    ``train.checkpoint_every`` steps and at the end; returns the last record."""
-    lengths = task_lengths(data.train) if cfg.data.bucket_by_length else None
-    sampler = MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
-                               plan.world_size, rank, cfg.seed, lengths)
-    loader = TaskLoader(data.train, sampler, cfg.data.prefetch)
+def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: MetricsLog,
+               resume: dict | None = None, ckpt_meta: dict | None = None) -> dict:
+    """Run meta-steps up to ``train.meta_steps`` on ``meta`` (an `api.MetaEngine`) with this
+    rank's micro-batches from ``loader`` (from a checkpoint's position when ``resume`` holds
+    its manifest), logging to ``log`` and checkpointing every ``train.checkpoint_every``
+    steps and at the end; returns the last record."""
+    engine, sharded = meta.engine, meta.embeddings
     first = 0
     if resume is not None:
         loader.load_state_dict(resume["loader"])
         first = resume["step"]
-    fields = [f.name for f in single_fields(data.fields)]
+    meta.step = first
     comm = dense_allreduce_bytes(engine.module, plan.world_size)
     bar = tqdm(total=cfg.train.meta_steps, initial=first, disable=rank != 0 or not cfg.train.progress,
                desc="meta-train", unit="step")
@@ -271,7 +211,7 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
         for step in range(first, cfg.train.meta_steps):
             _fault_stop(f"{step + 1}:{rank}:start")
             with run_phase(cfg, f"meta-step {step + 1}"):
-                stats = meta_step(engine, sharded, fields, loader.next(), step, cfg.train.nonfinite)
+                stats = meta.meta_step(loader.next())
             if stats.skipped:
                 skipped += 1
                 if rank == 0:
@@ -311,78 +251,6 @@ def train_loop(cfg: RunConfig, engine, sharded, data: SyntheticData, plan: Batch
     return record
 
 
-def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
-    """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
-    predictions gathered on rank 0) and of the non-meta baseline (rank 0); with the four-state
-    split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
-    other ranks."""
-    kind = learner.algorithm.kind
-    held_out = data.valid if cfg.eval.split == "valid" else data.test
-    sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
-    scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
-    if rank != 0:
-        return {}
-    if cfg.eval.baseline:
-        baseline = build_learner(cfg, data.fields)
-        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
-                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
-        for name, tasks in sets.items():
-            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
-    result = {**scores.pop("test"), "split": cfg.eval.split}
-    if scores:
-        result["states"] = scores
-    return result
-
-
-def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
-    """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
-    lrs = learner.algorithm.learning_rates(learner)
-    mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
-                   np.arange(rank, len(tasks), world))
-    parts = [mine]
-    if world > 1:
-        parts = [None] * world if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-    if rank != 0:
-        return {}
-    if len(tasks) == 0:
-        return {"tasks": 0}
-    return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
-
-
-def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) -> dict:
-    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
-    if len(tasks) == 0:
-        return {}
-    fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
-    base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
-    out = {}
-    for name in HEADLINE[kind]:
-        out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
-        if cfg.eval.baseline_finetune:
-            out[f"baseline_finetune_{name}"] = base[name]
-    if kind == "binary":
-        out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
-    return out
-
-
-def full_state(module: torch.nn.Module, tables: dict) -> dict:
-    """The learner's state dict (gathered under ZeRO-3; collective then) with sharded tables
-    (gathered) under their unsharded names."""
-    state = ds_engine.full_state_dict(module)
-    state.update({f"net.embedding.weights.{name}": t for name, t in tables.items()})
-    return state
-
-
-def eval_learner(cfg: RunConfig, module: MetaLearner, data: SyntheticData, state: dict) -> MetaLearner:
-    """A single-process learner with unsharded tables holding ``state``."""
-    if module.net.embedding is not None and not ds_engine.is_partitioned(module):
-        return module
-    learner = build_learner(cfg, data.fields, with_tables=True)
-    learner.load_state_dict(state)
-    return learner
-
-
 def write_json(path: Path, data: dict) -> None:
     """Write JSON atomically: readers never see a half-written file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -390,11 +258,11 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields) -> dict:
+def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields: list[str]) -> dict:
     """What a checkpoint must match to load into this run: tables, fields, dense shapes."""
     tables = ({n: [p.table.num_rows, p.table.dim] for n, p in sharded.plan.tables.items()}
               if sharded is not None else {})
-    return {"tables": tables, "fields": [f.name for f in fields], "algorithm": cfg.meta.algorithm,
+    return {"tables": tables, "fields": list(fields), "algorithm": cfg.meta.algorithm,
             "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
 
 
@@ -412,7 +280,7 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
             # ZeRO partitions were cut for the old world size: go through DeepSpeed's
             # universal checkpoint, which loads at any data-parallel size.
             universal = checkpoint.to_universal(found, cfg.output_dir, manifest)
-            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+            ds_config = ds_internals.with_load_universal(ds_config)
     engine = ds_engine.initialize(learner, ds_config)
     resume = None
     if found is not None:
@@ -477,52 +345,52 @@ def resumed_from(resume: dict | None) -> dict | None:
             "world_size": resume["world_size"], "optimizer_restored": resume["optimizer_restored"]}
 
 
-def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int) -> dict:
-    """Meta-train, evaluate (rank 0) and write ``summary.json``; returns the summary."""
+def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=None,
+          prepared=None) -> dict:
+    """The one training loop of every workload (``task:``): build (the workload), start the
+    engine (resuming when asked), meta-train, gather, save and score (the workload), write
+    ``summary.json``; returns the summary (rank 0; {} elsewhere). ``prepared``: what the
+    workload's preflight returned (the CLI runs it before the first collective)."""
+    from gmeta_ds.api import MetaEngine
+    from gmeta_ds.workloads import get_workload
+
+    workload = workload or get_workload(cfg.task)
     start = time.perf_counter()
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = build_data(cfg)
-    sharded = build_sharded(cfg, data.fields, rank, plan.world_size)
-    learner = build_learner(cfg, data.fields, with_tables=sharded is None)
-    ckpt_meta = checkpoint_meta(cfg, learner, sharded, data.fields)
-    engine, resume, ds_config = start_engine(cfg, learner, ds_config, plan, sharded, ckpt_meta)
+    built = workload.build(cfg, rank, plan.world_size, prepared)
+    ckpt_meta = checkpoint_meta(cfg, built.learner, built.sharded, built.field_names)
+    engine, resume, ds_config = start_engine(cfg, built.learner, ds_config, plan, built.sharded, ckpt_meta)
+    meta = MetaEngine(engine, built.sharded, built.tables, plan, ds_config, rank, cfg.seed, cfg.train.nonfinite)
+    meta.fields = built.extra.get("lookup_fields", [])
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
-        last = train_loop(cfg, engine, sharded, data, plan, rank, log, resume, ckpt_meta)
+        last = train_loop(cfg, meta, workload.batches(cfg, built, plan, rank), plan, rank, log, resume,
+                          ckpt_meta)
     except BaseException:
         log.close()
         raise
     training_peak = vmhwm_mib()  # before the tables are gathered for saving
     with run_phase(cfg, "final gather"):
-        dense, embedding = ds_engine.checksums(engine.module)
-        tables = {}
-        if sharded is not None:
-            embedding = sharded.checksum()
-            tables = sharded.gather_tables(everywhere=cfg.eval.enabled)
-        state = full_state(engine.module, tables)
-    if rank == 0:
-        ds_engine.save_weights(state, out_dir / WEIGHTS_FILE)
-    evaluation = {}
-    if cfg.eval.enabled:
-        with run_phase(cfg, "evaluation"):
-            evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, data, state), data,
-                                        rank, plan.world_size)
+        dense, embedding = ds_engine.checksums(engine.module, EMBEDDING_PREFIX)
+        if built.sharded is not None:
+            embedding = built.sharded.checksum()
+    evaluation, extras = workload.finish(cfg, engine, built, rank, plan.world_size)
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
-    with run_phase(cfg, "final gather"):
+    with run_phase(cfg, "evaluation (waiting for rank 0)"):
         peak_rss = peak_rss_per_rank(training_peak)  # collective
     summary = {}
     if rank == 0:
-        summary = {"world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
+        summary = {"task": cfg.task, "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
                    "resumed_from": resumed_from(resume),
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation,
                    "vectorize": engine.module.algorithm.vectorize,
                    "batch": plan.describe(), "ds_config": ds_config,
-                   "config": config_to_dict(cfg), "elapsed_s": time.perf_counter() - start}
-        summary["peak_rss_mib_per_rank"] = peak_rss
+                   "config": config_to_dict(cfg), **extras,
+                   "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
         write_json(out_dir / "summary.json", summary)
     if dist.is_initialized():
         with run_phase(cfg, "evaluation (waiting for rank 0)"):

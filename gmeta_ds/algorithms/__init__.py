@@ -1,7 +1,7 @@
 """Meta-learning algorithms, one small file each, over the functional core.
 
-``ALGORITHMS`` maps ``meta.algorithm`` names to classes; `build_algorithm` builds one from a
-`MetaConfig`.
+``ALGORITHMS`` (the registry in ``gmeta_ds/registry.py``) maps ``meta.algorithm`` names to
+classes; `build_algorithm` builds one from a `MetaConfig`.
 """
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ from gmeta_ds.config import MetaConfig
 from gmeta_ds.ds_config import DEFAULT_MICRO_BATCH
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import choose_vectorize
-
-ALGORITHMS: dict[str, type[MetaAlgorithm]] = {
-    "maml": MAML, "fomaml": FOMAML, "reptile": Reptile, "metasgd": MetaSGD,
-}
+from gmeta_ds.registry import ALGORITHMS
 
 
 def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int = 0) -> MetaAlgorithm:
@@ -25,7 +22,7 @@ def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int =
     pass) times the tasks per micro-batch resolves ``meta.vectorize: auto``."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError([f"meta.algorithm: {cfg.algorithm!r} is not one of "
-                           f"{', '.join(ALGORITHMS)}"])
+                           f"{', '.join(ALGORITHMS.names())}"])
     tasks = cfg.tasks_per_micro_batch if isinstance(cfg.tasks_per_micro_batch, int) else DEFAULT_MICRO_BATCH
     vectorize = choose_vectorize(cfg.vectorize, bytes_per_task, tasks, cfg.vectorize_budget_mb)
     return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, vectorize, kind)

@@ -115,6 +115,19 @@ def embed_batch(lookup, batch: TaskBatch) -> tuple[Tensor, Tensor]:
     return rows[: t * s].reshape(t, s, width, -1), rows[t * s:].reshape(t, -1, width, rows.shape[-1])
 
 
+def embedder(net: nn.Module):
+    """The net's lookup ``(ids (N, F_single), multi) -> rows (N, F, d)``: its own ``embed``,
+    else its ``embedding`` collection (`EmbeddingCollection`) over its ``row_fields``."""
+    embed = getattr(net, "embed", None)
+    if embed is not None:
+        return embed
+    collection = getattr(net, "embedding", None)
+    if collection is None:
+        raise RuntimeError(f"{type(net).__name__} has no embedding tables (no `embed` method and no "
+                           "`embedding` collection): its tables are sharded, so pass looked-up rows")
+    return lambda ids, multi: collection.lookup_fields(ids, list(net.row_fields), multi)
+
+
 def concat_jagged(a: Jagged, b: Jagged) -> Jagged:
     """The bags of ``a`` followed by those of ``b``."""
     return Jagged(torch.cat([a.values, b.values]), torch.cat([a.offsets, b.offsets[1:] + a.offsets[-1]]))
@@ -171,7 +184,7 @@ class MetaLearner(nn.Module):
 
     def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:
         """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows)."""
-        rows_s, rows_q = rows if rows is not None else embed_batch(self.net.embed, batch)
+        rows_s, rows_q = rows if rows is not None else embed_batch(embedder(self.net), batch)
         theta, support, query = self.task_inputs(batch, rows_s, rows_q)
         return self.outer_loss(theta, support, query)
 

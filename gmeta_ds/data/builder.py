@@ -153,7 +153,13 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     cache = Path(cfg.cache_dir).expanduser() / f"tasks-{cache_key(cfg, seed)}.npz"
     if cache.is_file():
         return load_tasks(cache)
-    log = read_log(cfg)
+    data = tasks_from_log(read_log(cfg), cfg, seed)
+    save_tasks(cache, data)
+    return data
+
+
+def tasks_from_log(log: InteractionLog, cfg: DataConfig, seed: int) -> TaskData:
+    """Steps 2-5 of the module docstring on a log already read (not cached)."""
     if len(log) == 0:
         raise DataError(f"{log.source}: the log holds no interactions")
     stats: dict = {"source": log.source, "interactions_read": len(log)}
@@ -166,9 +172,7 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     masks = {"train": split_of_row == TRAIN, "valid": split_of_row == VALID, "test": split_of_row == TEST}
     if cfg.four_state:
         masks = _four_states(log, cfg, rows, masks)
-    data = _encode_split(log, cfg, rows, task_of_row, masks, stats)
-    save_tasks(cache, data)
-    return data
+    return _encode_split(log, cfg, rows, task_of_row, masks, stats)
 
 
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")

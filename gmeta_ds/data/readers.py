@@ -439,16 +439,19 @@ def read_table(path: str | Path, schema: LogSchema, fmt: str = "auto", sep: str 
     return _to_log(table, schema, f"{fmt} table at {path}")
 
 
-READERS: dict[str, Callable[..., InteractionLog]] = {
-    "movielens-100k": read_movielens_100k,
-    "movielens-1m": read_movielens_1m,
-    "recbole": read_recbole,
-    "table": read_table,
-}
+def log_from_frame(frame: pd.DataFrame, schema: LogSchema, source: str = "in-memory table") -> InteractionLog:
+    """An `InteractionLog` from rows already in memory (a pandas DataFrame), with the same
+    checks and typing as the file readers; errors name ``source`` and the row."""
+    table = _Table(Path(source), frame.reset_index(drop=True), first_line=None)
+    return _to_log(table, schema, source)
 
 
 def get_reader(name: str) -> Callable[..., InteractionLog]:
-    """``READERS[name]``, or a `ValueError` listing the valid names."""
-    if name not in READERS:
-        raise ValueError(f"unknown reader {name!r}; valid readers: {', '.join(READERS)}")
-    return READERS[name]
+    """The reader of data source ``name`` (``gmeta_ds.registry.DATA_SOURCES``: a file reader,
+    not the synthetic generator), or a `ValueError` listing the valid names."""
+    from gmeta_ds.registry import DATA_SOURCES
+
+    readers = [n for n in DATA_SOURCES.names() if n != "synthetic"]
+    if name not in readers:
+        raise ValueError(f"unknown reader {name!r}; valid readers: {', '.join(readers)}")
+    return DATA_SOURCES[name]

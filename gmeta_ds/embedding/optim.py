@@ -40,12 +40,11 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
 def build_sparse_optimizer(name: str, param: nn.Parameter, lr: float) -> torch.optim.Optimizer:
     """The optimizer ``name`` (sgd | adagrad | rowwise_adagrad | adam) over one table shard."""
-    if name == "sgd":
-        return torch.optim.SGD([param], lr=lr)
-    if name == "adagrad":
-        return torch.optim.Adagrad([param], lr=lr)
-    if name == "rowwise_adagrad":
-        return RowWiseAdagrad([param], lr=lr)
-    if name == "adam":
-        return torch.optim.SparseAdam([param], lr=lr)
-    raise ValueError(f"embedding optimizer {name!r} is not one of sgd, adagrad, rowwise_adagrad, adam")
+    # torch's sparse optimizers build COO tensors and warn unless invariant checks are chosen
+    # explicitly: keep torch's default (off: the indices come from our own lookups).
+    torch.sparse.check_sparse_tensor_invariants.disable()
+    from gmeta_ds.registry import SPARSE_OPTIMIZERS
+
+    if name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"embedding optimizer {name!r} is not one of {', '.join(SPARSE_OPTIMIZERS.names())}")
+    return SPARSE_OPTIMIZERS[name]([param], lr=lr)

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from gmeta_ds.embedding.tables import TableConfig
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.registry import PLANS
 
-KINDS = ("row_wise", "table_wise", "replicated")
+KINDS = PLANS.names()  # row_wise, table_wise, replicated (the registry is the source)
 # Optimizer state per row, in floats per embedding dimension (row-wise Adagrad: one per row).
 STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gmeta_ds.engine import ds_internals
 from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
 
@@ -198,15 +199,9 @@ def skip_deepspeed_shm_op() -> bool:
     Left alone it costs a C++ build at start-up (gcc needed; rebuilt whenever launchers
     differ in environment: ~40 s at 2 cores), 66 MB of RAM per rank in /dev/shm that
     DeepSpeed never frees, and a busy-wait for peers' buffers that never appear across hosts.
-    Returns False where this DeepSpeed has no such hook (then `unlink_shm_buffers` cleans up)."""
-    import importlib
-
-    # Not ``import deepspeed.comm.torch``: deepspeed.comm's attribute ``torch`` is torch itself.
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
-    if not hasattr(ds_torch, "build_shm_op") or not hasattr(ds_torch, "TorchBackend"):
-        return False
-    ds_torch.build_shm_op = lambda: None
-    return True
+    Returns False where this DeepSpeed has no such hook (then `unlink_shm_buffers` cleans up).
+    A DeepSpeed internal: `ds_internals.skip_shm_op`."""
+    return ds_internals.skip_shm_op()
 
 
 def unlink_shm_buffers() -> list[Path]:
@@ -216,7 +211,7 @@ def unlink_shm_buffers() -> list[Path]:
     so the mappings stay valid while the names go; returns the files removed."""
     dist.barrier()
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    path = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}")
+    path = ds_internals.shm_buffer_path(dist.get_rank(), addr, port)  # DeepSpeed's own name for it
     if path.exists():
         path.unlink(missing_ok=True)
         return [path]

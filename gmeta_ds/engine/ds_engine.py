@@ -4,7 +4,8 @@ DeepSpeed owns the dense `MetaLearner` only: its optimizer state (and gradients 
 is partitioned across ranks; gradient accumulation over micro-batches and the averaged
 reduction across ranks are DeepSpeed's. The outer loss of each micro-batch goes through
 ``engine.backward`` — never a plain ``.backward()`` — so its scaling (1/GAS, mean over
-ranks, loss scaling in fp16) is DeepSpeed's.
+ranks, loss scaling in fp16) is DeepSpeed's. DeepSpeed's internals (private or undocumented
+APIs) are reached only through `ds_internals`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from gmeta_ds.ds_config import zero_stage
+from gmeta_ds.engine import ds_internals
 
 
 def check_device_support(ds_config: dict, source: str = "deepspeed") -> None:
@@ -37,14 +39,12 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
     The batch keys are re-expressed for one rank (the world size was checked already)."""
     import math
 
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
-
     from gmeta_ds.errors import ConfigError
 
     one_rank = {**ds_config, "train_batch_size": ds_config["train_micro_batch_size_per_gpu"]
                 * ds_config["gradient_accumulation_steps"]}
     try:
-        DeepSpeedConfig(one_rank)
+        ds_internals.parse_ds_config(one_rank)
     except Exception as exc:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic" not in ln]
         raise ConfigError([f"deepspeed: DeepSpeed rejects the config: {' | '.join(lines[:4])}"],
@@ -55,9 +55,9 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
     if not name:
         problems.append("deepspeed.optimizer: missing (or without 'type'); gmeta_ds gives DeepSpeed no "
                         "optimizer of its own, e.g. {type: Adam, params: {lr: auto}}")
-    elif name.lower() not in DEEPSPEED_OPTIMIZERS and getattr(torch.optim, name, None) is None:
+    elif name.lower() not in ds_internals.optimizer_names() and getattr(torch.optim, name, None) is None:
         problems.append(f"deepspeed.optimizer.type: {name!r} is neither a DeepSpeed optimizer "
-                        f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one in torch.optim")
+                        f"({', '.join(ds_internals.optimizer_names())}) nor one in torch.optim")
     lr = optimizer.get("params", {}).get("lr") if name else None
     number = isinstance(lr, (int, float)) and not isinstance(lr, bool)
     if name and not (number and math.isfinite(lr) and lr >= 0):
@@ -69,43 +69,76 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
         raise ConfigError(problems, source)
 
 
+# Optimizer params DeepSpeed itself consumes before building its Adam (engine.py,
+# ``_configure_basic_optimizer`` / ``get_optimizer_configuration``), in addition to those
+# of ``torch.optim.AdamW.__init__``.
+_DEEPSPEED_ADAM_KEYS = frozenset({"adam_w_mode", "torch_adam", "fp32_optimizer_states"})
+
+
+def uses_offload_optimizer(ds_config: dict) -> bool:
+    """Whether ZeRO keeps the optimizer state on the host (``offload_optimizer`` on cpu or
+    nvme, or the deprecated ``cpu_offload``), read with DeepSpeed's own ZeRO config model,
+    as ``DeepSpeedEngine.zero_use_cpu_optimizer`` does."""
+    return ds_internals.offloads_optimizer(ds_config)
+
+
+def with_torch_adam(ds_config: dict) -> dict:
+    """``ds_config`` with ``optimizer.params.torch_adam: true`` where DeepSpeed would otherwise
+    JIT-build an Adam op it does not need (a copy; the input is left as it is).
+
+    For ``Adam`` / ``AdamW`` without optimizer offload, DeepSpeed builds ``FusedAdam``, whose
+    C++ (CPU accelerator) or CUDA op it JIT-compiles with the host compiler on a machine's
+    first run, ~1-2 min at 2 cores, and again whenever ``PATH`` differs from the last build's.
+    With ``torch_adam`` DeepSpeed builds ``torch.optim.AdamW`` (``torch.optim.Adam`` only for
+    ``Adam`` with ``adam_w_mode: false``) from the same params instead, the same update rule
+    (decoupled weight decay, betas, eps), still created, wrapped (ZeRO 1-3, bf16/fp16) and
+    checkpointed by DeepSpeed, so ``save_checkpoint`` / ``load_checkpoint`` and universal
+    checkpoints hold the same exp_avg / exp_avg_sq state. Left alone: an explicit
+    ``torch_adam`` (``false`` asks for FusedAdam), other optimizer types, params torch's AdamW
+    does not take (e.g. ``bias_correction``), and optimizer offload, whose host-side step
+    is DeepSpeed's CPU Adam (``DeepSpeedCPUAdam``, the vectorised ``cpu_adam`` op, built on
+    first use), which ZeRO-Offload's host-side update is made for."""
+    import copy
+    import inspect
+
+    optimizer = ds_config.get("optimizer")
+    if not isinstance(optimizer, dict) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return ds_config
+    params = optimizer.get("params") or {}
+    accepted = set(inspect.signature(torch.optim.AdamW.__init__).parameters) - {"self", "params"}
+    if "torch_adam" in params or set(params) - accepted - _DEEPSPEED_ADAM_KEYS or uses_offload_optimizer(ds_config):
+        return ds_config
+    ds_config = copy.deepcopy(ds_config)
+    ds_config["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return ds_config
+
+
 def initialize(module: nn.Module, ds_config: dict):
     """``deepspeed.initialize`` on the dense module; returns the engine.
+
+    The optimizer is torch's AdamW unless the config offloads it (`with_torch_adam`): a first
+    run on a fresh machine compiles no DeepSpeed op (the CPU backend's shared-memory op is
+    skipped in `gmeta_ds.engine.dist.skip_deepspeed_shm_op`).
 
     ZeRO-3 partitions the parameters themselves: the module first keeps a hook-free skeleton
     of itself (`MetaLearner.prepare_zero3`) and every micro-step runs inside `gathered`."""
     import deepspeed
 
+    ds_config = with_torch_adam(ds_config)
     if zero_stage(ds_config) == 3:
         module.prepare_zero3()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                            config=ds_config)
     if zero_stage(ds_config) == 3:
-        _remove_zero3_module_hooks(engine)
+        ds_internals.remove_zero3_module_hooks(engine)
     return engine
-
-
-def _remove_zero3_module_hooks(engine) -> None:
-    """ZeRO-3 fetches and releases each submodule's parameters from module hooks, and wraps
-    the module's tensor inputs (e.g. sharded embedding rows) in backward hooks. The learner
-    runs its skeleton on parameters gathered for the whole micro-step instead, so those hooks
-    would only release parameters a second-order graph still holds: remove them."""
-    offload = getattr(engine.optimizer, "parameter_offload", None)
-    remove = getattr(offload, "_remove_module_hooks", None)
-    if remove is None:
-        import deepspeed
-
-        raise RuntimeError(f"ZeRO-3 with deepspeed {deepspeed.__version__}: the engine has no "
-                           "parameter_offload._remove_module_hooks; use ZeRO-2 "
-                           "(ds_configs/zero2.json) or the DeepSpeed version gmeta_ds was tested with")
-    remove()
 
 
 def is_partitioned(module: nn.Module) -> bool:
     """Whether ZeRO-3 partitions this module's parameters (it partitions all of them, so the
     first one tells; checked on every micro-step)."""
     first = next(iter(module.parameters()), None)
-    return first is not None and hasattr(first, "ds_id")
+    return first is not None and ds_internals.is_zero3_param(first)
 
 
 @contextlib.contextmanager
@@ -146,16 +179,18 @@ def full_state_dict(module: nn.Module) -> dict:
 
 def numel(module: nn.Module) -> int:
     """Parameter count of a module, also when ZeRO-3 has partitioned it."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    return sum(ds_internals.full_numel(p) for p in module.parameters())
 
 
-def checksums(module: nn.Module, embedding_prefix: str = "net.embedding.") -> tuple[float, float]:
-    """(dense, embedding) float64 sums over all parameters of the (replicated) module."""
+def checksums(module: nn.Module, embedding_prefix: str | None = None) -> tuple[float, float]:
+    """(dense, embedding) float64 sums over all parameters of the (replicated) module; the
+    embedding sum is over the parameters named ``embedding_prefix...`` (the caller's model
+    tells where its tables are; None: no embedding parameters, all are dense)."""
     dense = embedding = 0.0
     with gathered(module):
         for name, p in module.named_parameters():
             value = p.detach().double().sum().item()
-            if name.startswith(embedding_prefix):
+            if embedding_prefix and name.startswith(embedding_prefix):
                 embedding += value
             else:
                 dense += value

@@ -7,14 +7,15 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
     "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
-    "gmeta_ds.plots": 0,
+    "gmeta_ds.plots": 0, "gmeta_ds.registry": 0,
     "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3,
     "gmeta_ds.algorithms": 2,
     "gmeta_ds.engine": 3,
     "gmeta_ds.metrics": 1,
-    "gmeta_ds.text": 1, "gmeta_ds.text.model": 2, "gmeta_ds.text.train": 5,
+    "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
     "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5,
+    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gmeta_ds.data.readers import (MISSING, ML100K_GENRES, READERS, DataError, InteractionLog,
+from gmeta_ds.data.readers import (MISSING, ML100K_GENRES, DataError, InteractionLog,
                                    LogSchema, get_reader, read_movielens_1m, read_movielens_100k,
                                    read_recbole, read_table)
 
@@ -355,8 +355,9 @@ def test_bad_genre_flag_and_bad_release_date(tmp_path):
 
 # ---------------------------------------------------------------- registry
 def test_registry_names_and_unknown_reader():
-    assert READERS["movielens-100k"] is read_movielens_100k and READERS["table"] is read_table
-    assert set(READERS) == {"movielens-100k", "movielens-1m", "recbole", "table"}
+    assert get_reader("movielens-100k") is read_movielens_100k and get_reader("table") is read_table
+    with pytest.raises(ValueError, match="valid readers: movielens-100k, movielens-1m, recbole, table$"):
+        get_reader("synthetic")  # a data source, not a file reader
     assert get_reader("recbole") is read_recbole
     with pytest.raises(ValueError, match="unknown reader 'ml'; valid readers: movielens-100k"):
         get_reader("ml")

@@ -1,35 +1,29 @@
-"""Meta-training a Hugging Face sequence classifier on few-shot episodes (``task: text``).
+"""The text workload (``task: text``): a Hugging Face sequence classifier meta-trained on
+few-shot episodes, through the same training loop as every workload (`trainer.train`).
 
-Same engine contract as the CTR trainer: per meta-step each rank runs its GAS micro-batches
-of T episodes through `trainer.meta_step` (``engine.backward`` / ``engine.step``; ZeRO-3
-micro-steps on gathered parameters). Episode ``i`` is a pure function of (seed, i), and
-meta-step ``s`` uses the global episodes ``s*B .. s*B + B-1`` split in order over
+Episode ``i`` is a pure function of (seed, i), and meta-step ``s`` uses the global episodes ``s*B .. s*B + B-1`` split in order over
 (rank, micro-batch), so the same global batch trains the same model at any world size.
 Evaluation (rank 0): held-out classes, unseen in training; the meta-learned initialisation
 adapted on each episode's support vs. the same architecture fine-tuned from scratch.
 """
 from __future__ import annotations
 
-import time
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
-from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import build_algorithm
-from gmeta_ds.config import RunConfig, config_to_dict
-from gmeta_ds.ds_config import BatchPlan
+from gmeta_ds.config import RunConfig
+from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.engine import ds_engine
-from gmeta_ds.engine.dist import all_mean
 from gmeta_ds.functional.inner import masked_cross_entropy
 from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
-from gmeta_ds.trainer import (MetricsLog, checkpoint_meta, meta_step, peak_rss_per_rank, resumed_from,
-                              run_phase, start_engine, vmhwm_mib, write_json)
+from gmeta_ds.trainer import run_phase
+from gmeta_ds.workloads.base import Built, Workload
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer
 
@@ -54,39 +48,6 @@ def episode_numbers(step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
     t, gas = plan.tasks_per_micro_batch, plan.grad_accum_steps
     base = step * plan.tasks_per_meta_step
     return [[base + (rank * gas + m) * t + i for i in range(t)] for m in range(gas)]
-
-
-def _loop(cfg: RunConfig, engine, tasks: TextTasks, plan: BatchPlan, rank: int, log: MetricsLog,
-          first: int, ckpt_meta: dict) -> dict:
-    record, start, steps = {}, time.perf_counter(), 0
-    bar = tqdm(total=cfg.train.meta_steps, initial=first, disable=rank != 0 or not cfg.train.progress,
-               desc="meta-train", unit="step")
-    every = cfg.train.checkpoint_every
-    try:
-        for step in range(first, cfg.train.meta_steps):
-            batches = [tasks.episodes("train", ids) for ids in episode_numbers(step, plan, rank)]
-            with run_phase(cfg, f"meta-step {step + 1}"):
-                stats = meta_step(engine, None, [], batches, step, cfg.train.nonfinite)
-            steps += 0 if stats.skipped else 1
-            last = step + 1 == cfg.train.meta_steps
-            if every and ((step + 1) % every == 0 or last):
-                with run_phase(cfg, f"checkpoint save at step {step + 1}"):
-                    checkpoint.save(engine, None, {"episodes": "by meta-step"}, step + 1, cfg.output_dir,
-                                    cfg.train.keep_last, ckpt_meta)
-            if (step + 1) % cfg.train.log_every == 0 or last:
-                with run_phase(cfg, f"meta-step {step + 1}"):
-                    query, support = all_mean([stats.query_loss, stats.support_loss])
-                elapsed = time.perf_counter() - start
-                record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
-                          "query_loss": query, "support_loss": support,
-                          "tasks_per_s": steps * plan.tasks_per_meta_step / elapsed}
-                log.write(record)
-                bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
-                start, steps = time.perf_counter(), 0
-            bar.update(1)
-    finally:
-        bar.close()
-    return record
 
 
 def adapted_accuracy(learner: TextMetaLearner, batch: TextEpisodes, steps: int) -> tuple[float, float]:
@@ -159,49 +120,95 @@ def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTas
     return result
 
 
-def train_text(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, built=None) -> dict:
-    """Meta-train, save the classifier (``OUTPUT_DIR/model``, Hugging Face format), evaluate
-    on held-out classes (rank 0) and write ``summary.json``; returns the summary. ``built``:
-    what `build` returned (the CLI builds before the first collective, to fail early)."""
-    start = time.perf_counter()
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, tasks, learner = built or build(cfg)
-    ckpt_meta = checkpoint_meta(cfg, learner, None, [])
-    engine, resume, ds_config = start_engine(cfg, learner, ds_config, plan, None, ckpt_meta)
-    log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
-    try:
-        last = _loop(cfg, engine, tasks, plan, rank, log, resume["step"] if resume else 0, ckpt_meta)
-    except BaseException:
-        log.close()
-        raise
-    training_peak = vmhwm_mib()
-    with run_phase(cfg, "final gather"):
-        dense, _ = ds_engine.checksums(engine.module)
-        state = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
-        peak_rss = peak_rss_per_rank(training_peak)  # collective
-    summary = {}
-    if rank == 0:
+class EpisodeLoader:
+    """This rank's micro-batches of episodes, meta-step by meta-step (`episode_numbers`)."""
+
+    def __init__(self, tasks: TextTasks, plan: BatchPlan, rank: int):
+        self.tasks, self.plan, self.rank = tasks, plan, rank
+        self.next_step = 0
+
+    def next(self) -> list[TextEpisodes]:
+        step, self.next_step = self.next_step, self.next_step + 1
+        return [self.tasks.episodes("train", ids) for ids in episode_numbers(step, self.plan, self.rank)]
+
+    def state_dict(self) -> dict:
+        return {"episodes": "by meta-step", "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+
+    def close(self) -> None:
+        """Nothing to release: episodes are made on demand."""
+
+
+class TextWorkload(Workload):
+    name = "text"
+    noun = "episodes"
+
+    def preflight(self, cfg: RunConfig, world_size: int):
+        return build(cfg)  # tokenizer, episodes and learner: every rank, before any collective
+
+    def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
+        tokenizer, tasks, learner = prepared or build(cfg)
+        return Built(learner, tasks, extra={"tokenizer": tokenizer})
+
+    def batches(self, cfg: RunConfig, built: Built, plan: BatchPlan, rank: int) -> EpisodeLoader:
+        return EpisodeLoader(built.data, plan, rank)
+
+    def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
+        """Rank 0 saves the classifier (``OUTPUT_DIR/model``, save_pretrained) and scores it on
+        held-out classes; the other ranks wait in the loop's final barrier."""
+        with run_phase(cfg, "final gather"):
+            state = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
+        if rank != 0:
+            return {}, {}
+        tokenizer, tasks = built.extra["tokenizer"], built.data
+        out_dir = Path(cfg.output_dir)
         final = build_learner(cfg, tokenizer)  # a plain float32 copy for saving and evaluation
         final.load_state_dict({k: v.float() for k, v in state.items()})
         final.to(engine.device)
         final.net.model.save_pretrained(str(out_dir / MODEL_DIR))
         tokenizer.save_pretrained(str(out_dir / MODEL_DIR))
-        initial = build_learner(cfg, tokenizer).to(engine.device) if cfg.eval.enabled and cfg.eval.baseline else None
+        initial = (build_learner(cfg, tokenizer).to(engine.device)
+                   if cfg.eval.enabled and cfg.eval.baseline else None)
         evaluation = evaluate(cfg, final, tokenizer, tasks, initial) if cfg.eval.enabled else {}
-        log.write_eval(evaluation, cfg.train.meta_steps)
-        summary = {"task": "text", "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
-                   "resumed_from": resumed_from(resume),
-                   "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
-                   "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
-                   "embedding_checksum": 0.0, "eval": evaluation, "data": tasks.describe(),
-                   "vectorize": learner.algorithm.vectorize,
-                   "parameters": ds_engine.numel(engine.module), "batch": plan.describe(),
-                   "ds_config": ds_config, "config": config_to_dict(cfg),
-                   "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
-        write_json(out_dir / "summary.json", summary)
-    log.close()
-    if dist.is_initialized():
-        with run_phase(cfg, "evaluation (waiting for rank 0)"):
-            dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
-    return summary
+        return evaluation, {"data": tasks.describe(), "parameters": ds_engine.numel(engine.module)}
+
+    def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
+        """Held-out-class accuracy of a saved classifier (default: OUTPUT_DIR/model)."""
+        folder = weights or str(Path(cfg.output_dir) / MODEL_DIR)
+        model_cfg = dataclasses.replace(cfg.text.model, pretrained=folder, tokenizer=folder)
+        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, model=model_cfg))
+        tokenizer, tasks, learner = build(cfg)
+        return evaluate(cfg, learner, tokenizer, tasks)
+
+    def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
+        _, tasks, learner = build(cfg)
+        n_params = sum(p.numel() for p in learner.parameters())
+        dense = dense_state_bytes(ds_config, n_params, plan.world_size)
+        return [f"data: {tasks.describe()}",
+                f"model: {type(learner.net.model).__name__}, {n_params} parameters; adapted in the inner "
+                f"loop: {len(learner.adapted)} tensors ({', '.join(learner.adapted[:6])}"
+                f"{', ...' if len(learner.adapted) > 6 else ''}); tasks run "
+                f"{'vectorized (vmap)' if learner.algorithm.vectorize else 'one by one (loop)'}",
+                f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {plan.world_size} rank(s)): "
+                f"parameters {size_text(dense['params'])}, gradients {size_text(dense['grads'])}, "
+                f"optimizer {size_text(dense['optimizer'])}"]
+
+    def report(self, summary: dict, output_dir) -> list[str]:
+        ev = summary.get("eval", {})
+        lines = [f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} episodes on "
+                 f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
+                 f"{summary['final_query_loss']:.4f}"]
+        if ev:
+            parts = [f"meta-learned + adaptation {ev['accuracy']:.4f}",
+                     f"without adaptation {ev['accuracy_no_adapt']:.4f}"]
+            if "baseline_scratch_accuracy" in ev:
+                parts.append(f"from scratch: {ev['baseline_scratch_steps']} Adam steps "
+                             f"{ev['baseline_scratch_accuracy']:.4f}")
+            if "baseline_scratch_inner_loop_accuracy" in ev:
+                parts.append(f"from scratch, the same inner loop {ev['baseline_scratch_inner_loop_accuracy']:.4f}")
+            parts.append(f"chance {ev['chance']:.4f}")
+            lines.append(f"held-out classes, {ev['ways']}-way {ev['shots']}-shot accuracy: " + " | ".join(parts))
+        lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {MODEL_DIR}/ (save_pretrained)")
+        return lines

@@ -1,0 +1,344 @@
+"""The public Python API: meta-train your own model on your own tasks, on DeepSpeed.
+
+Four calls, mirroring what users already know (``deepspeed.initialize``, learn2learn's
+``MAML(model)``, TorchRec's table configs)::
+
+    import gmeta_ds as gm
+
+    data = gm.build_tasks(frame, task_key="user", item_key="item", label="click")  # tasks
+    tables = gm.tables_for(data.fields, dim=16)                                    # tables
+    learner = gm.meta_learner(model, "maml", inner_steps=2, adapt=["head.*"])      # algorithm
+    engine = gm.initialize(learner, "ds_configs/zero2.json", tables=tables,
+                           tasks_per_micro_batch=8, tasks_per_meta_step=32)        # DeepSpeed
+    for step in range(100):
+        stats = engine.meta_step(engine.batches(data.train, step))
+    print(engine.evaluate(data.test))
+
+The model contract (see ``docs/api.md``): ``model(rows)`` maps looked-up embedding rows
+``(N, F, d)`` (the single-hot fields in ``row_fields`` order, then the multi-hot ones) to one
+logit per row ``(N,)`` (``(N, C)`` for ``loss="multiclass"``); ``model.row_fields`` names the
+single-hot fields in the order of the tasks' id columns. The tables live outside the model:
+sharded over the ranks (row-wise, table-wise or replicated, all-to-all lookups) or, with
+``sharding="dense"``, replicated inside the DeepSpeed module and trained with it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gmeta_ds import checkpoint
+from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
+from gmeta_ds.config import RunConfig, config_from_dict
+from gmeta_ds.data.builder import TaskData, tasks_from_log
+from gmeta_ds.data.readers import LogSchema, log_from_frame, read_table
+from gmeta_ds.data.sampler import MetaBatchSampler
+from gmeta_ds.data.tasks import FieldSpec, TaskBatch, TaskSet, collate, model_field_order, single_fields
+from gmeta_ds.ds_config import BatchPlan, resolve_ds_config, zero_stage
+from gmeta_ds.embedding.plan import plan_tables
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.engine import ds_engine, ds_internals
+from gmeta_ds.engine.dist import init_process_group
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.evaluation import predict, score
+from gmeta_ds.functional.inner import LOSSES
+
+
+# ---------------------------------------------------------------------------- tasks
+def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
+                timestamp: str | None = None, user_features: Iterable[str] = (),
+                item_features: Iterable[str] = (), multi_hot: dict[str, str] | None = None,
+                seed: int = 0, **options) -> TaskData:
+    """Cold-start tasks (one per ``task_key`` value) from an interaction log.
+
+    ``source``: a CSV / Parquet path, a pandas DataFrame, a pyarrow Table, a Hugging Face
+    ``datasets.Dataset`` or a dict of equal-length arrays, one row per interaction.
+    ``multi_hot``: column -> separator of its values in a string cell (list cells are taken
+    as they are). ``options``: any ``data.*`` key of the run config (``label`` is the label
+    kind there: pass ``label_kind=``; ``query_size``, ``min_interactions``, ``threshold``,
+    ``test_fraction``, ``split``...). Vocabularies come from the training tasks only (id 0
+    is out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
+    ``stats``), the same at every rank for the same seed."""
+    if "label_kind" in options:
+        options["label"] = options.pop("label_kind")
+    where = str(source) if isinstance(source, (str, Path)) else f"<{type(source).__name__}>"
+    data_cfg = config_from_dict({"data": {"source": "table", "path": where, **options}},
+                                "gmeta_ds.build_tasks").data
+    multi = dict(multi_hot or {})
+    schema = LogSchema(task_key, item_key, label, timestamp, list(user_features), list(item_features), multi)
+    if isinstance(source, (str, Path)):
+        log = read_table(source, schema, data_cfg.format, data_cfg.sep)
+    else:
+        log = log_from_frame(_as_frame(source, schema), schema, f"{type(source).__name__} passed to build_tasks")
+    return tasks_from_log(log, data_cfg, seed)
+
+
+def _as_frame(source: Any, schema: LogSchema):
+    import pandas as pd
+
+    if isinstance(source, pd.DataFrame):
+        frame = source
+    elif hasattr(source, "to_pandas"):  # pyarrow.Table, datasets.Dataset
+        frame = source.to_pandas()
+    elif isinstance(source, dict):
+        frame = pd.DataFrame({k: list(v) if np.ndim(v) != 1 else v for k, v in source.items()})
+    else:
+        raise ConfigError([f"build_tasks: source of type {type(source).__name__} is not a path, a "
+                           "pandas DataFrame, a pyarrow Table, a datasets.Dataset or a dict of arrays"])
+    frame = frame.copy()
+    for column in schema.multi_hot:  # list cells -> joined strings, split again by the reader
+        if column in frame and len(frame) and not isinstance(frame[column].iloc[0], str):
+            sep = schema.multi_hot[column]
+            frame[column] = [sep.join(map(str, v)) for v in frame[column]]
+    return frame
+
+
+def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr: float = 0.05,
+               init_std: float = 0.05) -> list[TableConfig]:
+    """One embedding table per field (named after it): single-hot fields sum their one row,
+    multi-hot fields mean-pool their bag; ``optimizer``: the sparse row optimizer (sgd,
+    adagrad, rowwise_adagrad, adam)."""
+    return [TableConfig(f.name, f.num_ids, dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
+                        init_std=init_std, optimizer=optimizer, lr=lr) for f in fields]
+
+
+# ---------------------------------------------------------------------------- learner
+def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, inner_steps: int = 1,
+                 inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] = ("mlp.*",),
+                 loss: str = "binary", vectorize: bool = True) -> MetaLearner:
+    """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
+    ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
+    algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
+
+    ``adapt``: globs over the model's parameter names (``"head.*"``), parameters of the
+    model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field.
+    ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass."""
+    if loss not in LOSSES:
+        raise ConfigError([f"loss: {loss!r} is not one of {', '.join(LOSSES)}"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    patterns = []
+    for item in adapt:
+        if isinstance(item, nn.Parameter):
+            if id(item) not in names:
+                raise ConfigError(["adapt: a parameter passed is not one of the model's parameters"])
+            patterns.append(names[id(item)])
+        else:
+            patterns.append(str(item))
+    if isinstance(algorithm, MetaAlgorithm):
+        algo = algorithm
+    else:
+        if algorithm not in ALGORITHMS:
+            raise ConfigError([f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"])
+        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss)
+    return MetaLearner(model, algo)
+
+
+# ---------------------------------------------------------------------------- engine
+@dataclass
+class StepResult:
+    """One meta-step on this rank: mean query / support loss over its micro-batches
+    (``nan`` when ``skipped``: a non-finite loss with ``nonfinite="skip"``)."""
+
+    query_loss: float
+    support_loss: float
+    skipped: bool
+    padding_efficiency: float = 1.0  # real rows / padded rows of the micro-batches
+
+
+class MetaEngine:
+    """A meta-learner on a DeepSpeed engine with its embedding tables; made by `initialize`.
+
+    ``engine``: the DeepSpeed engine (its ``module`` is the `MetaLearner`); ``embeddings``:
+    this rank's `ShardedEmbeddingCollection` (None with ``sharding="dense"``); ``plan``: the
+    `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``."""
+
+    def __init__(self, engine, embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig],
+                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = "abort"):
+        self.engine, self.embeddings, self.tables = engine, embeddings, tables
+        self.plan, self.ds_config, self.rank, self.seed = plan, ds_config, rank, seed
+        self.nonfinite = nonfinite
+        self.fields = list(getattr(engine.module.net, "row_fields", []))
+        self.step = 0  # meta-steps done (restored by `resume`)
+
+    @property
+    def learner(self) -> MetaLearner:
+        return self.engine.module
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = True) -> list[TaskBatch]:
+        """This rank's micro-batches of meta-step ``step``: the global batch of
+        ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
+        permutation per epoch), split over (micro-batch, rank)."""
+        from gmeta_ds.data.loader import task_lengths
+
+        lengths = task_lengths(tasks) if bucket_by_length else None
+        sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
+                                   self.plan.world_size, self.rank, self.seed, lengths)
+        return [collate(tasks, ids) for ids in sampler.micro_batches(step)]
+
+    def meta_step(self, batches: list[TaskBatch]) -> StepResult:
+        """One outer step on this rank's micro-batches (collective): fused lookups of support
+        and query rows, inner loops, ``engine.backward`` of each outer loss, DeepSpeed's step
+        (averaged over ranks and micro-batches) and the sparse row optimizers' step."""
+        from gmeta_ds.trainer import meta_step
+
+        if len(batches) != self.plan.grad_accum_steps:
+            raise ValueError(f"meta_step: got {len(batches)} micro-batches, expected "
+                             f"{self.plan.grad_accum_steps} (gradient_accumulation_steps) per rank")
+        stats = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
+        self.step += 1
+        return StepResult(stats.query_loss, stats.support_loss, stats.skipped, stats.padding_efficiency)
+
+    # ------------------------------------------------------------------ weights
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight of the learner in full (gathered under ZeRO-3), sharded tables under
+        ``net.embedding.weights.<table>``; collective."""
+        state = ds_engine.full_state_dict(self.learner)
+        if self.embeddings is not None:
+            for name, rows in self.embeddings.gather_tables(everywhere=True).items():
+                state[f"net.embedding.weights.{name}"] = rows
+        return state
+
+    def save_weights(self, path: str | Path) -> Path | None:
+        """`state_dict` as safetensors, written by rank 0 (collective; None on other ranks)."""
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return ds_engine.save_weights(state, path)
+
+    def single_process_learner(self, state: dict | None = None) -> MetaLearner:
+        """A plain copy of the learner holding every weight (its tables inside the model, as
+        ``model.embedding``): for evaluation, serving or export. Collective without ``state``."""
+        state = self.state_dict() if state is None else state
+        template = self.learner.__dict__.get("_skeleton", self.learner)
+        learner = copy.deepcopy(template)
+        if template is not self.learner:
+            learner = learner.to_empty(device="cpu")
+        if self.embeddings is not None:
+            learner.net.embedding = EmbeddingCollection(self.tables, self.seed)
+        learner.load_state_dict({k: v.float() for k, v in state.items()})
+        return learner
+
+    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64) -> dict:
+        """Cold-start scores of ``tasks``: each adapted on its support set (first order,
+        ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
+        per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
+        adaptation (``*_no_adapt``). The tasks are split over the ranks; every rank returns
+        the same dict (collective)."""
+        learner = self.single_process_learner()
+        lrs = learner.algorithm.learning_rates(learner)
+        steps = inner_steps or learner.algorithm.inner_steps
+        mine = predict(learner, lrs, tasks, steps, tasks_per_batch,
+                       np.arange(self.rank, len(tasks), self.world_size))
+        parts = [mine]
+        if dist.is_initialized() and self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+        if len(tasks) == 0:
+            return {"tasks": 0}
+        return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint must match to load into this engine."""
+        return _checkpoint_meta(self.learner, self.embeddings)
+
+    def save_checkpoint(self, output_dir: str | Path, keep_last: int = 2) -> Path:
+        """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
+        files, every rank's table rows by global id and sparse-optimizer state, a manifest
+        with every file's SHA-256; ``latest`` moves only once all of it is on disk."""
+        return checkpoint.save(self.engine, self.embeddings, {"step": self.step}, self.step, output_dir,
+                               keep_last, self.checkpoint_meta())
+
+
+def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zero0.json", *,
+               tables: list[TableConfig] | None = None, sharding: str = "row_wise",
+               tasks_per_micro_batch: int | str = "auto", tasks_per_meta_step: int | str = "auto",
+               lr: float = 1e-3, seed: int = 0, resume: str | None = None,
+               output_dir: str | Path | None = None, nonfinite: str = "abort",
+               collective_timeout_s: int = 600) -> MetaEngine:
+    """Put ``learner`` on DeepSpeed with its embedding ``tables``; returns a `MetaEngine`.
+
+    ``config``: a DeepSpeed config dict or JSON path (the shipped ``ds_configs/zero0.json`` ...
+    ``zero3.json``, bf16 and offload variants, or your own); its batch keys are tasks:
+    ``train_micro_batch_size_per_gpu`` = tasks per micro-batch, ``train_batch_size`` = tasks
+    per meta-step over all ranks ("auto" filled from the arguments). ``sharding``: how the
+    tables are split over ranks, ``row_wise`` | ``table_wise`` | ``replicated`` | ``auto``
+    (small tables replicated), or ``dense`` (tables inside the DeepSpeed module, trained by
+    its optimizer with the dense parameters). ``resume``: a checkpoint directory or
+    ``"auto"`` (the newest complete one under ``output_dir``), at any world size.
+    Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process)."""
+    plans = ("row_wise", "table_wise", "replicated", "auto", "dense")
+    if sharding not in plans:
+        raise ConfigError([f"sharding: {sharding!r} is not one of {', '.join(plans)}"])
+    run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
+                      nonfinite, collective_timeout_s)
+    from gmeta_ds.engine.dist import env_world
+
+    ds_config, plan = resolve_ds_config(run, env_world()[1])
+    ds_engine.check_device_support(ds_config)
+    ds_engine.check_ds_config(ds_config)
+    tables = list(tables or [])
+    net = learner.net
+    if sharding == "dense" and tables and getattr(net, "embedding", None) is None:
+        net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
+    if not dist.is_initialized():
+        init_process_group(collective_timeout_s)
+    rank, world = (dist.get_rank(), dist.get_world_size())
+    if world != plan.world_size:
+        raise ConfigError([f"the process group has {world} ranks but WORLD_SIZE said {plan.world_size}"])
+    embeddings = None
+    if tables and sharding != "dense":
+        if not getattr(net, "row_fields", None) and any(len(t.features) for t in tables):
+            raise ConfigError(["model.row_fields: the model must name its single-hot fields in the "
+                               "order of the tasks' id columns (e.g. [f.name for f in "
+                               "gm.single_fields(data.fields)]) so sharded lookups can find their tables"])
+        kinds = {} if sharding == "auto" else {t.name: sharding for t in tables}
+        embeddings = ShardedEmbeddingCollection(plan_tables(tables, world, kinds), rank, seed)
+    found = checkpoint.find(resume, output_dir) if resume else None
+    universal = manifest = None
+    if found is not None:
+        manifest = checkpoint.verify(found, _checkpoint_meta(learner, embeddings))
+        if manifest["world_size"] != world and zero_stage(ds_config) > 0:
+            universal = checkpoint.to_universal(found, output_dir, manifest)
+            ds_config = ds_internals.with_load_universal(ds_config)
+    engine = ds_engine.initialize(learner, ds_config)
+    meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite)
+    if found is not None:
+        meta.step = checkpoint.load(found, manifest, engine, embeddings, universal)["step"]
+    return meta
+
+
+def _checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
+    """Tables, fields, algorithm and dense shapes: what a checkpoint must match to load."""
+    tables = ({n: [p.table.num_rows, p.table.dim] for n, p in embeddings.plan.tables.items()}
+              if embeddings is not None else {})
+    return {"tables": tables, "fields": list(getattr(learner.net, "row_fields", [])),
+            "algorithm": type(learner.algorithm).__name__.lower(),
+            "dense_shapes": {n: list(v.shape) for n, v in learner.state_dict().items()}}
+
+
+def _run_config(config, micro, per_step, lr, seed, resume, output_dir, nonfinite, timeout) -> RunConfig:
+    if resume and output_dir is None and resume == "auto":
+        raise ConfigError(["resume: 'auto' needs output_dir (where the checkpoints are)"])
+    deepspeed = str(config) if isinstance(config, Path) else config
+    return config_from_dict({
+        "seed": seed, "output_dir": str(output_dir or "."), "deepspeed": deepspeed,
+        "meta": {"tasks_per_micro_batch": micro, "tasks_per_meta_step": per_step},
+        "train": {"lr": lr, "nonfinite": nonfinite, "collective_timeout_s": timeout},
+    }, "gmeta_ds.initialize")
+
+
+__all__ = ["MetaEngine", "StepResult", "build_tasks", "initialize", "meta_learner", "tables_for",
+           "model_field_order", "single_fields"]

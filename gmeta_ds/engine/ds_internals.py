@@ -1,0 +1,348 @@
+"""Every DeepSpeed internal gmeta_ds relies on, in one place.
+
+An internal is a private name (leading underscore), an undocumented attribute, module,
+command-line flag, config constant or file name: something a DeepSpeed release may change
+without notice. Each one is reached only through a small function or constant below, with a
+comment on why gmeta_ds needs it; no other module of the package touches it. DeepSpeed's
+public API (``deepspeed.initialize``, ``init_distributed``, ``zero.GatheredParameters``, the
+engine's ``backward`` / ``step`` / ``save_checkpoint`` / ``load_checkpoint``) is used directly
+elsewhere.
+
+`check_internals` verifies, without a process group or a build, that the installed DeepSpeed
+still has every internal; ``tests/unit/test_ds_internals.py`` runs it, so a DeepSpeed upgrade
+that drops or renames one fails there, naming it and what it is for, instead of deep inside a
+(distributed) run.
+
+Tested with deepspeed `TESTED_WITH` (and torch 2.13.0); setup.cfg allows `SUPPORTED`.
+Nothing here is model-specific.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+TESTED_WITH = ("0.19.8",)  # deepspeed versions every internal below was tested with
+SUPPORTED = ">=0.16,<0.20"  # what setup.cfg allows
+
+
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def _tested() -> str:
+    return f"gmeta_ds is tested with deepspeed {', '.join(TESTED_WITH)} (setup.cfg allows {SUPPORTED})"
+
+
+def _source(obj) -> str:
+    """``obj``'s source with whitespace collapsed ('' where it cannot be read)."""
+    try:
+        return " ".join(inspect.getsource(obj).split())
+    except (OSError, TypeError):
+        return ""
+
+
+# --- ZeRO-3 module hooks --------------------------------------------------------------------
+# ZeRO-3 fetches and releases each submodule's parameters from module hooks, and wraps the
+# module's tensor inputs in backward hooks. The learner runs a hook-free skeleton on parameters
+# gathered for the whole micro-step (`ds_engine.gathered`), so those hooks would only release
+# parameters a second-order graph still holds: they are removed right after
+# ``deepspeed.initialize``. DeepSpeed has no public call for that; its own
+# ``DeepSpeedZeRoOffload.destroy`` and ``deepspeed/compile/init_z3.py`` use this private one.
+# Tested with deepspeed 0.19.8.
+ZERO3_HOOKS_OWNER = "parameter_offload"  # engine.optimizer attribute (DeepSpeedZeroOptimizer_Stage3)
+ZERO3_REMOVE_HOOKS = "_remove_module_hooks"  # its method (DeepSpeedZeRoOffload)
+
+
+def remove_zero3_module_hooks(engine) -> None:
+    """Remove the ZeRO-3 module hooks of ``engine`` (see above)."""
+    offload = getattr(engine.optimizer, ZERO3_HOOKS_OWNER, None)
+    remove = getattr(offload, ZERO3_REMOVE_HOOKS, None)
+    if remove is None:
+        raise RuntimeError(f"ZeRO-3 with deepspeed {deepspeed_version()}: the engine has no "
+                           f"optimizer.{ZERO3_HOOKS_OWNER}.{ZERO3_REMOVE_HOOKS} (a DeepSpeed internal "
+                           "gmeta_ds needs to run the meta-learner under ZeRO-3); use ZeRO-2 "
+                           f"(ds_configs/zero2.json) or another deepspeed: {_tested()}")
+    remove()
+
+
+# --- ZeRO-3 parameter attributes ------------------------------------------------------------
+# ZeRO-3 (``zero.Init._convert_to_deepspeed_param``) marks each partitioned parameter with
+# ``ds_id`` and records its full size in ``ds_numel``: the parameter's own tensor is then an
+# empty placeholder, so ``p.numel()`` is 0. Undocumented attributes; gmeta_ds reads them to
+# tell a partitioned module from a plain one (gather around each micro-step or not) and to
+# count parameters / gradient bytes. Tested with deepspeed 0.19.8.
+ZERO3_ID_ATTR = "ds_id"
+ZERO3_NUMEL_ATTR = "ds_numel"
+
+
+def is_zero3_param(p) -> bool:
+    """Whether ZeRO-3 partitions the parameter ``p``."""
+    return hasattr(p, ZERO3_ID_ATTR)
+
+
+def full_numel(p) -> int:
+    """Element count of the whole parameter ``p``, also when ZeRO-3 partitioned it."""
+    return getattr(p, ZERO3_NUMEL_ATTR, p.numel())
+
+
+# --- The CPU shared-memory all-reduce op ----------------------------------------------------
+# DeepSpeed's torch backend JIT-builds and maps a shared-memory all-reduce op when it is
+# constructed (``deepspeed.comm.torch.TorchBackend.__init__`` calls the module function
+# ``build_shm_op``); only ``inference_all_reduce`` (tensor-parallel inference) uses it, never
+# training. Left alone it costs a C++ build at start-up, 66 MB of RAM per rank in /dev/shm
+# that DeepSpeed never frees, and a busy-wait for peers' buffers that never appear across
+# hosts. Replacing the module function before the backend is built skips it. Where that is
+# not possible, the buffers are unlinked under the name DeepSpeed's C++ source gives them
+# (``ops/csrc/cpu/comm/shm.cpp``: SHM_BUFFER_NAME, uid, MASTER_ADDR, MASTER_PORT, rank);
+# neither the op nor the name is documented. Tested with deepspeed 0.19.8.
+SHM_MODULE = "deepspeed.comm.torch"
+SHM_BUILD = "build_shm_op"
+SHM_BACKEND = "TorchBackend"
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"
+SHM_SOURCE = Path("ops", "csrc", "cpu", "comm", "shm.cpp")  # under the deepspeed package
+
+
+def _shm_module():
+    # Not ``import deepspeed.comm.torch``: deepspeed.comm's attribute ``torch`` is torch itself.
+    return importlib.import_module(SHM_MODULE)
+
+
+def skip_shm_op() -> bool:
+    """Keep the torch backend from building the shared-memory op (see above); call before
+    ``deepspeed.init_distributed``. False where this DeepSpeed has no such hook."""
+    ds_torch = _shm_module()
+    if not hasattr(ds_torch, SHM_BUILD) or not hasattr(ds_torch, SHM_BACKEND):
+        return False
+    setattr(ds_torch, SHM_BUILD, lambda: None)
+    return True
+
+
+def shm_buffer_path(rank: int, addr: str, port: str) -> Path:
+    """The /dev/shm file of rank ``rank``'s all-reduce buffer in a job rendezvousing at
+    ``addr``:``port`` (MASTER_ADDR, MASTER_PORT)."""
+    return Path(f"/dev/shm/{SHM_BUFFER_NAME}_{os.getuid()}_{addr}_{port}_{rank}")
+
+
+# --- Classes DeepSpeed pickles into its checkpoints -----------------------------------------
+# DeepSpeed's ``.pt`` files are opened with ``torch.load(weights_only=True)`` before DeepSpeed
+# loads them (`checkpoint.check_pickles`), so a crafted file cannot run code. These plain
+# data holders (loss scaler, ZeRO stage, the fragment map of ZeRO partitions) are the only
+# non-tensor classes DeepSpeed pickles there; their module paths are not an API. Tested with
+# deepspeed 0.19.8 (ZeRO 0-3, fp32 / bf16, CPU).
+PICKLED_CLASSES = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                   ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+                   ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                   ("deepspeed.utils.tensor_fragment", "fragment_address"))
+
+
+def pickled_classes() -> list:
+    """The classes of `PICKLED_CLASSES` this DeepSpeed has (a missing one is skipped here
+    and reported by `check_internals`)."""
+    found = []
+    for module, name in PICKLED_CLASSES:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+# --- Universal checkpoints ------------------------------------------------------------------
+# Resuming ZeRO-1/2 optimizer partitions at another world size goes through DeepSpeed's
+# universal checkpoint: the converter module run as a script (its flags
+# ``--inject_missing_state`` and the worker counts are undocumented), then the engine built
+# with the config key ``checkpoint.load_universal`` (``runtime/constants.py``:
+# LOAD_UNIVERSAL_CHECKPOINT). Tested with deepspeed 0.19.8.
+UNIVERSAL_CONVERTER = "deepspeed.checkpoint.ds_to_universal"
+UNIVERSAL_FLAGS = ("--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1")
+LOAD_UNIVERSAL = "load_universal"
+
+
+def universal_conversion_command(src: str | Path, dst: str | Path) -> list[str]:
+    """The command converting the DeepSpeed checkpoint folder ``src`` into ``dst``."""
+    return [sys.executable, "-m", UNIVERSAL_CONVERTER, "--input_folder", str(src),
+            "--output_folder", str(dst), *UNIVERSAL_FLAGS]
+
+
+def with_load_universal(ds_config: dict) -> dict:
+    """``ds_config`` (a copy) telling the engine to load a universal checkpoint."""
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), LOAD_UNIVERSAL: True}}
+
+
+# --- DeepSpeed's config parser --------------------------------------------------------------
+# ``deepspeed.runtime.config.DeepSpeedConfig`` (the parser ``deepspeed.initialize`` runs) and
+# its optimizer names ``DEEPSPEED_OPTIMIZERS`` check a config on every rank before any
+# collective (`ds_engine.check_ds_config`); ``deepspeed.initialize`` would only raise after
+# the process group is up. Neither is documented. Tested with deepspeed 0.19.8.
+CONFIG_MODULE = "deepspeed.runtime.config"
+
+
+def parse_ds_config(ds_config: dict) -> None:
+    """Run DeepSpeed's own parser on ``ds_config`` (raises what it raises)."""
+    importlib.import_module(CONFIG_MODULE).DeepSpeedConfig(ds_config)
+
+
+def optimizer_names() -> list[str]:
+    """The optimizer types DeepSpeed itself builds (lower case)."""
+    return list(importlib.import_module(CONFIG_MODULE).DEEPSPEED_OPTIMIZERS)
+
+
+# --- ZeRO optimizer offload -----------------------------------------------------------------
+# Whether ZeRO keeps the optimizer state on the host decides which Adam DeepSpeed builds (its
+# CPU Adam for offload, `ds_engine.with_torch_adam` otherwise). It is read with DeepSpeed's own
+# ZeRO config model (``deepspeed.runtime.zero.config.DeepSpeedZeroConfig``, the device enum of
+# ``deepspeed.runtime.zero.offload_config``), as ``DeepSpeedEngine.zero_use_cpu_optimizer``
+# does, so deprecated spellings (``cpu_offload``) count too. Undocumented modules. Tested with
+# deepspeed 0.19.8.
+ZERO_CONFIG_MODULE = "deepspeed.runtime.zero.config"
+OFFLOAD_CONFIG_MODULE = "deepspeed.runtime.zero.offload_config"
+
+
+def offloads_optimizer(ds_config: dict) -> bool:
+    """Whether ``ds_config``'s ZeRO section offloads the optimizer (to cpu or nvme)."""
+    zero_config = importlib.import_module(ZERO_CONFIG_MODULE).DeepSpeedZeroConfig
+    devices = importlib.import_module(OFFLOAD_CONFIG_MODULE).OffloadDeviceEnum
+    offload = zero_config(**ds_config.get("zero_optimization", {})).offload_optimizer
+    return offload is not None and offload.device in (devices.cpu, devices.nvme)
+
+
+# --- The check ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Internal:
+    what: str  # the internal, as DeepSpeed spells it
+    why: str  # what gmeta_ds uses it for
+    probe: Callable[[], bool]  # True when the installed DeepSpeed has it
+
+
+def _has_zero3_hooks() -> bool:
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    return callable(getattr(DeepSpeedZeRoOffload, ZERO3_REMOVE_HOOKS, None))
+
+
+def _stage3_has_hooks_owner() -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return f"self.{ZERO3_HOOKS_OWNER} =" in _source(DeepSpeedZeroOptimizer_Stage3.__init__)
+
+
+def _zero3_sets(attr: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        from deepspeed.runtime.zero.partition_parameters import Init
+
+        return f"param.{attr} =" in _source(Init._convert_to_deepspeed_param)
+    return probe
+
+
+def _has_shm_hook() -> bool:
+    ds_torch = _shm_module()
+    backend = getattr(ds_torch, SHM_BACKEND, None)
+    # Replacing the module function works only while the backend looks it up when built.
+    return (callable(getattr(ds_torch, SHM_BUILD, None)) and backend is not None
+            and f"{SHM_BUILD}()" in _source(backend.__init__))
+
+
+def _shm_name_matches() -> bool:
+    import deepspeed
+
+    path = Path(deepspeed.__file__).parent / SHM_SOURCE
+    text = " ".join(path.read_text().split()) if path.is_file() else ""
+    return all(s in text for s in (f'#define SHM_BUFFER_NAME "{SHM_BUFFER_NAME}"',
+                                   '"%s_%d_%s_%s", SHM_BUFFER_NAME, getuid(), addr_string, port_string',
+                                   '"%s_%d", shm_name_prefix, rank'))
+
+
+def _has_class(module: str, name: str) -> Callable[[], bool]:
+    return lambda: isinstance(getattr(importlib.import_module(module), name, None), type)
+
+
+def _converter_accepts_flags() -> bool:
+    converter = importlib.import_module(UNIVERSAL_CONVERTER)
+    argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", "in", "--output_folder", "out", *UNIVERSAL_FLAGS]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            converter.parse_arguments()
+    except SystemExit:  # argparse: unknown flag
+        return False
+    finally:
+        sys.argv = argv
+    return callable(getattr(converter, "main", None))
+
+
+def _load_universal_key() -> bool:
+    return getattr(importlib.import_module("deepspeed.runtime.constants"),
+                   "LOAD_UNIVERSAL_CHECKPOINT", None) == LOAD_UNIVERSAL
+
+
+def _has_config_parser() -> bool:
+    return isinstance(getattr(importlib.import_module(CONFIG_MODULE), "DeepSpeedConfig", None), type)
+
+
+def _has_optimizer_names() -> bool:
+    names = getattr(importlib.import_module(CONFIG_MODULE), "DEEPSPEED_OPTIMIZERS", None)
+    return isinstance(names, (list, tuple, set)) and all(isinstance(n, str) for n in names) and "adam" in names
+
+
+def _has_offload_model() -> bool:
+    fields = getattr(importlib.import_module(ZERO_CONFIG_MODULE).DeepSpeedZeroConfig, "model_fields", {})
+    devices = importlib.import_module(OFFLOAD_CONFIG_MODULE).OffloadDeviceEnum
+    return "offload_optimizer" in fields and all(hasattr(devices, d) for d in ("cpu", "nvme"))
+
+
+INTERNALS = (
+    Internal(f"DeepSpeedZeRoOffload.{ZERO3_REMOVE_HOOKS} (deepspeed.runtime.zero.parameter_offload)",
+             "removing ZeRO-3's module hooks: the learner runs on parameters gathered per micro-step",
+             _has_zero3_hooks),
+    Internal(f"DeepSpeedZeroOptimizer_Stage3.{ZERO3_HOOKS_OWNER} (deepspeed.runtime.zero.stage3)",
+             "reaching ZeRO-3's module hooks from engine.optimizer", _stage3_has_hooks_owner),
+    Internal(f"the ZeRO-3 parameter attribute {ZERO3_ID_ATTR} (zero.Init._convert_to_deepspeed_param)",
+             "telling a ZeRO-3 partitioned module from a plain one", _zero3_sets(ZERO3_ID_ATTR)),
+    Internal(f"the ZeRO-3 parameter attribute {ZERO3_NUMEL_ATTR} (zero.Init._convert_to_deepspeed_param)",
+             "counting the parameters and gradient bytes of a partitioned module", _zero3_sets(ZERO3_NUMEL_ATTR)),
+    Internal(f"{SHM_MODULE}.{SHM_BUILD}, called by {SHM_BACKEND}.__init__",
+             "skipping the JIT build of the CPU shared-memory all-reduce op (inference only)", _has_shm_hook),
+    Internal(f"the /dev/shm buffer name {SHM_BUFFER_NAME}_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> "
+             f"(deepspeed/{SHM_SOURCE.as_posix()})",
+             "removing the CPU all-reduce buffers DeepSpeed never unlinks", _shm_name_matches),
+    *(Internal(f"{module}.{name}", "allow-listing DeepSpeed's pickled checkpoint classes for "
+               "torch.load(weights_only=True)", _has_class(module, name))
+      for module, name in PICKLED_CLASSES),
+    Internal(f"python -m {UNIVERSAL_CONVERTER} {' '.join(UNIVERSAL_FLAGS)}",
+             "resuming ZeRO-1/2 optimizer state at another world size", _converter_accepts_flags),
+    Internal(f"the config key checkpoint.{LOAD_UNIVERSAL} (deepspeed.runtime.constants.LOAD_UNIVERSAL_CHECKPOINT)",
+             "loading a converted universal checkpoint", _load_universal_key),
+    Internal(f"{CONFIG_MODULE}.DeepSpeedConfig", "checking the DeepSpeed config before any collective",
+             _has_config_parser),
+    Internal(f"{CONFIG_MODULE}.DEEPSPEED_OPTIMIZERS", "checking deepspeed.optimizer.type before any collective",
+             _has_optimizer_names),
+    Internal(f"{ZERO_CONFIG_MODULE}.DeepSpeedZeroConfig.offload_optimizer and "
+             f"{OFFLOAD_CONFIG_MODULE}.OffloadDeviceEnum (cpu, nvme)",
+             "telling whether ZeRO offloads the optimizer (which Adam DeepSpeed builds)", _has_offload_model),
+)
+
+
+def check_internals() -> list[str]:
+    """One line per internal the installed DeepSpeed lacks (empty: all present)."""
+    version = deepspeed_version()
+    problems = []
+    for internal in INTERNALS:
+        try:
+            present = internal.probe()
+            detail = ""
+        except Exception as exc:  # noqa: BLE001 - an import or attribute error is "missing"
+            first = (str(exc).splitlines() or [""])[0][:200]
+            present, detail = False, f" [{type(exc).__name__}: {first}]"
+        if not present:
+            problems.append(f"deepspeed {version}: {internal.what} is missing (used for {internal.why})"
+                            f"{detail}; {_tested()}")
+    return problems

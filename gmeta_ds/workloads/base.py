@@ -1,0 +1,80 @@
+"""The workload protocol: what one value of ``task:`` in a run config supplies to the one
+training loop (`gmeta_ds.trainer.train`).
+
+A workload builds its data and learner, hands the loop each meta-step's micro-batches, and
+at the end saves and scores the model. Everything else -- the DeepSpeed engine, resume,
+the meta-step itself, checkpoints, metrics, timeouts, the summary -- is the loop's, the same
+for every workload. To add one: subclass `Workload`, register it in
+``gmeta_ds.registry.WORKLOADS`` (``WORKLOADS.register("mine", MyWorkload)``), and name it
+with ``task: mine``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gmeta_ds.algorithms import MetaLearner
+from gmeta_ds.config import RunConfig
+from gmeta_ds.ds_config import BatchPlan
+
+
+class BatchSource(Protocol):
+    """This rank's micro-batches, one meta-step per `next` call; resumable."""
+
+    def next(self) -> list: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Built:
+    """What a workload built for a run: the learner (handed to DeepSpeed), this rank's sharded
+    tables (None when none are sharded), their configs, the field names a checkpoint records,
+    and the workload's own data (tasks, tokenizer, ...)."""
+
+    learner: MetaLearner
+    data: Any
+    sharded: Any = None
+    tables: list = field(default_factory=list)
+    field_names: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+class Workload(ABC):
+    """Base of every workload; ``noun`` is what one task is called in messages."""
+
+    name = ""
+    noun = "tasks"
+
+    @abstractmethod
+    def preflight(self, cfg: RunConfig, world_size: int) -> Any:
+        """Every check that needs data or the model but no process group (every rank, before
+        the first collective); what it returns is handed to `build`."""
+
+    @abstractmethod
+    def build(self, cfg: RunConfig, rank: int, world_size: int, prepared: Any) -> Built:
+        """The learner, tables and data of this rank (deterministic from the seed)."""
+
+    @abstractmethod
+    def batches(self, cfg: RunConfig, built: Built, plan: BatchPlan, rank: int) -> BatchSource:
+        """This rank's micro-batches per meta-step: the same global batch at any world size."""
+
+    @abstractmethod
+    def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
+        """After the last meta-step (collective): save the model and score it; returns (the
+        evaluation, extra summary keys), both {} on ranks other than 0 where it likes."""
+
+    @abstractmethod
+    def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
+        """``gmeta-ds eval``: score saved weights (default: this run's) in one process."""
+
+    @abstractmethod
+    def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
+        """``gmeta-ds validate``: lines on the data, the model and its memory."""
+
+    @abstractmethod
+    def report(self, summary: dict, output_dir: str | Path) -> list[str]:
+        """The lines ``gmeta-ds train`` prints at the end (rank 0)."""

