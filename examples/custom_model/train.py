@@ -4,6 +4,7 @@ public API of gmeta_ds (docs/api.md).
 
     python examples/custom_model/train.py                          # one process
     deepspeed --num_gpus 2 examples/custom_model/train.py          # two ranks (gloo on CPU)
+    python examples/custom_model/train.py --steps 60 --resume      # 30 more steps, at any world size
 
 Both print the same cold-start AUC and write the same weights (OUT/model.safetensors).
 """
@@ -60,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="runs/custom_model")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT's newest checkpoint")
     parser.add_argument("--local_rank", type=int, default=0)  # set by the deepspeed launcher
     args = parser.parse_args()
 
@@ -78,12 +80,14 @@ def main() -> None:
     # 4. DeepSpeed (ZeRO-2 over the dense parameters), tables sharded row-wise over the ranks.
     ds_config = {"optimizer": {"type": "Adam", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}
     engine = gm.initialize(learner, ds_config, tables=tables, sharding="row_wise",
-                           tasks_per_micro_batch=8, tasks_per_meta_step=16, lr=1e-2, seed=0)
+                           tasks_per_micro_batch=8, tasks_per_meta_step=16, lr=1e-2, seed=0,
+                           resume="auto" if args.resume else None, output_dir=args.out)
 
-    for step in range(args.steps):
+    for step in range(engine.step, args.steps):  # engine.step: where a resumed run left off
         result = engine.meta_step(engine.batches(data.train, step))
         if engine.rank == 0 and (step + 1) % 5 == 0:
             print(f"meta-step {step + 1}: query loss {result.query_loss:.4f}")
+    engine.save_checkpoint(args.out)  # resumable at any world size
     scores = engine.evaluate(data.test)  # every rank gets the same scores
     engine.save_weights(f"{args.out}/model.safetensors")
     if engine.rank == 0:

@@ -24,9 +24,9 @@ import inspect
 import io
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 TESTED_WITH = ("0.19.8",)  # deepspeed versions every internal below was tested with
 SUPPORTED = ">=0.16,<0.20"  # what setup.cfg allows

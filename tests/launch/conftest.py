@@ -70,11 +70,11 @@ def text_config(tmp_path: Path, algorithm: str = "maml", ds: str = "zero0", **ex
 
 
 def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
-        expect_ok: bool = True) -> subprocess.CompletedProcess:
+        expect_ok: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a command with a hard timeout; on failure show its output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=REPO)
+                          cwd=cwd or REPO)
     if expect_ok and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-6000:]}")

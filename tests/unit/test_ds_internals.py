@@ -29,10 +29,10 @@ def test_supported_range_is_setup_cfgs():
 
 @pytest.mark.parametrize("module, attr, named", [
     ("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload", "_remove_module_hooks",
-     "DeepSpeedZeRoOffload._remove_module_hooks (deepspeed.runtime.zero.parameter_offload) is missing "
-     "(used for removing ZeRO-3's module hooks"),
-    ("deepspeed.comm.torch", "build_shm_op", "deepspeed.comm.torch.build_shm_op, called by "
-     "TorchBackend.__init__ is missing (used for skipping the JIT build"),
+     ("DeepSpeedZeRoOffload._remove_module_hooks (deepspeed.runtime.zero.parameter_offload) is missing "
+     "(used for removing ZeRO-3's module hooks")),
+    ("deepspeed.comm.torch", "build_shm_op", ("deepspeed.comm.torch.build_shm_op, called by "
+     "TorchBackend.__init__ is missing (used for skipping the JIT build")),
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler",
      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler is missing (used for allow-listing"),
     ("deepspeed.checkpoint.ds_to_universal", "parse_arguments",
