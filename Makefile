@@ -27,8 +27,8 @@ test: install
 	$(PY) -m pytest -q -m "not slow and not gpu and not docs"
 
 # Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
-# copy of the tree (tests/docs/test_doc_commands.py; ~N min on 2 cores). The venv's bin first on
-# PATH, as for demo.
+# copy of the tree (tests/docs/test_doc_commands.py; ~9 min on 2 shared cores). The venv's bin
+# first on PATH, as for demo.
 test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-docs: install
 	$(PY) -m pytest -q -m docs tests/docs

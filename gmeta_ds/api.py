@@ -313,7 +313,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
         if manifest["world_size"] != world and zero_stage(ds_config) > 0:
             universal = checkpoint.to_universal(found, output_dir, manifest)
             ds_config = ds_internals.with_load_universal(ds_config)
-    engine = ds_engine.initialize(learner, ds_config)
+    engine = ds_engine.initialize(learner, ds_config, resume=found)
     meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite)
     if found is not None:
         meta.step = checkpoint.load(found, manifest, engine, embeddings, universal)["step"]

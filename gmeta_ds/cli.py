@@ -252,9 +252,15 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     imposed = launcher_ds_config(args.deepspeed_config)
     if imposed is None:
         return args.overrides
+    from gmeta_ds.ds_config import shipped_ds_config
+
+    def where(name: str) -> Path:  # a shipped name outside a checkout is the package's copy
+        path = Path(name)
+        return (path if path.is_file() else shipped_ds_config(name) or path).resolve()
+
     for item in args.overrides:
         key, _, value = item.partition("=")
-        if key.strip() == "deepspeed" and Path(value.strip()).resolve() != Path(imposed).resolve():
+        if key.strip() == "deepspeed" and where(value.strip()) != where(imposed):
             raise ConfigError([f"--set deepspeed={value.strip()} contradicts the launcher's DeepSpeed "
                                f"config {imposed!r}; pass one of them"])
     return [*args.overrides, f"deepspeed={Path(imposed).resolve()}"]

@@ -436,6 +436,9 @@ def _validate_log(data: DataConfig, problems: list[str]) -> None:
     if data.source == "recbole" and not data.dataset_name:
         problems.append("data.dataset_name: required for data.source 'recbole' (<name>.inter)")
     _one_of(problems, "data.split", data.split, SPLITS)
+    if data.source == "table" and data.split == "time" and not data.schema.timestamp:
+        problems.append("data.split: 'time' orders each task by its timestamp, but "
+                        "data.schema.timestamp names no column; name it, or use 'random'")
     _one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
     _one_of(problems, "data.label", data.label, LABEL_KINDS)
     _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))

@@ -134,9 +134,8 @@ def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str],
     """The batch plan; each problem names where its keys come from: ``meta.*`` from the run
     config (file + ``--set``), ``deepspeed.*`` from the DeepSpeed config (``source``)."""
     where = _ds_where(source)
-    ds_mb = _as_int(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", problems, where)
-    ds_tb = _as_int(ds.get("train_batch_size"), "train_batch_size", problems, where)
-    ds_gas = _as_int(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", problems, where)
+    ds_mb, ds_tb, ds_gas = (_as_int(ds.get(key), key, problems, where) for key in (
+        "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"))
     meta_t, meta_b = cfg.meta.tasks_per_micro_batch, cfg.meta.tasks_per_meta_step
     t = meta_t if meta_t != AUTO else (ds_mb or DEFAULT_MICRO_BATCH)
     if meta_t != AUTO and ds_mb is not None and ds_mb != meta_t:

@@ -281,7 +281,7 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
             # universal checkpoint, which loads at any data-parallel size.
             universal = checkpoint.to_universal(found, cfg.output_dir, manifest)
             ds_config = ds_internals.with_load_universal(ds_config)
-    engine = ds_engine.initialize(learner, ds_config)
+    engine = ds_engine.initialize(learner, ds_config, resume=found)
     resume = None
     if found is not None:
         resume = {**checkpoint.load(found, manifest, engine, sharded, universal), "checkpoint": found}

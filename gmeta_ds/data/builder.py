@@ -111,7 +111,10 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
                         f"{cfg.max_interactions} interactions ({len(uniq)} tasks read); "
                         "adjust data.min_interactions / data.max_interactions")
     rng = np.random.default_rng([seed, 17])
-    if cfg.split == "time" and log.schema.timestamp:
+    if cfg.split == "time" and not log.schema.timestamp:
+        raise DataError(f"{log.source}: data.split 'time' needs a timestamp column, and this log has "
+                        "none (data.schema.timestamp); use data.split: random")
+    if cfg.split == "time":
         within = log.frame.data.column(log.schema.timestamp).to_numpy().astype(np.int64)
     else:
         within = rng.permutation(len(keys))

@@ -82,9 +82,10 @@ def uses_offload_optimizer(ds_config: dict) -> bool:
     return ds_internals.offloads_optimizer(ds_config)
 
 
-def with_torch_adam(ds_config: dict) -> dict:
+def with_torch_adam(ds_config: dict, written_with: dict | None = None) -> dict:
     """``ds_config`` with ``optimizer.params.torch_adam: true`` where DeepSpeed would otherwise
-    JIT-build an Adam op it does not need (a copy; the input is left as it is).
+    JIT-build an Adam op it does not need (a copy; the input is left as it is). ``written_with``:
+    the config of a ZeRO-0 checkpoint being resumed (`ds_internals.saved_ds_config`).
 
     For ``Adam`` / ``AdamW`` without optimizer offload, DeepSpeed builds ``FusedAdam``, whose
     C++ (CPU accelerator) or CUDA op it JIT-compiles with the host compiler on a machine's
@@ -97,7 +98,14 @@ def with_torch_adam(ds_config: dict) -> dict:
     ``torch_adam`` (``false`` asks for FusedAdam), other optimizer types, params torch's AdamW
     does not take (e.g. ``bias_correction``), and optimizer offload, whose host-side step
     is DeepSpeed's CPU Adam (``DeepSpeedCPUAdam``, the vectorised ``cpu_adam`` op, built on
-    first use), which ZeRO-Offload's host-side update is made for."""
+    first use), which ZeRO-Offload's host-side update is made for.
+
+    A ZeRO-0 checkpoint written by FusedAdam (gmeta_ds before this default, or ``torch_adam:
+    false``) resumes with FusedAdam: its state does not carry over to torch's Adam there.
+    FusedAdam counts steps on one parameter per group only (torch's Adam would restart the
+    others' bias correction at step 1), and under bf16 DeepSpeed wraps FusedAdam in
+    ``FP16_Optimizer`` but torch's Adam in ``FP16_UnfusedOptimizer``, another state layout.
+    ZeRO 1-3 keep one flat fp32 partition per group, which loads into either Adam."""
     import copy
     import inspect
 
@@ -106,15 +114,20 @@ def with_torch_adam(ds_config: dict) -> dict:
         return ds_config
     params = optimizer.get("params") or {}
     accepted = set(inspect.signature(torch.optim.AdamW.__init__).parameters) - {"self", "params"}
-    if "torch_adam" in params or set(params) - accepted - _DEEPSPEED_ADAM_KEYS or uses_offload_optimizer(ds_config):
+    unknown = set(params) - accepted - _DEEPSPEED_ADAM_KEYS
+    if "torch_adam" in params or unknown or uses_offload_optimizer(ds_config):
         return ds_config
+    if (written_with is not None and zero_stage(ds_config) == 0 and zero_stage(written_with) == 0
+            and not (written_with.get("optimizer") or {}).get("params", {}).get("torch_adam", False)):
+        return ds_config  # a FusedAdam checkpoint: see above
     ds_config = copy.deepcopy(ds_config)
     ds_config["optimizer"].setdefault("params", {})["torch_adam"] = True
     return ds_config
 
 
-def initialize(module: nn.Module, ds_config: dict):
-    """``deepspeed.initialize`` on the dense module; returns the engine.
+def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
+    """``deepspeed.initialize`` on the dense module; returns the engine. ``resume``: the
+    checkpoint folder the engine will load next, if any.
 
     The optimizer is torch's AdamW unless the config offloads it (`with_torch_adam`): a first
     run on a fresh machine compiles no DeepSpeed op (the CPU backend's shared-memory op is
@@ -124,7 +137,10 @@ def initialize(module: nn.Module, ds_config: dict):
     of itself (`MetaLearner.prepare_zero3`) and every micro-step runs inside `gathered`."""
     import deepspeed
 
-    ds_config = with_torch_adam(ds_config)
+    written_with = None
+    if resume is not None and zero_stage(ds_config) == 0:
+        written_with = ds_internals.saved_ds_config(resume)
+    ds_config = with_torch_adam(ds_config, written_with)
     if zero_stage(ds_config) == 3:
         module.prepare_zero3()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),

@@ -215,6 +215,30 @@ def offloads_optimizer(ds_config: dict) -> bool:
     return offload is not None and offload.device in (devices.cpu, devices.nvme)
 
 
+# --- The config a ZeRO-0 checkpoint was written with -----------------------------------------
+# DeepSpeed saves the config it ran with under ``ds_config`` in its model-states file, at ZeRO
+# 0-2 ``mp_rank_00_model_states.pt`` in the checkpoint's tag folder (``DeepSpeedEngine.
+# _get_ckpt_name``, ``_common_checkpoint_state``); at ZeRO-0 that file also holds the whole
+# optimizer state, whose layout depends on the Adam that wrote it (`ds_engine.with_torch_adam`).
+# Neither the file name nor the key is documented. Tested with deepspeed 0.19.8.
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+SAVED_CONFIG_KEY = "ds_config"
+
+
+def saved_ds_config(ckpt: str | Path) -> dict | None:
+    """The DeepSpeed config the checkpoint folder ``ckpt`` was written with (ZeRO 0-2; None
+    where its model-states file or the key is missing). Opened with ``weights_only=True``."""
+    import torch
+
+    path = Path(ckpt) / MODEL_STATES_FILE
+    if not path.is_file():
+        return None
+    with torch.serialization.safe_globals(pickled_classes()):
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    config = state.get(SAVED_CONFIG_KEY) if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 # --- The check ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Internal:
@@ -299,6 +323,14 @@ def _has_offload_model() -> bool:
     return "offload_optimizer" in fields and all(hasattr(devices, d) for d in ("cpu", "nvme"))
 
 
+def _saves_config_in_model_states() -> bool:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    name = '"mp_rank_" + mp_rank_str + "_model_states.pt"'
+    return (name in _source(DeepSpeedEngine._get_ckpt_name)
+            and f"{SAVED_CONFIG_KEY}=self.config" in _source(DeepSpeedEngine._common_checkpoint_state))
+
+
 INTERNALS = (
     Internal(f"DeepSpeedZeRoOffload.{ZERO3_REMOVE_HOOKS} (deepspeed.runtime.zero.parameter_offload)",
              "removing ZeRO-3's module hooks: the learner runs on parameters gathered per micro-step",
@@ -328,6 +360,9 @@ INTERNALS = (
     Internal(f"{ZERO_CONFIG_MODULE}.DeepSpeedZeroConfig.offload_optimizer and "
              f"{OFFLOAD_CONFIG_MODULE}.OffloadDeviceEnum (cpu, nvme)",
              "telling whether ZeRO offloads the optimizer (which Adam DeepSpeed builds)", _has_offload_model),
+    Internal(f"the checkpoint file {MODEL_STATES_FILE} and its key {SAVED_CONFIG_KEY} "
+             "(DeepSpeedEngine._get_ckpt_name, _common_checkpoint_state)",
+             "resuming a ZeRO-0 checkpoint with the Adam that wrote it", _saves_config_in_model_states),
 )
 
 

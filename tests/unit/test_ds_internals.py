@@ -42,6 +42,8 @@ def test_supported_range_is_setup_cfgs():
     ("deepspeed.runtime.config", "DeepSpeedConfig", "deepspeed.runtime.config.DeepSpeedConfig is missing"),
     ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum",
      "OffloadDeviceEnum (cpu, nvme) is missing (used for telling whether ZeRO offloads the optimizer"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "_common_checkpoint_state",
+     "mp_rank_00_model_states.pt and its key ds_config (DeepSpeedEngine._get_ckpt_name"),
 ])
 def test_a_missing_internal_is_named_with_its_purpose(monkeypatch, module, attr, named):
     path, _, cls = module.rpartition(".")
