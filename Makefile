@@ -17,8 +17,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
-# The venv's bin first on PATH, as for bench: DeepSpeed JIT-rebuilds its CPU Adam (~40 s) when
-# it sees another PATH than the build's.
+# The venv's bin first on PATH, as for bench: the deepspeed launcher starts ranks with the
+# interpreter it finds there (and offload configs' CPU Adam op is rebuilt when PATH changes).
 demo: export PATH := $(abspath $(VENV))/bin:$(PATH)
 demo: install
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml
@@ -38,13 +38,12 @@ test-all: install
 
 # A wheel that works anywhere: build it, install it (not editable) into a fresh virtualenv with
 # TORCH_SPEC, and run gmeta-ds validate / train (CTR and text) from a directory outside the
-# checkout (tests/wheel/check_wheel.sh; ~8 min on 2 cores, mostly pip and DeepSpeed's JIT build).
+# checkout (tests/wheel/check_wheel.sh; ~3.5 min on 2 cores, mostly pip installing the dependencies).
 wheel-check:
 	TORCH_SPEC="$(TORCH_SPEC)" tests/wheel/check_wheel.sh
 
 # The benchmark suite (~10 min on 2 cores): tables on stdout, JSON under benchmarks/results/,
-# charts under docs/img/ (docs/performance.md). The venv's bin first on PATH: DeepSpeed
-# JIT-rebuilds its CPU ops when launchers see another PATH.
+# charts under docs/img/ (docs/performance.md). The venv's bin first on PATH, as for demo.
 bench: export PATH := $(abspath $(VENV))/bin:$(PATH)
 bench: install
 	$(PY) benchmarks/inner_loop.py

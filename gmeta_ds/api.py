@@ -111,17 +111,20 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr
 
 # ---------------------------------------------------------------------------- learner
 def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, inner_steps: int = 1,
-                 inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] = ("mlp.*",),
+                 inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] | None = None,
                  loss: str = "binary", vectorize: bool = True) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
 
     ``adapt``: globs over the model's parameter names (``"head.*"``), parameters of the
-    model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field.
+    model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field;
+    None: the model's ``default_adapt`` (the zoo models of ``gmeta_ds.models``), else ``mlp.*``.
     ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass."""
     if loss not in LOSSES:
         raise ConfigError([f"loss: {loss!r} is not one of {', '.join(LOSSES)}"])
+    if adapt is None:
+        adapt = getattr(model, "default_adapt", ("mlp.*",))
     names = {id(p): n for n, p in model.named_parameters()}
     patterns = []
     for item in adapt:

@@ -17,8 +17,8 @@ from typing import Any, Union
 import yaml
 
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.registry import (ALGORITHMS, DATA_SOURCES, LABEL_KINDS, PLANS, SPARSE_OPTIMIZERS,  # noqa: F401
-                               WORKLOADS)
+from gmeta_ds.registry import (ALGORITHMS, DATA_SOURCES, LABEL_KINDS, MODELS, PLANS,  # noqa: F401
+                               SPARSE_OPTIMIZERS, WORKLOADS)
 
 SHARDINGS = ("replicated", "sharded")
 ROW_OWNERS = ("modulo", "block")
@@ -31,10 +31,16 @@ AUTO = "auto"
 
 @dataclass
 class ModelConfig:
-    """MeLU-style CTR model: per-field embeddings -> concat -> MLP decision layers -> logit."""
+    """The CTR model (``task: ctr``): ``name`` is one of `registry.MODELS` (models/). The other
+    keys are the models' hyper-parameters, flat; each model reads only its own."""
 
+    name: str = "melu"                        # melu | dcn_v2 | deepfm | wide_deep | dlrm | two_tower
     embed_dim: int = 16
+    # MeLU's MLP; the deep part of dcn_v2, deepfm, wide_deep; DLRM's top MLP.
     hidden: list[int] = field(default_factory=lambda: [64, 32])
+    cross_layers: int = 2                     # dcn_v2: cross layers
+    bottom_hidden: list[int] = field(default_factory=list)  # dlrm: hidden widths of the bottom projection (d -> ... -> d)
+    tower_hidden: list[int] = field(default_factory=lambda: [64, 32])  # two_tower: each tower; the last = dot-product dim
 
 
 @dataclass
@@ -45,6 +51,7 @@ class MetaConfig:
     inner_steps: int = 1
     inner_lr: float = 0.1
     # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
+    # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
     tasks_per_micro_batch: Union[int, str] = 32
     tasks_per_meta_step: Union[int, str] = 64
@@ -253,7 +260,7 @@ class RunConfig:
 
     output_dir: str = "runs/default"
     seed: int = 0
-    task: str = "ctr"                         # ctr (MeLU on interaction logs) | text (Hugging Face)
+    task: str = "ctr"                         # ctr (model.name on interaction logs) | text (Hugging Face)
     model: ModelConfig = field(default_factory=ModelConfig)
     meta: MetaConfig = field(default_factory=MetaConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
@@ -377,8 +384,14 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.resume: {cfg.train.resume!r} must be null, 'auto' or a checkpoint path")
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
-    if any(h <= 0 for h in cfg.model.hidden):
-        problems.append(f"model.hidden: {cfg.model.hidden!r} must be positive layer widths")
+    _one_of(problems, "model.name", cfg.model.name, MODELS.names())
+    for key in ("hidden", "bottom_hidden", "tower_hidden"):
+        widths = getattr(cfg.model, key)
+        if any(h <= 0 for h in widths):
+            problems.append(f"model.{key}: {widths!r} must be positive layer widths")
+    if not cfg.model.tower_hidden:
+        problems.append("model.tower_hidden: empty; the last width is the two towers' dot-product dimension")
+    _positive(problems, "model.cross_layers", cfg.model.cross_layers)
     if cfg.data.source == "synthetic":
         _validate_synthetic(cfg.data.synthetic, problems)
     else:

@@ -13,7 +13,8 @@ use, so ``gmeta-ds validate`` stays torch-free) or as the object itself (what
 Where each kind is implemented: algorithms in ``algorithms/``, sharding plans in
 ``embedding/plan.py``, sparse row optimizers in ``embedding/optim.py``, interaction-log
 readers in ``data/readers.py`` (and the generator in ``data/synthetic.py``), losses in
-``functional/inner.py``, workloads (what ``task:`` names) in ``workloads/``.
+``functional/inner.py``, CTR models (what ``model.name`` names) in ``models/``, workloads (what
+``task:`` names) in ``workloads/``.
 """
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ LOSSES = Registry("loss", "data.label", {
     "multiclass": "gmeta_ds.functional.inner:masked_cross_entropy",
 })
 LABEL_KINDS = ("binary", "regression")  # the LOSSES an interaction log's label can have
+# CTR models (task: ctr): classes with ``from_config(fields, model_cfg, embedding)`` (models/base.py).
+MODELS = Registry("model", "model.name", {
+    "melu": "gmeta_ds.models.melu:MeLU", "dcn_v2": "gmeta_ds.models.dcn_v2:DCNv2",
+    "deepfm": "gmeta_ds.models.deepfm:DeepFM", "wide_deep": "gmeta_ds.models.wide_deep:WideDeep",
+    "dlrm": "gmeta_ds.models.dlrm:DLRM", "two_tower": "gmeta_ds.models.two_tower:TwoTower",
+})
 WORKLOADS = Registry("workload", "task", {
     "ctr": "gmeta_ds.workloads.ctr:CTRWorkload", "text": "gmeta_ds.workloads.text:TextWorkload",
 })

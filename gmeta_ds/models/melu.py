@@ -6,30 +6,24 @@ dense parameters), or none at all when the tables are sharded outside the engine
 trainer hands in looked-up rows. Lookup (`embed`) and the decision layers (`forward`) are
 separate so support and query ids are looked up in one fused call and the functional inner
 loop adapts only the decision layers.
+
+Config (``model.name: melu``): ``hidden`` (the MLP's widths). Natural ``meta.adapt``:
+``mlp.*`` (default: every decision layer), the last layer only (``mlp.<2·len(hidden)>.*``),
+item rows (``embedding.item_id``).
 """
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from gmeta_ds.config import EmbeddingConfig
-from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
-from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.config import EmbeddingConfig, ModelConfig
+from gmeta_ds.data.tasks import FieldSpec
+from gmeta_ds.embedding.tables import EmbeddingCollection
+from gmeta_ds.models.base import FieldModel, field_tables, mlp
 
-
-def melu_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list[TableConfig]:
-    """One table per field (named after it), with the per-table optimizer overrides of ``cfg``."""
-    tables = []
-    for f in fields:
-        override = cfg.tables.get(f.name)
-        tables.append(TableConfig(
-            f.name, f.num_ids, dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
-            init_std=cfg.init_std,
-            optimizer=(override and override.optimizer) or cfg.optimizer,
-            lr=(override and override.lr) or cfg.lr))
-    return tables
+melu_tables = field_tables  # one table per field (kept under its first name)
 
 
-class MeLU(nn.Module):
+class MeLU(FieldModel):
     """Concatenated field embeddings through an MLP to one click logit.
 
     `embed`: single-hot ids (..., F_single) and multi-hot bags -> rows (..., F, d), single-hot
@@ -39,27 +33,16 @@ class MeLU(nn.Module):
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int],
                  embedding: EmbeddingCollection | None = None):
-        super().__init__()
-        ordered = model_field_order(fields)
-        self.field_names = [f.name for f in ordered]
-        # Fields whose looked-up rows may adapt per task (functional/rows.py): single-hot ones,
-        # at positions 0..len-1 of the model input.
-        self.row_fields = [f.name for f in single_fields(fields)]
-        self.embed_dim = embed_dim
-        self.embedding = embedding
-        layers: list[nn.Module] = []
-        width = len(fields) * embed_dim
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        super().__init__(fields, embed_dim, embedding)
+        self.hidden = list(hidden)
+        self.mlp = mlp(len(fields) * embed_dim, self.hidden)
 
-    def embed(self, ids: Tensor, multi: dict | None = None) -> Tensor:
-        if self.embedding is None:
-            raise RuntimeError("this MeLU has no embedding module: its tables are sharded, so "
-                               "pass looked-up rows instead of ids")
-        return self.embedding.lookup_fields(ids, self.row_fields, multi)
+    @classmethod
+    def from_config(cls, fields, cfg: ModelConfig, embedding=None) -> MeLU:
+        return cls(fields, cfg.embed_dim, cfg.hidden, embedding)
+
+    def activation_floats(self) -> int:
+        return self.num_fields * self.embed_dim + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
         return self.mlp(rows.flatten(start_dim=-2)).squeeze(-1)
@@ -69,6 +52,6 @@ def build_melu(fields: list[FieldSpec], embed_dim: int, hidden: list[int], emb: 
                seed: int, with_tables: bool = True) -> MeLU:
     """A MeLU whose own unsharded tables are initialised from ``seed`` (``with_tables``), or
     one without tables whose rows come from a sharded collection."""
-    embedding = (EmbeddingCollection(melu_tables(fields, embed_dim, emb), seed, emb.bad_ids)
+    embedding = (EmbeddingCollection(field_tables(fields, embed_dim, emb), seed, emb.bad_ids)
                  if with_tables else None)
     return MeLU(fields, embed_dim, hidden, embedding)

@@ -1,13 +1,15 @@
-"""The CTR workload (``task: ctr``): MeLU over interaction logs, cold-start users as tasks.
+"""The CTR workload (``task: ctr``): a CTR model (``model.name``: MeLU by default, or another
+of `registry.MODELS`) over interaction logs, cold-start users as tasks.
 
 Builds the tasks (the embedded synthetic generator or a log on disk, data/builder.py), the
-MeLU learner, its tables (replicated inside DeepSpeed, or sharded over the ranks outside
+learner, its tables (replicated inside DeepSpeed, or sharded over the ranks outside
 it) and each meta-step's micro-batches (`TaskLoader`). At the end: ``model.safetensors``
 (rank 0) and cold-start evaluation -- held-out users split over the ranks, predictions
 gathered on rank 0, the non-meta baseline trained and scored there.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,8 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
 from gmeta_ds.functional.inner import LOSSES
-from gmeta_ds.models.melu import build_melu, melu_tables
+from gmeta_ds.models import build_model, resolve_adapt
+from gmeta_ds.models.base import field_tables
 from gmeta_ds.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
 from gmeta_ds.workloads.base import Built, Workload
 
@@ -83,7 +86,7 @@ class CTRWorkload(Workload):
         dense = dense_state_bytes(ds_config, n_params, world)
         lines = [f"tasks: {len(data.train)} train, {len(data.test)} test users; "
                  f"{data.train.num_interactions + data.test.num_interactions} interactions",
-                 f"model: {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}",
+                 f"model: {cfg.model.name}, {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}",
                  f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): parameters "
                  f"{size_text(dense['params'])}, gradients {size_text(dense['grads'])}, optimizer "
                  f"{size_text(dense['optimizer'])}"]
@@ -136,13 +139,14 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearn
     """Model + algorithm, initialised from the run seed (identical on every rank). Without
     tables when they are sharded outside the engine."""
     torch.manual_seed(cfg.seed)
-    net = build_melu(fields, cfg.model.embed_dim, cfg.model.hidden, cfg.embedding, cfg.seed, with_tables)
-    # meta.vectorize: auto -- activations of one task's padded rows through the MLP, kept for
-    # every inner step and the outer pass (x3: values, gradients, second-order terms).
+    net = build_model(cfg.model, fields, cfg.embedding, cfg.seed, with_tables)
+    # meta.vectorize: auto -- activations of one task's padded rows through the model (its
+    # rough floats per row), kept for every inner step and the outer pass (x3: values,
+    # gradients, second-order terms).
     rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
-    width = len(fields) * cfg.model.embed_dim + sum(cfg.model.hidden)
-    per_task = rows * width * 4 * (cfg.meta.inner_steps + 1) * 3
-    return MetaLearner(net, build_algorithm(cfg.meta, label_kind(cfg), per_task))
+    per_task = rows * net.activation_floats() * 4 * (cfg.meta.inner_steps + 1) * 3
+    meta = dataclasses.replace(cfg.meta, adapt=resolve_adapt(net, cfg.meta.adapt))
+    return MetaLearner(net, build_algorithm(meta, label_kind(cfg), per_task))
 
 
 def label_kind(cfg: RunConfig) -> str:
@@ -152,7 +156,7 @@ def label_kind(cfg: RunConfig) -> str:
 
 def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
     """The sharding plan of the model's tables (``embedding.sharding: sharded``)."""
-    return plan_from_config(melu_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
+    return plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
                             world_size)
 
 
