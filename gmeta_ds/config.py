@@ -151,7 +151,7 @@ class DataConfig:
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     min_count: int = 1                        # rarer categorical values share the OOV id 0
     test_fraction: float = 0.2                # held-out (cold-start) users
-    valid_fraction: float = 0.0               # further held-out users for tuning (eval.split: valid)
+    valid_fraction: float = 0.0               # further held-out users for tuning (eval.split: valid, eval.finetune_search)
     # MeLU's four states: items released in or after new_item_year are new; training uses
     # existing users x existing items; evaluation reports warm, user_cold, item_cold and
     # user_item_cold (eval.auc is user_cold's).
@@ -193,6 +193,12 @@ class EvalConfig:
     baseline_lr: float = 1e-3
     # Fine-tune the baseline on each test user's support before scoring (its own metric).
     baseline_finetune: bool = True
+    # Also fine-tune it with (lr, steps) chosen from a grid on the validation users
+    # (data.valid_fraction > 0): baseline_finetune_tuned_*, baseline_finetune_lr / _steps.
+    finetune_search: bool = False
+    # Item popularity (shrunk click rate / mean rating) + a per-user offset fitted on the
+    # support: baseline_popularity_* (gmeta_ds/baselines.py).
+    popularity_baseline: bool = True
     # Which held-out users to score: test, or valid (log sources with data.valid_fraction > 0).
     split: str = "test"
 
@@ -373,6 +379,15 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if not 0.0 <= cfg.data.valid_fraction < 1.0 or cfg.data.valid_fraction + cfg.data.test_fraction >= 1.0:
         problems.append(f"data.valid_fraction: {cfg.data.valid_fraction!r} must be in [0, 1) and leave "
                         f"training users next to data.test_fraction ({cfg.data.test_fraction})")
+    if cfg.eval.finetune_search:
+        if cfg.data.valid_fraction <= 0:
+            problems.append("eval.finetune_search: chooses the fine-tuned baseline's lr and steps on "
+                            "validation users; set data.valid_fraction > 0 (e.g. 0.1)")
+        if not cfg.eval.baseline:
+            problems.append("eval.finetune_search: needs eval.baseline: true (it tunes that baseline)")
+        if cfg.eval.split == "valid":
+            problems.append("eval.finetune_search: chooses on the validation users, so it needs "
+                            "eval.split: test (not valid)")
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
     _one_of(problems, "train.nonfinite", cfg.train.nonfinite, ("abort", "skip"))

@@ -23,7 +23,7 @@ USER_FIELDS = (("age", 7), ("gender", 2), ("occupation", 21), ("region", 50))
 ITEM_FIELDS = (("category", 20), ("brand", 100), ("price", 10))
 
 # SeedSequence spawn keys: one stream for shared draws, one per chunk of users.
-_SHARED_KEY, _CHUNK_KEY = 0, 1
+_SHARED_KEY, _CHUNK_KEY, _VALID_KEY = 0, 1, 2
 # Items are featurised in fixed blocks so item data never depends on chunk_users.
 _ITEM_BLOCK = 65_536
 
@@ -38,11 +38,13 @@ def synthetic_fields(cfg: SyntheticConfig) -> list[FieldSpec]:
 @dataclass
 class SyntheticData:
     """Generated dataset. ``train`` and ``test`` hold disjoint users (user cold-start),
-    each sorted by user id (``task_keys``); ids are int32 (N, 8) in `synthetic_fields` order."""
+    each sorted by user id (``task_keys``); ids are int32 (N, 8) in `synthetic_fields` order.
+    ``valid``: validation users carved out of the training users (`split_valid`), else None."""
 
     fields: list[FieldSpec]
     train: TaskSet
     test: TaskSet
+    valid: TaskSet | None = None
 
 
 @dataclass
@@ -179,3 +181,20 @@ def generate_synthetic(cfg: SyntheticConfig, seed: int,
             filled[side] = hi
     assert all(filled[s] == parts[s].num_interactions for s in parts)
     return SyntheticData(fields, train=parts[False], test=parts[True])
+
+
+def split_valid(data: SyntheticData, fraction: float, seed: int) -> SyntheticData:
+    """``data`` with ``round(fraction * len(train))`` training users (at least one, and at least
+    one left to train on; seeded) moved to ``valid`` (``data.valid_fraction``); ``fraction`` 0
+    returns ``data`` unchanged, so the default dataset does not depend on this step."""
+    if fraction <= 0:
+        return data
+    n_train = len(data.train)
+    if n_train < 2:
+        raise ValueError("data.valid_fraction: the synthetic data has fewer than 2 training users "
+                         "to split into training and validation users")
+    n_valid = min(max(round(fraction * n_train), 1), n_train - 1)
+    is_valid = np.zeros(n_train, dtype=bool)
+    is_valid[_rng(seed, _VALID_KEY).permutation(n_train)[:n_valid]] = True
+    return SyntheticData(data.fields, data.train.subset(np.flatnonzero(~is_valid)), data.test,
+                         data.train.subset(np.flatnonzero(is_valid)))

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
+from gmeta_ds.baselines import (fit_popularity, finetune_scores, finetune_search, item_column,
+                                popularity_scores)
 from gmeta_ds.config import RunConfig
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, synthetic_fields
+from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_valid, synthetic_fields
 from gmeta_ds.data.tasks import single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
@@ -110,16 +112,24 @@ class CTRWorkload(Workload):
                 parts.append(f"non-meta baseline {ev['baseline_' + name]:.4f}")
             if f"baseline_finetune_{name}" in ev:
                 parts.append(f"baseline + fine-tune {ev['baseline_finetune_' + name]:.4f}")
+            if f"baseline_finetune_tuned_{name}" in ev:
+                tuned = ev["baseline_finetune_tuned_" + name]
+                parts.append(f"baseline + tuned fine-tune (lr {ev['baseline_finetune_lr']:g}, "
+                             f"{ev['baseline_finetune_steps']} steps) {tuned:.4f}")
+            if f"baseline_popularity_{name}" in ev:
+                parts.append(f"popularity + user offset {ev['baseline_popularity_' + name]:.4f}")
             lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
         lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
         return lines
 
 
 def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
-    """The run's tasks (deterministic by seed: every rank builds the same ones): generated,
-    or built from an interaction log on disk (cached, data/builder.py)."""
+    """The run's tasks (deterministic by seed: every rank builds the same ones): generated
+    (``data.valid_fraction`` of its training users moved to ``valid``), or built from an
+    interaction log on disk (cached, data/builder.py)."""
     if cfg.data.source == "synthetic":
-        return generate_synthetic(cfg.data.synthetic, cfg.seed)
+        data = generate_synthetic(cfg.data.synthetic, cfg.seed)
+        return split_valid(data, cfg.data.valid_fraction, cfg.seed)
     return build_tasks(cfg.data, cfg.seed)
 
 
@@ -174,8 +184,10 @@ def eval_inner_steps(cfg: RunConfig) -> int:
 
 def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
-    predictions gathered on rank 0) and of the non-meta baseline (rank 0); with the four-state
-    split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
+    predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
+    and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
+    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); with
+    the four-state split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
     other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
@@ -183,13 +195,27 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
     if rank != 0:
         return {}
+    tuned = {}
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
+        if cfg.eval.finetune_search:  # chosen on validation users only; test users scored once
+            lr, steps, grid = finetune_search(baseline, data.valid, cfg.eval.tasks_per_batch)
+            tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps,
+                     "baseline_finetune_grid": grid}
         for name, tasks in sets.items():
             scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
-    result = {**scores.pop("test"), "split": cfg.eval.split}
+            if tuned:
+                lr, steps = tuned["baseline_finetune_lr"], tuned["baseline_finetune_steps"]
+                scores[name].update(finetune_scores(baseline, tasks, lr, steps, cfg.eval.tasks_per_batch))
+    if cfg.eval.popularity_baseline:
+        # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item.
+        popularity = fit_popularity(data.train, item_column(data.fields), kind,
+                                    oov_id=None if cfg.data.source == "synthetic" else 0)
+        for name, tasks in sets.items():
+            scores[name].update(popularity_scores(popularity, tasks))
+    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
     if scores:
         result["states"] = scores
     return result
