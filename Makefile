@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: install demo test test-all test-docs bench wheel-check clean
+.PHONY: install demo test test-slow test-all test-docs bench wheel-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ test: install
 test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-docs: install
 	$(PY) -m pytest -q -m docs tests/docs
+
+# Tests marked slow: further cases of paths the default run already covers (~5 min).
+test-slow: export PATH := $(abspath $(VENV))/bin:$(PATH)
+test-slow: install
+	$(PY) -m pytest -q -m "slow and not gpu"
 
 test-all: install
 	$(PY) -m pytest -q

@@ -54,7 +54,11 @@ def uninterrupted(tmp_path_factory) -> dict:
     return get
 
 
-@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1), (2, 2), (2, 3)])
+SLOW = pytest.mark.slow  # the same path as a case kept in the default run; CI runs these too
+
+
+@pytest.mark.parametrize("world, stage", [(1, 0), pytest.param(2, 1, marks=SLOW), (2, 2),
+                                          pytest.param(2, 3, marks=SLOW)])
 def test_exact_resume(tmp_path, uninterrupted, world, stage):
     """Stopped after 3 of 6 meta-steps and resumed: the same parameters and the same per-step
     losses as the uninterrupted run."""
@@ -70,7 +74,7 @@ def test_exact_resume(tmp_path, uninterrupted, world, stage):
     assert kept == ["step_00000003", "step_00000006"]
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3)])
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), pytest.param(2, 3, marks=SLOW)])
 def test_resume_at_another_world_size_reshards_tables(tmp_path, uninterrupted, before, after):
     """ZeRO-0 (full optimizer state in every checkpoint): the same global tasks per meta-step
     give the unchanged run's model after resharding the embedding rows and their state."""

@@ -34,7 +34,8 @@ def one_process(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("algorithm", ["maml", "fomaml", "reptile"])
+@pytest.mark.parametrize("algorithm", ["maml", pytest.param("fomaml", marks=pytest.mark.slow),
+                                       pytest.param("reptile", marks=pytest.mark.slow)])
 def test_zero3_on_two_ranks_equals_one_process(tmp_path, one_process, algorithm):
     result = train(text_config(tmp_path, algorithm, "zero3"), 2)
     assert result["world_size"] == 2 and result["ds_config"]["zero_optimization"]["stage"] == 3
