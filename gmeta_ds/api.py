@@ -50,6 +50,7 @@ from gmeta_ds.engine.dist import destroy_process_group, init_process_group
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import predict, score
 from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.registry import PLANS
 
 
 # ---------------------------------------------------------------------------- tasks
@@ -284,7 +285,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     ``"auto"`` (the newest complete one under ``output_dir``), at any world size.
     Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process),
     and then also tears it down at interpreter exit."""
-    plans = ("row_wise", "table_wise", "replicated", "auto", "dense")
+    plans = (*PLANS.names(), "auto", "dense")
     if sharding not in plans:
         raise ConfigError([f"sharding: {sharding!r} is not one of {', '.join(plans)}"])
     run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
