@@ -82,7 +82,10 @@ class FieldModel(nn.Module):
     @classmethod
     def from_config(cls, fields: list[FieldSpec], cfg: ModelConfig,
                     embedding: EmbeddingCollection | None = None) -> FieldModel:
-        raise NotImplementedError
+        """The model from the ``model:`` config section. This default passes only
+        ``embed_dim`` (a subclass whose constructor takes just ``fields, embed_dim, embedding``
+        needs nothing more); models with hyper-parameters override it to pass theirs."""
+        return cls(fields, cfg.embed_dim, embedding=embedding)
 
     def activation_floats(self) -> int:
         """Rough floats of activations kept per input row by one forward pass."""
