@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -267,6 +268,14 @@ class MetaEngine:
                                keep_last, self.checkpoint_meta())
 
 
+
+def _teardown_at_exit() -> None:
+    """The atexit end of a process group `initialize` created: ranks meet before closing
+    their connections unless the script died of an uncaught exception (then peers may be
+    inside a collective; Python has set ``sys.last_value`` by the time atexit runs)."""
+    destroy_process_group(clean_exit=getattr(sys, "last_value", None) is None)
+
+
 def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zero0.json", *,
                tables: list[TableConfig] | None = None, sharding: str = "row_wise",
                tasks_per_micro_batch: int | str = "auto", tasks_per_meta_step: int | str = "auto",
@@ -304,7 +313,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
         # threads are destroyed unjoined after all-to-alls and torch aborts ("terminate called
         # without an active exception", ~1 exit in 6 at world 2), failing a finished script.
-        atexit.register(destroy_process_group)
+        atexit.register(_teardown_at_exit)
     rank, world = (dist.get_rank(), dist.get_world_size())
     if world != plan.world_size:
         raise ConfigError([f"the process group has {world} ranks but WORLD_SIZE said {plan.world_size}"])

@@ -142,8 +142,10 @@ def _cmd_train(cfg: RunConfig) -> int:
         summary = train(cfg, ds_config, plan, rank, workload, prepared)
         if rank == 0:
             print("\n".join(workload.report(summary, cfg.output_dir)))
-    finally:
-        destroy_process_group()
+    except BaseException:
+        destroy_process_group(clean_exit=False)  # peers may be inside a collective
+        raise
+    destroy_process_group()
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import socket
 from pathlib import Path
@@ -218,11 +219,30 @@ def unlink_shm_buffers() -> list[Path]:
     return []
 
 
-def destroy_process_group() -> None:
+_TEARDOWN_BARRIER_S = 60
+
+
+def destroy_process_group(clean_exit: bool = True) -> None:
     """Tear down the process group if one exists (always called by the CLI), and forget the
     single-process rendezvous variables set here, so a later run in this process gets a
-    fresh port."""
+    fresh port.
+
+    Gloo aborts a finished process ("terminate called without an active exception", SIGABRT,
+    seen about once in a few hundred 2-rank exits under load) when its worker threads still
+    hold work objects whose tensors are freed late, or when a peer closes its sockets while
+    this rank's pairs are still live. So first the garbage that may own such work objects is
+    collected, and on a clean exit every rank meets at a barrier (bounded: a peer that is gone
+    costs at most `_TEARDOWN_BARRIER_S`, then the group is destroyed anyway) before any of
+    them closes its connections. After an error there is no barrier: peers may be inside
+    another collective, and the launcher ends them."""
     if dist.is_initialized():
+        gc.collect()
+        if clean_exit and dist.get_world_size() > 1:
+            with contextlib.suppress(Exception):
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=_TEARDOWN_BARRIER_S))
+                else:
+                    dist.barrier()
         dist.destroy_process_group()
     for key, value in list(_SET_BY_US.items()):
         if os.environ.get(key) == value:
