@@ -158,6 +158,8 @@ class DataConfig:
     four_state: bool = False
     new_item_year: int = 1998
     cache_dir: str = "~/.cache/gmeta_ds"
+    # Memory the out-of-core task build may use (DuckDB's limit; it spills to disk beyond it).
+    memory_limit: str = "2GB"
 
 
 @dataclass

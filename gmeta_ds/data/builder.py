@@ -29,9 +29,11 @@ import pyarrow.compute as pc
 
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
+from gmeta_ds.data.stream import (build_lock, build_store, file_source, log_source, open_store,
+                                  row_order_key)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: within-task order by `stream.row_order_key`; the store replaces the .npz
 
 
 @dataclass
@@ -63,9 +65,13 @@ def read_log(cfg: DataConfig) -> InteractionLog:
 def cache_key(cfg: DataConfig, seed: int) -> str:
     """Hash of everything the tasks depend on: data config (not the synthetic section), seed,
     and each log file's name, size and modification time."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("synthetic", "cache_dir")}
-    path = Path(cfg.path)
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items()
+                if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length")}
+    path = Path(cfg.path).expanduser()
+    if cfg.source == "table":
+        files = file_source(cfg.path, cfg.format).files  # a file, a folder of shards or a glob
+    else:
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
     stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     blob = json.dumps([CACHE_VERSION, settings, seed, stamps], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -110,14 +116,13 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
         raise DataError(f"{log.source}: no task has between {cfg.min_interactions} and "
                         f"{cfg.max_interactions} interactions ({len(uniq)} tasks read); "
                         "adjust data.min_interactions / data.max_interactions")
-    rng = np.random.default_rng([seed, 17])
     if cfg.split == "time" and not log.schema.timestamp:
         raise DataError(f"{log.source}: data.split 'time' needs a timestamp column, and this log has "
                         "none (data.schema.timestamp); use data.split: random")
     if cfg.split == "time":
         within = log.frame.data.column(log.schema.timestamp).to_numpy().astype(np.int64)
     else:
-        within = rng.permutation(len(keys))
+        within = row_order_key(np.arange(len(keys)), seed)
     rows = np.lexsort((within, task_of_row))
     return rows[keep[task_of_row[rows]]], task_of_row
 
@@ -152,13 +157,35 @@ def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
 
 
 def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
-    """Tasks for ``cfg`` (cached on disk); see the module docstring for the steps."""
-    cache = Path(cfg.cache_dir).expanduser() / f"tasks-{cache_key(cfg, seed)}.npz"
-    if cache.is_file():
-        return load_tasks(cache)
-    data = tasks_from_log(read_log(cfg), cfg, seed)
-    save_tasks(cache, data)
-    return data
+    """Tasks for ``cfg`` from a memory-mapped task store under ``data.cache_dir`` (built out
+    of core by `stream.build_store` the first time, by one process while the others wait;
+    reused by later runs with the same cache key); see the module docstring for the steps."""
+    store = store_path(cfg, seed)
+    if not (store / "manifest.json").is_file():
+        with build_lock(store):
+            if not (store / "manifest.json").is_file():
+                if cfg.source == "table":
+                    source = file_source(cfg.path, cfg.format)
+                    schema = table_schema(cfg)
+                else:
+                    log = read_log(cfg)
+                    source, schema = log_source(log), log.schema
+                build_store(source, schema, cfg, seed, store)
+                data = open_store(store)
+                data.stats.pop("cache")  # built by this call, not reused
+                return data
+    return open_store(store)
+
+
+def store_path(cfg: DataConfig, seed: int) -> Path:
+    """The task store of ``cfg`` and ``seed``: ``data.cache_dir/tasks-<cache key>``."""
+    return Path(cfg.cache_dir).expanduser() / f"tasks-{cache_key(cfg, seed)}"
+
+
+def table_schema(cfg: DataConfig) -> LogSchema:
+    s = cfg.schema
+    return LogSchema(s.task_key, s.item_key, s.label, s.timestamp, list(s.user_features),
+                     list(s.item_features), dict(s.multi_hot))
 
 
 def tasks_from_log(log: InteractionLog, cfg: DataConfig, seed: int) -> TaskData:

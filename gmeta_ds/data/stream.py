@@ -1,0 +1,711 @@
+"""Meta-IO at scale: an out-of-core task build (DuckDB) into a memory-mapped task store.
+
+The steps are those of `builder` (group by task key, filter by length, split users, build
+vocabularies on training users only, order each task and cut support / query), with the
+same results bit for bit (``tests/unit/data/test_stream.py`` checks it against the in-memory
+path), but no step holds the log in memory:
+
+* the log is read by DuckDB straight from Parquet (one file, a folder of shards, a glob, as
+  Spark and Hive write them; only the needed columns), or from CSV staged to Parquet in
+  chunks, or from an in-memory `InteractionLog` (the MovieLens and RecBole readers);
+* grouping, vocabularies, joins and the final sort are DuckDB queries under
+  ``data.memory_limit``, spilling to a temporary folder beside the store;
+* the rows come out of the sort in batches and are written straight into the store's
+  arrays: raw little-endian files, one per array, described by ``manifest.json``.
+
+Why DuckDB: it reads Parquet/CSV globs with column projection, runs out-of-core sorts,
+group-bys and hash joins under an explicit memory limit with a spill folder, is one pip
+wheel with no server, and hands results to Arrow in batches. Polars' streaming engine does
+the same group-bys but its out-of-core sort and memory limit are less explicit.
+
+The store (``tasks-<cache key>/``) is opened with `numpy.memmap`: every rank of a node maps
+the same files, so they share one copy in the page cache, and a rank reads only the rows of
+the tasks it collates. It is written into a temporary sibling folder and renamed into place
+when complete; ``manifest.json`` records ``STORE_VERSION`` and every array's dtype, shape
+and size, checked on open, so a half-written or foreign folder is never used.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob as globlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from gmeta_ds.data.readers import MISSING, DataError, InteractionLog, LogSchema
+from gmeta_ds.data.tasks import FieldSpec, TaskSet
+
+STORE_VERSION = 1
+TRAIN, VALID, TEST = 0, 1, 2
+STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
+BATCH_ROWS = 1 << 19
+LOCK_WAIT_S = 6 * 3600  # another process building the same store: wait at most this long
+# splitmix64 constants: the within-task order of data.split: random (see `row_order_key`)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_M64 = (1 << 64) - 1
+
+
+def order_seed(seed: int) -> int:
+    """The 64-bit offset of `row_order_key` for a run seed."""
+    return (int(np.random.default_rng([seed, 17]).integers(0, 2**63)) * _GOLDEN) & _M64
+
+
+def row_order_key(rows: np.ndarray, seed: int) -> np.ndarray:
+    """splitmix64(row + offset(seed)): the pseudo-random key that orders the rows of a task
+    under ``data.split: random`` (a bijection of the row number, so no ties). A function of
+    the row's position in the log only, so any chunking of the log, any reader and any
+    number of ranks order it the same way; `_order_key_sql` is the same function in SQL."""
+    with np.errstate(over="ignore"):
+        z = rows.astype(np.uint64) + np.uint64(order_seed(seed))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        return z ^ (z >> np.uint64(31))
+
+
+def _order_key_sql(seed: int) -> str:
+    m = 1 << 64
+    z0 = f"((_row::UHUGEINT + {order_seed(seed)}::UHUGEINT) % {m}::UHUGEINT)"
+    return (f"CAST(xor(z2, z2 >> 31) AS UBIGINT)"), [
+        f"{z0} AS z0",
+        f"((xor(z0, z0 >> 30) * {_MIX1}::UHUGEINT) % {m}::UHUGEINT) AS z1",
+        f"((xor(z1, z1 >> 27) * {_MIX2}::UHUGEINT) % {m}::UHUGEINT) AS z2",
+    ]
+
+
+# ---------------------------------------------------------------- sources
+@dataclass
+class Source:
+    """Where the rows come from: Parquet ``files`` (in this order: row numbers run across
+    them), or an Arrow ``table`` in memory. ``what`` names it in messages."""
+
+    what: str
+    files: list[Path] | None = None
+    table: pa.Table | None = None
+
+    def rows(self) -> int:
+        if self.table is not None:
+            return self.table.num_rows
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+
+def _files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
+    """The files behind ``data.path``: a file, a folder of shards (every ``*.parquet`` /
+    ``*.pq`` or ``*.csv`` / ``*.tsv`` / ``*.txt`` file in it, recursively, hidden and ``_``
+    files skipped as Spark writes ``_SUCCESS``), or a glob; sorted by path."""
+    text = str(path)
+    p = Path(text).expanduser()
+    if any(ch in text for ch in "*?["):
+        files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
+        if not files:
+            raise DataError(f"data.path: the glob {text!r} matches no file")
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_"))
+                       and f.suffix.lower() in (".parquet", ".pq", ".csv", ".tsv", ".txt"))
+        if not files:
+            raise DataError(f"{p}: the folder holds no .parquet, .pq, .csv, .tsv or .txt file")
+    elif p.is_file():
+        files = [p]
+    else:
+        raise DataError(f"{p}: file does not exist (data.path)")
+    kinds = {"parquet" if f.suffix.lower() in (".parquet", ".pq") else "csv" for f in files}
+    if fmt == "auto":
+        if len(kinds) > 1:
+            raise DataError(f"data.path {text}: mixes Parquet and CSV files; set data.format or "
+                            "keep one kind per folder")
+        fmt = kinds.pop()
+    if fmt not in ("csv", "parquet"):
+        raise DataError(f"data.format: {fmt!r} is not one of auto, csv, parquet")
+    for f in files:
+        if f.stat().st_size == 0:
+            raise DataError(f"{f}: file is empty")
+    return files, fmt
+
+
+def _check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataType]:
+    """Every file's schema (footer only): readable, has ``columns``, same types as the first
+    file; returns the types."""
+    first: dict[str, pa.DataType] | None = None
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{f}: cannot read as Parquet ({exc}); is the file truncated?") from None
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: "
+                            f"{', '.join(schema.names)}")
+        types = {c: _plain(schema.field(c).type) for c in columns}
+        if first is None:
+            first, first_file = types, f
+        else:
+            for c in columns:
+                if _kind(types[c]) != _kind(first[c]):
+                    raise DataError(f"{f}: column {c!r} is {types[c]}, but {first[c]} in "
+                                    f"{first_file}; every file of the log must have one schema")
+    return first
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _kind(t: pa.DataType) -> str:
+    """What a column holds, for comparing files: widths and string flavours may differ
+    between shards (DuckDB casts them to the first file's type), kinds may not."""
+    for kind in ("string", "large_string", "integer", "floating", "boolean", "list", "large_list",
+                 "timestamp", "date"):
+        if getattr(pa.types, f"is_{kind}")(t):
+            return kind.replace("large_", "")
+    return str(t)
+
+
+def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> list[Path]:
+    """CSV files -> Parquet shards of string columns under ``out`` (bounded memory: one
+    block at a time). Rows whose every cell is empty are dropped, as the in-memory reader
+    does; blank lines are skipped."""
+    out.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for n, f in enumerate(files):
+        try:
+            header = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
+                                    read_options=pacsv.ReadOptions(block_size=1 << 16)).schema.names
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{f}: cannot read as CSV ({exc})") from None
+        if len(header) < 2:
+            raise DataError(f"{f}: expected columns separated by {'tabs' if sep == chr(9) else repr(sep)}, "
+                            f"found one column (header {header[0][:200]!r}; wrong separator?)")
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: {', '.join(header)}")
+        convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in header},
+                                       strings_can_be_null=False)
+        target = out / f"part-{n:05d}.parquet"
+        try:
+            reader = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
+                                    read_options=pacsv.ReadOptions(block_size=1 << 24),
+                                    convert_options=convert)
+            with pq.ParquetWriter(target, pa.schema([(c, pa.string()) for c in columns])) as writer:
+                for batch in reader:
+                    empty = None
+                    for c in header:
+                        e = pc.equal(batch.column(c), "")
+                        empty = e if empty is None else pc.and_(empty, e)
+                    table = pa.Table.from_batches([batch]).filter(pc.invert(empty))
+                    writer.write_table(table.select(columns))
+        except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
+            raise DataError(f"{f}: cannot read as CSV ({str(exc).strip()}); check the separator, "
+                            "quoting and encoding (UTF-8)") from None
+        staged.append(target)
+    return staged
+
+
+# ---------------------------------------------------------------- SQL for column types
+def _categorical_sql(c: str, t: pa.DataType, integral: bool) -> str:
+    """A categorical column as the in-memory reader types it: strings, missing/empty ->
+    MISSING, integral floats without ".0", booleans "True"/"False"."""
+    q = f'"{c}"'
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return f"CASE WHEN {q} IS NULL OR {q} = '' THEN '{MISSING}' ELSE {q} END"
+    if pa.types.is_integer(t):
+        return f"COALESCE(CAST({q} AS VARCHAR), '{MISSING}')"
+    if pa.types.is_floating(t):
+        if integral:
+            return f"CASE WHEN {q} IS NULL OR isnan({q}) THEN '{MISSING}' ELSE CAST(CAST({q} AS HUGEINT) AS VARCHAR) END"
+        return f"CASE WHEN {q} IS NULL OR isnan({q}) THEN '{MISSING}' ELSE CAST({q} AS VARCHAR) END"
+    if pa.types.is_boolean(t):
+        return f"CASE WHEN {q} IS NULL THEN '{MISSING}' WHEN {q} THEN 'True' ELSE 'False' END"
+    raise DataError(f"column {c!r} has type {t}; expected strings, integers or booleans")
+
+
+def _number_sql(c: str, t: pa.DataType) -> tuple[str, str]:
+    """(value as DOUBLE, condition for a bad value) of a numeric column."""
+    q = f'"{c}"'
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        v = f"CAST({q} AS DOUBLE)"
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        v = f"TRY_CAST(NULLIF(trim({q}), '') AS DOUBLE)"
+    elif pa.types.is_timestamp(t) or pa.types.is_date(t):
+        v = f"CAST(epoch({q}) AS DOUBLE)"
+    else:
+        raise DataError(f"column {c!r} has type {t}; expected numbers")
+    return v, f"({v} IS NULL OR isnan({v}))"
+
+
+def _multi_sql(c: str, t: pa.DataType, sep: str) -> str:
+    q = f'"{c}"'
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        s = sep.replace("'", "''")
+        return f"COALESCE(list_filter(string_split({q}, '{s}'), lambda x: x <> ''), [])"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"COALESCE(list_transform({q}, lambda x: CAST(x AS VARCHAR)), [])"
+    raise DataError(f"multi-hot column {c!r} has type {t}; expected strings or lists")
+
+
+# ---------------------------------------------------------------- the build
+def _table(con, query: str) -> pa.Table:
+    """A query's result as an Arrow table (DuckDB 2 names it to_arrow_table, 1.x arrow)."""
+    rel = con.sql(query)
+    return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
+
+
+def _batches(con, query: str, rows: int):
+    """A query's result as Arrow record batches of ``rows`` rows, streamed."""
+    rel = con.sql(query)
+    if hasattr(rel, "to_arrow_reader"):
+        return rel.to_arrow_reader(rows)
+    return rel.fetch_arrow_reader(rows)
+
+
+def _parse_memory(text: str) -> str:
+    units = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    t = str(text).strip().upper().replace("IB", "B")
+    num = t.rstrip("KMGTB ")
+    unit = t[len(num):].strip()
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise DataError(f"data.memory_limit: {text!r} is not a size like 2GB or 512MB") from None
+    if value < 64 * 2**20:
+        raise DataError(f"data.memory_limit: {text!r} is below 64MB; DuckDB needs more to sort")
+    return f"{int(value // 2**20)}MB"
+
+
+class _Build:
+    def __init__(self, source: Source, schema: LogSchema, cfg, seed: int, work: Path, con) -> None:
+        self.source, self.schema, self.cfg, self.seed, self.work, self.con = source, schema, cfg, seed, work, con
+        self.stats: dict = {"source": source.what}
+
+    # -- the normalised view: one row per interaction, typed as the readers type it
+    def view(self) -> None:
+        s = self.schema
+        cols = s.columns()
+        if self.source.table is not None:
+            table = self.source.table.select(cols)
+            table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+            self.con.register("src_table", table)
+            types = {c: _plain(table.schema.field(c).type) for c in cols}
+            src = "src_table"
+        else:
+            types = _check_parquet(self.source.files, cols)
+            offsets = np.concatenate([[0], np.cumsum([pq.ParquetFile(f).metadata.num_rows
+                                                      for f in self.source.files])])
+            self.con.register("src_files", pa.table({
+                "filename": [str(f) for f in self.source.files], "_offset": offsets[:-1].astype(np.int64)}))
+            listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in self.source.files)
+            names = ", ".join(f'p."{c}"' for c in cols)
+            src = (f"(SELECT {names}, CAST(p.file_row_number + o._offset AS BIGINT) AS _row FROM "
+                   f"read_parquet([{listing}], filename=true, file_row_number=true) p "
+                   f"JOIN src_files o ON p.filename = o.filename)")
+        self.types = types
+        exprs, checks = {}, []
+        for key in (s.task_key, s.item_key):
+            t = types[key]
+            q = f'"{key}"'
+            if pa.types.is_string(t) or pa.types.is_large_string(t):
+                checks.append((f"{q} IS NULL OR {q} = ''", f"column {key!r} is empty; expected a value"))
+            else:
+                checks.append((f"{q} IS NULL", f"column {key!r} is empty; expected a value"))
+        integral = self._integral_floats(src, [c for c in cols if c not in self._typed()])
+        for c in cols:
+            if c in self._typed():
+                continue
+            exprs[c] = _categorical_sql(c, types[c], c in integral)
+        v, bad = _number_sql(s.label, types[s.label])
+        exprs[s.label] = f"CAST({v} AS FLOAT)"
+        checks.append((bad, f"column {s.label!r} must be a number (not empty, not NaN)"))
+        if s.timestamp:
+            v, bad = _number_sql(s.timestamp, types[s.timestamp])
+            exprs[s.timestamp] = f"CAST(floor({v}) AS BIGINT)"
+            checks.append((bad, f"column {s.timestamp!r} must be an integer timestamp (e.g. Unix seconds)"))
+        for c, sep in s.multi_hot.items():
+            exprs[c] = _multi_sql(c, types[c], sep)
+        self._check(src, checks)
+        select = ", ".join(f'{e} AS "{c}"' for c, e in exprs.items())
+        self.con.execute(f"CREATE TEMP VIEW n AS SELECT {select}, _row FROM {src}")
+        self.src = src
+
+    def _typed(self) -> set[str]:
+        s = self.schema
+        return {s.label, s.timestamp, *s.multi_hot, *s.dense} - {None}
+
+    def _integral_floats(self, src: str, cols: list[str]) -> set[str]:
+        floats = [c for c in cols if pa.types.is_floating(self.types[c])]
+        if not floats:
+            return set()
+        aggs = ", ".join(f'bool_and("{c}" = trunc("{c}")) FILTER (WHERE NOT isnan("{c}"))' for c in floats)
+        values = self.con.sql(f"SELECT {aggs} FROM {src}").fetchall()[0]
+        return {c for c, ok in zip(floats, values) if ok is None or ok}
+
+    def _check(self, src: str, checks: list[tuple[str, str]]) -> None:
+        """One scan for every per-row check; the first failing one (in column order) raises
+        naming the file and row of its first bad row."""
+        aggs = ", ".join(f"count(*) FILTER (WHERE {cond}), min(_row) FILTER (WHERE {cond})"
+                         for cond, _ in checks)
+        values = self.con.sql(f"SELECT {aggs} FROM {src}").fetchall()[0]
+        for i, (_, problem) in enumerate(checks):
+            count, row = values[2 * i], values[2 * i + 1]
+            if count:
+                raise DataError(f"{self.where(int(row))}: {problem} ({count} such row(s) in all)")
+
+    def where(self, row: int) -> str:
+        if self.source.files is None:
+            return f"{self.source.what}: row {row + 1}"
+        for f in self.source.files:
+            n = pq.ParquetFile(f).metadata.num_rows
+            if row < n:
+                return f"{f}: row {row + 1}"
+            row -= n
+        return self.source.what
+
+    # -- tasks: group, filter, split users
+    def tasks(self) -> None:
+        cfg, s = self.cfg, self.schema
+        total = self.con.sql("SELECT count(*) FROM n").fetchall()[0][0]
+        if total == 0:
+            raise DataError(f"{self.source.what}: the log holds no interactions")
+        self.stats["interactions_read"] = int(total)
+        groups = _table(self.con, (f'SELECT "{s.task_key}" AS t, count(*) AS c FROM n GROUP BY 1 '
+                                  "ORDER BY 1"))
+        keys, lengths = groups.column("t"), groups.column("c").to_numpy().astype(np.int64)
+        short = lengths < cfg.min_interactions
+        if cfg.short_tasks == "error" and short.any():
+            examples = ", ".join(keys.filter(pa.array(short)).slice(0, 5).to_pylist())
+            raise DataError(f"{self.source.what}: {int(short.sum())} task(s) have fewer than "
+                            f"{cfg.min_interactions} interactions (data.min_interactions), e.g. "
+                            f"{s.task_key} {examples}; set data.short_tasks: skip to drop them")
+        keep = ~short & (lengths <= cfg.max_interactions)
+        self.stats.update(tasks_read=len(lengths), tasks_too_short=int(short.sum()),
+                          tasks_too_long=int((lengths > cfg.max_interactions).sum()),
+                          tasks_kept=int(keep.sum()))
+        if not keep.any():
+            raise DataError(f"{self.source.what}: no task has between {cfg.min_interactions} and "
+                            f"{cfg.max_interactions} interactions ({len(lengths)} tasks read); "
+                            "adjust data.min_interactions / data.max_interactions")
+        if cfg.split == "time" and not s.timestamp:
+            raise DataError(f"{self.source.what}: data.split 'time' needs a timestamp column, and this "
+                            "log has none (data.schema.timestamp); use data.split: random")
+        from gmeta_ds.data.builder import _split_users
+
+        kept = np.flatnonzero(keep)
+        split = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
+        self.con.register("task_split", pa.table({
+            "t": keys.filter(pa.array(keep)), "task": pa.array(kept.astype(np.int64)),
+            "split": pa.array(split.astype(np.int8))}))
+        new_item = "FALSE"
+        if cfg.four_state:
+            y = s.release_year
+            if y is None:
+                raise DataError(f"{self.source.what}: data.four_state needs item release years, and "
+                                "this log has no release-year column")
+            new_item = (f"(regexp_full_match(n.\"{y}\", '[0-9]+') AND "
+                        f"TRY_CAST(n.\"{y}\" AS HUGEINT) >= {int(cfg.new_item_year)})")
+        self.con.execute(f'CREATE TEMP VIEW j AS SELECT n.*, ts.task, ts.split, {new_item} AS new_item '
+                         f'FROM n JOIN task_split ts ON n."{s.task_key}" = ts.t')
+        self.masks = {"train": f"split = {TRAIN}", "valid": f"split = {VALID}", "test": f"split = {TEST}"}
+        if cfg.four_state:
+            m = self.masks
+            self.masks = {"train": f"{m['train']} AND NOT new_item", "valid": f"{m['valid']} AND NOT new_item",
+                          "test": f"{m['test']} AND NOT new_item",
+                          "warm": f"{m['train']} AND NOT new_item", "user_cold": f"{m['test']} AND NOT new_item",
+                          "item_cold": f"{m['train']} AND new_item", "user_item_cold": f"{m['test']} AND new_item"}
+
+    # -- vocabularies from training rows only
+    def vocabularies(self) -> None:
+        s, cfg = self.schema, self.cfg
+        user = [c for c in s.user_features if c not in s.multi_hot]
+        item = [s.item_key] + [c for c in s.item_features if c not in s.multi_hot]
+        self.single = [(c, "user") for c in user] + [(c, "item") for c in item]
+        self.multi = [(c, "user" if c in s.user_features else "item") for c in s.multi_hot]
+        train = self.masks["train"]
+        self.fields, self.multi_vocab = [], {}
+        for n, (c, side) in enumerate(self.single):
+            self.con.execute(f'CREATE TEMP TABLE v{n} AS SELECT v, CAST(row_number() OVER (ORDER BY cnt DESC, v) '
+                             f'AS INTEGER) AS id FROM (SELECT "{c}" AS v, count(*) AS cnt FROM j WHERE {train} '
+                             f'GROUP BY 1 HAVING count(*) >= {int(cfg.min_count)})')
+            size = self.con.sql(f"SELECT count(*) FROM v{n}").fetchall()[0][0]
+            self.fields.append(FieldSpec(c, int(size) + 1, side))
+        for c, side in self.multi:
+            vocab = _table(self.con, (
+                f'SELECT v FROM (SELECT unnest("{c}") AS v FROM j WHERE {train}) GROUP BY 1 '
+                f'HAVING count(*) >= {int(cfg.min_count)} ORDER BY count(*) DESC, v')).column("v")
+            self.multi_vocab[c] = vocab.combine_chunks() if vocab.num_chunks else pa.array([], pa.string())
+            self.fields.append(FieldSpec(c, len(vocab) + 1, side, multi_hot=True))
+        self.stats["vocab"] = {f.name: f.num_ids for f in self.fields}
+
+    # -- one split: tasks long enough, rows ordered, written to the store
+    def write_split(self, name: str, out: Path) -> dict:
+        cfg, s = self.cfg, self.schema
+        mask = self.masks[name]
+        lengths = _table(self.con, (f"SELECT task, count(*) AS c FROM j WHERE {mask} GROUP BY 1 "
+                                   "ORDER BY 1"))
+        tasks = lengths.column("task").to_numpy().astype(np.int64)
+        counts = lengths.column("c").to_numpy().astype(np.int64)
+        long_enough = counts > cfg.query_size
+        dropped = int((~long_enough).sum())
+        tasks, counts = tasks[long_enough], counts[long_enough]
+        self.con.register(f"keep_{name}", pa.table({"task": tasks}))
+        n_rows = int(counts.sum())
+        arrays = {"offsets": np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                  "support_len": (counts - cfg.query_size).astype(np.int64), "task_keys": tasks}
+        files = {k: _write_array(out, f"{name}.{k}", v) for k, v in arrays.items()}
+        n_single = len(self.single)
+        ids = _Writer(out, f"{name}.ids", np.int32, (n_rows, n_single))
+        labels = _Writer(out, f"{name}.labels", np.float32, (n_rows,))
+        multi = {c: (_Appender(out, f"{name}.multi.{c}.values", np.int32),
+                     _Writer(out, f"{name}.multi.{c}.offsets", np.int64, (n_rows + 1,))) for c, _ in self.multi}
+        time_order = bool(s.timestamp) and cfg.split == "time"
+        names = [c for c, _ in self.single] + [c for c, _ in self.multi]
+        picked = "".join(f', "{c}"' for c in names)
+        if time_order:
+            extra, order = f', "{s.timestamp}" AS k', "r.k, r._row"
+        else:
+            key, steps = _order_key_sql(self.seed)
+            extra, order = "".join(f", {x}" for x in steps) + f", {key} AS k", "r.k, r._row"
+        inner = (f'SELECT task, _row, "{s.label}" AS label{picked}{extra} FROM j '
+                 f"SEMI JOIN keep_{name} USING (task) WHERE {mask}")
+        joins = " ".join(f'LEFT JOIN v{n} ON r."{c}" = v{n}.v' for n, (c, _) in enumerate(self.single))
+        idcols = "".join(f", COALESCE(v{n}.id, 0) AS f{n}" for n in range(n_single))
+        mcols = "".join(f', r."{c}"' for c, _ in self.multi)
+        query = (f"SELECT r.label{idcols}{mcols} FROM ({inner}) r {joins} ORDER BY r.task, {order}")
+        reader = _batches(self.con, query, BATCH_ROWS)
+        pos, bag_base = 0, {c: 0 for c, _ in self.multi}
+        label_sum = 0.0
+        threshold = np.float32(cfg.threshold)
+        for batch in reader:
+            n = batch.num_rows
+            if n_single:
+                ids.put(pos, np.stack([batch.column(f"f{k}").to_numpy() for k in range(n_single)], axis=1))
+            ratings = batch.column("label").to_numpy().astype(np.float32)
+            y = ratings if cfg.label == "regression" else (ratings >= threshold).astype(np.float32)
+            labels.put(pos, y)
+            label_sum += float(y.sum(dtype=np.float64))
+            for c, _ in self.multi:
+                values, offsets = multi[c]
+                col = batch.column(c)
+                found = pc.index_in(pc.list_flatten(col), value_set=self.multi_vocab[c])
+                values.append(pc.fill_null(pc.add(found, 1), 0).to_numpy(zero_copy_only=False))
+                lens = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+                start = 1 if pos > 0 else 0
+                off = np.concatenate([[0], np.cumsum(lens)]) + bag_base[c]
+                offsets.put(pos + start, off[start:])
+                bag_base[c] = int(off[-1])
+            pos += n
+        if pos != n_rows:
+            raise DataError(f"{self.source.what}: the task build wrote {pos} rows of split {name}, "
+                            f"expected {n_rows} (a file changed during the build?)")
+        files["ids"], files["labels"] = ids.close(), labels.close()
+        for c, (values, offsets) in multi.items():
+            if n_rows == 0:
+                offsets.put(0, np.zeros(1, dtype=np.int64))
+            files[f"multi.{c}.values"], files[f"multi.{c}.offsets"] = values.close(), offsets.close()
+        return {"files": files, "tasks": len(tasks), "dropped": dropped, "rows": n_rows,
+                "label_sum": label_sum}
+
+
+class _Writer:
+    """A raw array file of known shape, filled by row ranges."""
+
+    def __init__(self, folder: Path, name: str, dtype, shape: tuple) -> None:
+        self.path, self.dtype, self.shape = folder / f"{name}.bin", np.dtype(dtype), shape
+        size = int(np.prod(shape)) * self.dtype.itemsize
+        with open(self.path, "wb") as fh:
+            fh.truncate(size)
+        self.mm = np.memmap(self.path, self.dtype, "r+", shape=shape) if size else None
+
+    def put(self, start: int, values: np.ndarray) -> None:
+        if self.mm is not None and len(values):
+            self.mm[start:start + len(values)] = values
+
+    def close(self) -> dict:
+        if self.mm is not None:
+            self.mm.flush()
+            del self.mm
+        return {"file": self.path.name, "dtype": self.dtype.str, "shape": list(self.shape)}
+
+
+class _Appender:
+    """A raw 1-D array file of unknown length, appended to."""
+
+    def __init__(self, folder: Path, name: str, dtype) -> None:
+        self.path, self.dtype, self.n = folder / f"{name}.bin", np.dtype(dtype), 0
+        self.fh = open(self.path, "wb")
+
+    def append(self, values: np.ndarray) -> None:
+        self.fh.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.n += len(values)
+
+    def close(self) -> dict:
+        self.fh.close()
+        return {"file": self.path.name, "dtype": self.dtype.str, "shape": [self.n]}
+
+
+def _write_array(folder: Path, name: str, values: np.ndarray) -> dict:
+    w = _Writer(folder, name, values.dtype, values.shape)
+    w.put(0, values)
+    return w.close()
+
+
+# ---------------------------------------------------------------- store: build, open
+def estimate_bytes(rows: int, n_fields: int, n_multi: int) -> int:
+    """Disk a build needs at most: the store (ids, labels, bags at ~3 tokens) plus DuckDB's
+    spill of the sort (about the rows' width twice)."""
+    store = rows * (4 * n_fields + 4 + n_multi * (8 + 12))
+    return int(store * 3 + (64 << 20))
+
+
+def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) -> Path:
+    """Build the tasks of ``source`` into ``store`` (a folder; atomically: written into a
+    temporary sibling and renamed into place). Returns ``store``."""
+    import duckdb
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    work = store.with_name(f"{store.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        if source.files is not None and getattr(source, "fmt", "parquet") == "csv":
+            source = Source(source.what, _stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"))
+        if source.files is not None:
+            _check_parquet(source.files, schema.columns())  # footers first: readable, one schema
+        need = estimate_bytes(source.rows(), len(schema.columns()), len(schema.multi_hot))
+        free = shutil.disk_usage(store.parent).free
+        if need > free:
+            raise DataError(f"data.cache_dir {store.parent}: the task build needs about "
+                            f"{need / 2**30:.1f} GiB of disk and {free / 2**30:.1f} GiB are free; "
+                            "point data.cache_dir at a larger disk")
+        con = duckdb.connect(config={"memory_limit": _parse_memory(cfg.memory_limit),
+                                     "temp_directory": str(work / "spill"), "threads": _threads(),
+                                     "preserve_insertion_order": False})
+        try:
+            started = time.perf_counter()
+            b = _Build(source, schema, cfg, seed, work, con)
+            b.view()
+            b.tasks()
+            b.vocabularies()
+            splits, label_sum, kept_rows = {}, 0.0, 0
+            for name in b.masks:
+                part = b.write_split(name, work)
+                splits[name] = part["files"]
+                b.stats[f"{name}_tasks"] = part["tasks"]
+                if part["dropped"]:
+                    b.stats[f"{name}_tasks_without_support"] = part["dropped"]
+                if part["tasks"] == 0 and name in ("train", "test"):
+                    raise DataError(f"{source.what}: no {name} task keeps more than data.query_size "
+                                    f"({cfg.query_size}) interactions after the split")
+            rate = con.sql(f"SELECT avg(CASE WHEN \"{schema.label}\" >= CAST({float(cfg.threshold)!r} AS FLOAT) "
+                               f"THEN 1.0 ELSE 0.0 END), avg(\"{schema.label}\") FROM j").fetchall()[0]
+            if cfg.label == "regression":
+                b.stats["mean_label"] = float(rate[1])
+            else:
+                b.stats["click_rate"] = float(rate[0])
+            b.stats["build_s"] = round(time.perf_counter() - started, 3)
+        except duckdb.Error as exc:  # e.g. a damaged data page behind an intact footer
+            raise DataError(f"{source.what}: the task build failed while reading the log: "
+                            f"{str(exc).splitlines()[0]}") from None
+        finally:
+            con.close()
+        shutil.rmtree(work / "spill", ignore_errors=True)
+        shutil.rmtree(work / "staged", ignore_errors=True)
+        manifest = {"format": "gmeta_ds task store", "version": STORE_VERSION,
+                    "fields": [asdict(f) for f in b.fields], "stats": b.stats, "splits": splits}
+        (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(work)
+        try:
+            work.rename(store)
+        except OSError:
+            if not (store / "manifest.json").is_file():  # not another process's finished store
+                raise
+        return store
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def open_store(store: Path):
+    """The `TaskData` of a finished store, its arrays memory-mapped read-only (checked
+    against the manifest: version, dtype, shape and file size)."""
+    from gmeta_ds.data.builder import TaskData
+
+    try:
+        manifest = json.loads((store / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{store}: not a task store (manifest.json unreadable: {exc}); delete the "
+                        "folder and the build runs again") from None
+    if manifest.get("format") != "gmeta_ds task store" or manifest.get("version") != STORE_VERSION:
+        raise DataError(f"{store}: task store version {manifest.get('version')!r}, this gmeta_ds reads "
+                        f"version {STORE_VERSION}; delete the folder and the build runs again")
+    fields = [FieldSpec(**f) for f in manifest["fields"]]
+
+    def arr(spec: dict) -> np.ndarray:
+        path = store / spec["file"]
+        dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+        size = int(np.prod(shape)) * dtype.itemsize
+        if not path.is_file() or path.stat().st_size != size:
+            raise DataError(f"{path}: expected {size} bytes ({dtype} {list(shape)}) as manifest.json "
+                            "says; the store is damaged: delete the folder and the build runs again")
+        return np.memmap(path, dtype, "r", shape=shape) if size else np.zeros(shape, dtype)
+
+    parts = {}
+    for name, files in manifest["splits"].items():
+        multi = {f.name: (arr(files[f"multi.{f.name}.values"]), arr(files[f"multi.{f.name}.offsets"]))
+                 for f in fields if f.multi_hot}
+        parts[name] = TaskSet(fields, arr(files["ids"]), arr(files["labels"]), arr(files["offsets"]),
+                              arr(files["support_len"]), arr(files["task_keys"]), multi)
+    states = {k: v for k, v in parts.items() if k in STATES}
+    return TaskData(fields, parts["train"], parts["test"], {**manifest["stats"], "cache": str(store)},
+                    states, parts.get("valid"))
+
+
+@contextlib.contextmanager
+def build_lock(store: Path, wait_s: float = LOCK_WAIT_S):
+    """Held while one process builds ``store``: the ranks of a node build it once, the
+    others wait and then open it."""
+    store.parent.mkdir(parents=True, exist_ok=True)
+    lock = store.with_name(f"{store.name}.lock")
+    with open(lock, "a") as fh:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DataError(f"{lock}: another process has been building this task store for "
+                                    f"{wait_s:.0f} s; if none is, delete the lock file") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def log_source(log: InteractionLog) -> Source:
+    table = log.frame.data.table if hasattr(log.frame.data, "table") else log.frame.data
+    return Source(log.source, table=table)
+
+
+def file_source(path, fmt: str) -> Source:
+    files, fmt = _files(path, fmt)
+    src = Source(f"{fmt} table at {path}", files=files)
+    src.fmt = fmt
+    return src

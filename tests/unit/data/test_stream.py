@@ -1,0 +1,184 @@
+"""The out-of-core task build (DuckDB -> memory-mapped store) gives exactly the in-memory
+builder's tasks, vocabularies, splits and statistics; the store is atomic and verified."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import write_ml100k
+
+from gmeta_ds.config import DataConfig, SchemaConfig
+from gmeta_ds.data.builder import build_tasks, read_log, store_path, tasks_from_log
+from gmeta_ds.data.readers import DataError, LogSchema, log_from_frame
+from gmeta_ds.data.stream import Source, build_store, open_store, row_order_key
+
+SCHEMA = dict(task_key="user", item_key="item", label="rating", timestamp="ts",
+              user_features=["age"], item_features=["cat"], multi_hot={"tags": "|"})
+
+
+def frame(n_users: int = 60, seed: int = 0) -> pd.DataFrame:
+    """A log with every awkward case: string and integer keys, missing and empty values, rare
+    values, ties in time, empty bags, unicode."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(5, 40, n_users)
+    user = np.repeat(np.arange(n_users), lens)
+    n = len(user)
+    item = rng.zipf(1.3, n) % 300
+    return pd.DataFrame({
+        "user": [f"u{u}" if u % 3 else f"ü{u}" for u in user],
+        "item": item.astype(np.int64),
+        "rating": rng.integers(1, 6, n).astype(np.float32),
+        "ts": rng.integers(0, 50, n),  # many ties within a user
+        "age": np.where(rng.random(n) < 0.05, "", rng.choice(["a", "b", "c", "zz"], n)),
+        "cat": rng.choice(["x", "y", "w", "v"], n),
+        "tags": np.where(rng.random(n) < 0.1, "", ["|".join(rng.choice(list("pqrst"), rng.integers(1, 4)))
+                                                    for _ in range(n)]),
+    })
+
+
+def assert_same(a, b, skip=("cache", "build_s")) -> None:
+    assert a.fields == b.fields
+    for name in ("train", "valid", "test", *a.states):
+        x = getattr(a, name, None) if name in ("train", "valid", "test") else a.states[name]
+        y = getattr(b, name, None) if name in ("train", "valid", "test") else b.states[name]
+        for attr in ("ids", "labels", "offsets", "support_len", "task_keys"):
+            np.testing.assert_array_equal(np.asarray(getattr(x, attr)), np.asarray(getattr(y, attr)),
+                                          err_msg=f"{name}.{attr}")
+        for f, (v, o) in x.multi.items():
+            np.testing.assert_array_equal(v, y.multi[f][0], err_msg=f"{name}.{f}.values")
+            np.testing.assert_array_equal(o, y.multi[f][1], err_msg=f"{name}.{f}.offsets")
+    assert set(a.states) == set(b.states)
+    for k, v in a.stats.items():
+        if k in skip:
+            continue
+        if isinstance(v, float):
+            assert b.stats[k] == pytest.approx(v, rel=1e-6), k
+        else:
+            assert b.stats[k] == v, k
+
+
+def table_cfg(path, tmp_path, **kw) -> DataConfig:
+    base = dict(source="table", path=str(path), cache_dir=str(tmp_path / "cache"), schema=SchemaConfig(**SCHEMA),
+                min_interactions=8, max_interactions=35, query_size=4, test_fraction=0.25)
+    return DataConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"split": "time"}, {"min_count": 3, "valid_fraction": 0.2}, {"label": "regression"},
+    {"short_tasks": "skip", "min_interactions": 13, "threshold": 3.5},
+])
+def test_parquet_store_equals_in_memory_builder(tmp_path, kw):
+    path = tmp_path / "log.parquet"
+    frame().to_parquet(path)
+    cfg = table_cfg(path, tmp_path, **kw)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=3)
+    assert_same(reference, build_tasks(cfg, seed=3))
+    again = build_tasks(cfg, seed=3)  # from the store
+    assert "cache" in again.stats and isinstance(again.train.ids, np.memmap)
+    assert_same(reference, again)
+
+
+def test_csv_and_sharded_parquet_equal_one_file(tmp_path):
+    df = frame(seed=1)
+    df.to_csv(tmp_path / "log.csv", index=False)
+    cfg = table_cfg(tmp_path / "log.csv", tmp_path)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=0)
+    assert_same(reference, build_tasks(cfg, seed=0))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k, part in enumerate(np.array_split(np.arange(len(df)), 3)):  # row numbers run across files
+        pq.write_table(pa.Table.from_pandas(df.iloc[part], preserve_index=False), shards / f"part-{k:05d}.parquet")
+    (shards / "_SUCCESS").write_text("")
+    one = tmp_path / "one.parquet"
+    df.to_parquet(one)
+    single = build_tasks(table_cfg(one, tmp_path), seed=0)
+    skip = ("cache", "build_s", "source")  # names the path
+    assert_same(single, build_tasks(table_cfg(shards, tmp_path), seed=0), skip)
+    assert_same(single, build_tasks(table_cfg(str(shards / "part-*.parquet"), tmp_path), seed=0), skip)
+
+
+def test_reader_logs_and_four_states_equal_in_memory_builder(tmp_path):
+    write_ml100k(tmp_path / "ml")
+    cfg = DataConfig(source="movielens-100k", path=str(tmp_path / "ml"), cache_dir=str(tmp_path / "c"),
+                     min_interactions=20, max_interactions=35, query_size=5, four_state=True,
+                     new_item_year=1996)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=0)
+    built = build_tasks(cfg, seed=0)
+    assert set(built.states) == {"warm", "user_cold", "item_cold", "user_item_cold"}
+    assert_same(reference, built)
+
+
+def test_row_order_key_is_a_bijection_matching_sql(tmp_path):
+    rows = np.arange(10_000)
+    keys = row_order_key(rows, seed=5)
+    assert len(np.unique(keys)) == len(rows)
+    assert not np.array_equal(np.argsort(keys), rows)
+    assert not np.array_equal(keys, row_order_key(rows, seed=6))
+
+
+def test_store_is_atomic_and_verified(tmp_path):
+    path = tmp_path / "log.parquet"
+    frame().to_parquet(path)
+    cfg = table_cfg(path, tmp_path)
+    store = store_path(cfg, 0)
+    build_tasks(cfg, seed=0)
+    assert sorted(p.name for p in store.parent.iterdir()) == [store.name, f"{store.name}.lock"]
+    manifest = json.loads((store / "manifest.json").read_text())
+    victim = store / manifest["splits"]["train"]["ids"]["file"]
+    victim.write_bytes(victim.read_bytes()[:-4])
+    with pytest.raises(DataError, match="damaged"):
+        open_store(store)
+    # a build that fails leaves nothing behind that a later run would open
+    bad = frame()
+    bad.loc[7, "rating"] = np.nan
+    bad.to_parquet(tmp_path / "bad.parquet")
+    cfg_bad = table_cfg(tmp_path / "bad.parquet", tmp_path)
+    with pytest.raises(DataError, match=r"bad.parquet: row 8: column 'rating' must be a number"):
+        build_tasks(cfg_bad, seed=0)
+    assert not store_path(cfg_bad, 0).exists()
+    assert not [p for p in store.parent.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.drop(columns=["cat"]), r"missing column\(s\) cat"),
+    (lambda d: d.assign(rating=["x"] + ["4"] * (len(d) - 1)), r"row 1: column 'rating' must be a number"),
+    (lambda d: d.assign(user=[None] * 3 + list(d.user[3:])), r"row 1: column 'user' is empty"),
+])
+def test_bad_logs_name_the_file_and_row(tmp_path, mutate, message):
+    path = tmp_path / "log.parquet"
+    mutate(frame()).to_parquet(path)
+    with pytest.raises(DataError, match=message):
+        build_tasks(table_cfg(path, tmp_path), seed=0)
+
+
+def test_mixed_schemas_empty_and_truncated_files(tmp_path):
+    shards = tmp_path / "s"
+    shards.mkdir()
+    df = frame()
+    df.iloc[:100].to_parquet(shards / "a.parquet")
+    df.iloc[100:].assign(item=df.item[100:].astype(str)).to_parquet(shards / "b.parquet")
+    with pytest.raises(DataError, match=r"b.parquet: column 'item' is \w*string, but int64 in .*a.parquet"):
+        build_tasks(table_cfg(shards, tmp_path), seed=0)
+    (shards / "b.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"b.parquet: file is empty"):
+        build_tasks(table_cfg(shards, tmp_path), seed=0)
+    whole = (shards / "a.parquet").read_bytes()
+    (shards / "b.parquet").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=r"b.parquet: cannot read as Parquet"):
+        build_tasks(table_cfg(shards, tmp_path), seed=0)
+
+
+def test_not_enough_disk_is_refused_before_work(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    path = tmp_path / "log.parquet"
+    frame().to_parquet(path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(DataError, match=r"needs about .* GiB of disk and 0.0 GiB are free"):
+        build_tasks(table_cfg(path, tmp_path), seed=0)
