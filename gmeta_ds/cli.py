@@ -6,6 +6,7 @@
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
     gmeta-ds export   CHECKPOINT OUT.safetensors
+    gmeta-ds data synthesize --interactions N --out DIR [--shards K] [--seed S] [--items M]
 
 ``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
 and Accelerate's ``deepspeed_config_file`` override the run config's ``deepspeed:`` key.
@@ -73,7 +74,48 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
+    data = sub.add_parser("data", help="interaction logs").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("synthesize", help="write a synthetic interaction log as Parquet shards",
+                        description="Exactly N rows as DIR/part-00000.parquet ... (Zipf items, 13-100 "
+                        "interactions per user, user/item features, a multi-hot 'tags' column, "
+                        "timestamps) and DIR/_schema.yaml, the data: block that reads them; "
+                        "columns and model in gmeta_ds/data/synthesize.py.")
+    p.add_argument("--interactions", type=_at_least(13), required=True, metavar="N", help="rows (>= 13)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to create (refused if not empty)")
+    p.add_argument("--shards", type=_at_least(1), default=1, metavar="K", help="Parquet files (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed and sizes give the same files")
+    p.add_argument("--items", type=_at_least(1), default=None, metavar="M",
+                   help="distinct items (default: max(1000, N // 100))")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
     return parser
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from gmeta_ds.data.synthesize import SCHEMA_FILE, NotEnoughDisk, synthesize_log
+
+    try:  # data_command is "synthesize", the group's only command so far
+        s = synthesize_log(args.out, args.interactions, args.shards, args.seed, args.items, args.overwrite)
+    except (FileExistsError, ValueError, NotEnoughDisk) as exc:  # nothing was written
+        print(f"gmeta-ds data {args.data_command}: {exc.strerror if isinstance(exc, NotEnoughDisk) else exc}",
+              file=sys.stderr)
+        return 4 if isinstance(exc, NotEnoughDisk) else 2
+    print(f"wrote {s['rows']:,} rows, {s['users']:,} users, {s['items']:,} items in {s['shards']} shard(s), "
+          f"{s['mb']:,.1f} MB, {s['seconds']:.1f} s ({s['rows_per_s'] / 1e6:.2f}M rows/s) to {s['path']}")
+    print(f"data config ({Path(s['path']) / SCHEMA_FILE}):")
+    print((Path(s["path"]) / SCHEMA_FILE).read_text(), end="")
+    return 0
 
 
 def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
@@ -275,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plot(args.run_dir, args.out)
         if args.command == "export":
             return _cmd_export(args.checkpoint, args.out)
+        if args.command == "data":
+            return _cmd_data(args)
         cfg = load_config(args.config, _overrides(args))
         if args.command == "validate":
             return _cmd_validate(cfg, args)

@@ -159,7 +159,7 @@ class DataConfig:
     new_item_year: int = 1998
     cache_dir: str = "~/.cache/gmeta_ds"
     # Memory the out-of-core task build may use (DuckDB's limit; it spills to disk beyond it).
-    memory_limit: str = "2GB"
+    memory_limit: str = "1GB"
 
 
 @dataclass

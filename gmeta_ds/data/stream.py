@@ -50,36 +50,37 @@ TRAIN, VALID, TEST = 0, 1, 2
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
 BATCH_ROWS = 1 << 19
 LOCK_WAIT_S = 6 * 3600  # another process building the same store: wait at most this long
-# splitmix64 constants: the within-task order of data.split: random (see `row_order_key`)
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_M64 = (1 << 64) - 1
+# lowbias32 (Chris Wellons' 32-bit integer hash): the within-task order of data.split: random
+_MIX1, _MIX2, _M32 = 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
 
 
 def order_seed(seed: int) -> int:
-    """The 64-bit offset of `row_order_key` for a run seed."""
-    return (int(np.random.default_rng([seed, 17]).integers(0, 2**63)) * _GOLDEN) & _M64
+    """The 32-bit offset of `row_order_key` for a run seed."""
+    return int(np.random.default_rng([seed, 17]).integers(0, 2**32))
 
 
 def row_order_key(rows: np.ndarray, seed: int) -> np.ndarray:
-    """splitmix64(row + offset(seed)): the pseudo-random key that orders the rows of a task
-    under ``data.split: random`` (a bijection of the row number, so no ties). A function of
-    the row's position in the log only, so any chunking of the log, any reader and any
-    number of ranks order it the same way; `_order_key_sql` is the same function in SQL."""
-    with np.errstate(over="ignore"):
-        z = rows.astype(np.uint64) + np.uint64(order_seed(seed))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-        return z ^ (z >> np.uint64(31))
+    """lowbias32((row mod 2^32) xor offset(seed)): the pseudo-random key that orders the rows
+    of a task under ``data.split: random``, ties (rows 2^32 apart) broken by row number. A
+    function of the row's position in the log only, so any chunking of the log, any reader
+    and any number of ranks give the same order; `_order_key_sql` is the same function in
+    SQL (32-bit steps: DuckDB's 128-bit integer arithmetic is ~500x slower)."""
+    x = (rows.astype(np.uint64) & np.uint64(_M32)) ^ np.uint64(order_seed(seed))
+    m = np.uint64(_M32)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(_MIX1)) & m
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(_MIX2)) & m
+    return x ^ (x >> np.uint64(16))
 
 
-def _order_key_sql(seed: int) -> str:
-    m = 1 << 64
-    z0 = f"((_row::UHUGEINT + {order_seed(seed)}::UHUGEINT) % {m}::UHUGEINT)"
-    return (f"CAST(xor(z2, z2 >> 31) AS UBIGINT)"), [
-        f"{z0} AS z0",
-        f"((xor(z0, z0 >> 30) * {_MIX1}::UHUGEINT) % {m}::UHUGEINT) AS z1",
-        f"((xor(z1, z1 >> 27) * {_MIX2}::UHUGEINT) % {m}::UHUGEINT) AS z2",
-    ]
+def _order_key_sql(seed: int) -> tuple[str, list[str]]:
+    """(final expression, helper columns) of `row_order_key` over the column ``_row``."""
+    m = _M32
+    return "xor(z4, z4 >> 16)", [
+        f"xor(CAST(_row & {m} AS UBIGINT), CAST({order_seed(seed)} AS UBIGINT)) AS z0",
+        "xor(z0, z0 >> 16) AS z1", f"((z1 * {_MIX1}) & {m}) AS z2",
+        "xor(z2, z2 >> 15) AS z3", f"((z3 * {_MIX2}) & {m}) AS z4"]
 
 
 # ---------------------------------------------------------------- sources
@@ -91,6 +92,8 @@ class Source:
     what: str
     files: list[Path] | None = None
     table: pa.Table | None = None
+    fmt: str = "parquet"
+    origins: list[Path] | None = None  # CSV: the files that ``files`` were staged from
 
     def rows(self) -> int:
         if self.table is not None:
@@ -360,9 +363,11 @@ class _Build:
     def where(self, row: int) -> str:
         if self.source.files is None:
             return f"{self.source.what}: row {row + 1}"
-        for f in self.source.files:
+        for k, f in enumerate(self.source.files):
             n = pq.ParquetFile(f).metadata.num_rows
             if row < n:
+                if self.source.origins:
+                    return f"{self.source.origins[k]}: row {row + 1} below the header"
                 return f"{f}: row {row + 1}"
             row -= n
         return self.source.what
@@ -513,23 +518,27 @@ class _Build:
 
 
 class _Writer:
-    """A raw array file of known shape, filled by row ranges."""
+    """A raw array file of known shape, filled by row ranges with ``pwrite`` (not a memory
+    map: written pages then stay in the page cache without counting in this process's
+    resident memory)."""
 
     def __init__(self, folder: Path, name: str, dtype, shape: tuple) -> None:
         self.path, self.dtype, self.shape = folder / f"{name}.bin", np.dtype(dtype), shape
-        size = int(np.prod(shape)) * self.dtype.itemsize
-        with open(self.path, "wb") as fh:
-            fh.truncate(size)
-        self.mm = np.memmap(self.path, self.dtype, "r+", shape=shape) if size else None
+        self.row_bytes = int(np.prod(shape[1:])) * self.dtype.itemsize
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, int(np.prod(shape)) * self.dtype.itemsize)
 
     def put(self, start: int, values: np.ndarray) -> None:
-        if self.mm is not None and len(values):
-            self.mm[start:start + len(values)] = values
+        if len(values):
+            data = np.ascontiguousarray(values, dtype=self.dtype).data
+            offset = start * self.row_bytes
+            view = memoryview(data).cast("B")
+            while len(view):
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
 
     def close(self) -> dict:
-        if self.mm is not None:
-            self.mm.flush()
-            del self.mm
+        os.close(self.fd)
         return {"file": self.path.name, "dtype": self.dtype.str, "shape": list(self.shape)}
 
 
@@ -573,8 +582,9 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        if source.files is not None and getattr(source, "fmt", "parquet") == "csv":
-            source = Source(source.what, _stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"))
+        if source.files is not None and source.fmt == "csv":
+            source = Source(source.what, _stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"),
+                            origins=source.files)
         if source.files is not None:
             _check_parquet(source.files, schema.columns())  # footers first: readable, one schema
         need = estimate_bytes(source.rows(), len(schema.columns()), len(schema.multi_hot))
@@ -589,12 +599,19 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
         try:
             started = time.perf_counter()
             b = _Build(source, schema, cfg, seed, work, con)
-            b.view()
-            b.tasks()
-            b.vocabularies()
-            splits, label_sum, kept_rows = {}, 0.0, 0
+            phases = b.stats["build_phases_s"] = {}
+
+            def phase(name, fn, *args):
+                t0 = time.perf_counter()
+                out = fn(*args)
+                phases[name] = round(time.perf_counter() - t0, 3)
+                return out
+            phase("check", b.view)
+            phase("tasks", b.tasks)
+            phase("vocabularies", b.vocabularies)
+            splits = {}
             for name in b.masks:
-                part = b.write_split(name, work)
+                part = phase(f"write {name}", b.write_split, name, work)
                 splits[name] = part["files"]
                 b.stats[f"{name}_tasks"] = part["tasks"]
                 if part["dropped"]:
@@ -706,6 +723,4 @@ def log_source(log: InteractionLog) -> Source:
 
 def file_source(path, fmt: str) -> Source:
     files, fmt = _files(path, fmt)
-    src = Source(f"{fmt} table at {path}", files=files)
-    src.fmt = fmt
-    return src
+    return Source(f"{fmt} table at {path}", files=files, fmt=fmt)
