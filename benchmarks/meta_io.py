@@ -1,19 +1,23 @@
-"""Meta-IO throughput: building tasks from interaction logs, and collating them for the trainer.
+"""Meta-IO throughput at scale: the out-of-core task build, the memory-mapped store, the loader.
 
-1. Task building. Per ``--sizes`` N, a synthetic Parquet log of ~N interactions (user_id, item_id,
-   rating, timestamp, user age/gender, item category, multi-hot ``tags`` as "a|b"; Zipf items,
-   13-100 interactions per user) is written to a temp dir; a fresh subprocess per size times
-   ``build_tasks(DataConfig(source="table", ...), seed=0)`` first (empty cache: read + tasks +
-   .npz save) and cached (.npz hit), plus ``read_log`` and ``save_tasks`` alone, so the first build
-   splits into read / tasks (group, vocab, encode) / save. Peak RSS = VmHWM, reset per phase.
+1. Task building. Per ``--sizes`` N, ``gmeta-ds data synthesize`` writes a log of exactly N
+   interactions as Parquet shards (Zipf items, 13-100 interactions per user, user features age and
+   gender, item feature category, multi-hot ``tags``, timestamps); a fresh subprocess builds the
+   task store (`build_tasks`, DuckDB, ``data.memory_limit`` default) and reports wall time,
+   interactions/s, peak RSS (VmHWM) and bytes per interaction, DuckDB's phase times and the
+   store's size on disk; a second fresh subprocess opens the cached store (open time, VmHWM) and
+   collates 200 micro-batches of 32 tasks from it: loader tasks/s and the data a rank then holds
+   (task arrays in memory + resident pages of store memory maps) against the store's size.
 2. Loader vs trainer, world 1: tasks/s of ``TaskLoader(..., prefetch=False).next()`` (pure collate)
    for 32 tasks/micro-batch x 2 micro-batches, bucketing on/off, on the demo's synthetic tasks and
-   on the built tasks of the first size (with a multi-hot field), with a per-part breakdown; then
-   ``gmeta-ds train`` on examples/synthetic/config.yaml and the median ``tasks_per_s`` of its
-   metrics.jsonl (first record skipped). The aim: loader >= 10x trainer.
+   on the built tasks of the first size, with a per-part breakdown; then ``gmeta-ds train`` on
+   examples/synthetic/config.yaml and the median ``tasks_per_s`` of its metrics.jsonl.
+3. With ``--train-size N`` (one of the sizes): ``deepspeed --num_gpus 2 gmeta-ds train`` on that
+   size's store (examples/table/config.yaml's model, the synthetic log's schema, evaluation off):
+   per-rank VmHWM and resident task-store pages, and the trainer's tasks/s against the loader's.
 
 Results go to ``benchmarks/results/meta_io.json``.
-Run from the repo root:  python benchmarks/meta_io.py [--sizes 1000000 10000000] [--repeats 2]
+Run from the repo root:  python benchmarks/meta_io.py [--sizes 1000000 10000000 100000000] [--train-size 100000000]
 """
 from __future__ import annotations
 
@@ -39,7 +43,9 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gmeta_ds.config import DataConfig, SchemaConfig, load_config
-from gmeta_ds.data.builder import build_tasks, read_log, save_tasks
+from gmeta_ds.data.builder import build_tasks, store_path
+from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
+from gmeta_ds.data.synthesize import synthesize_log
 from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic
@@ -49,31 +55,6 @@ RESULTS = ROOT / "benchmarks" / "results" / "meta_io.json"
 DEMO = ROOT / "examples" / "synthetic" / "config.yaml"
 SCHEMA = {"task_key": "user_id", "item_key": "item_id", "label": "rating", "timestamp": "timestamp",
           "user_features": ["age", "gender"], "item_features": ["category"], "multi_hot": {"tags": "|"}}
-
-
-def write_log(n: int, path: Path, seed: int = 0) -> dict:
-    """A synthetic log of ~n interactions as Parquet (vectorized; strings dictionary-decoded)."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(13, 101, size=int(n / 56.5 * 1.1) + 10)
-    lens = lens[:max(1, int(np.searchsorted(np.cumsum(lens), n, side="right")))]
-    users, rows, n_items = len(lens), int(lens.sum()), max(1000, n // 100)
-    cdf = np.cumsum(np.arange(1, n_items + 1, dtype=np.float64) ** -1.1)
-    rank = np.minimum(np.searchsorted(cdf / cdf[-1], rng.random(rows), side="right"), n_items - 1)
-    items = rng.permutation(n_items)[rank]
-    owner = np.repeat(np.arange(users), lens)
-    tags = ["|".join(f"t{t}" for t in rng.choice(50, k, replace=False)) for k in rng.integers(1, 4, n_items)]
-
-    def strings(codes, names):
-        return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(names)).cast(pa.string())
-    pq.write_table(pa.table({
-        "user_id": owner.astype(np.int64) + 1, "item_id": items.astype(np.int64) + 1,
-        "rating": rng.integers(1, 6, rows).astype(np.float32),
-        "timestamp": rng.integers(946_684_800, 1_700_000_000, rows),
-        "age": strings(rng.integers(0, 7, users)[owner], [f"a{i}" for i in range(7)]),
-        "gender": strings(rng.integers(0, 2, users)[owner], ["F", "M"]),
-        "category": strings(rng.integers(0, 30, n_items)[items], [f"c{i}" for i in range(30)]),
-        "tags": strings(items, tags)}), path)
-    return {"interactions": rows, "users": users, "items": n_items, "file_mb": path.stat().st_size / 2**20}
 
 
 def mem_mb() -> dict:
@@ -104,48 +85,77 @@ def sh(cmd: list[str], what: str) -> str:
 
 
 def data_config(path: Path, cache_dir: Path):
-    return DataConfig(source="table", path=str(path), schema=SchemaConfig(**SCHEMA), cache_dir=str(cache_dir))
+    return DataConfig(source="table", path=str(path), format="parquet", schema=SchemaConfig(**SCHEMA),
+                      cache_dir=str(cache_dir))
 
 
-def worker(path: Path, work: Path, repeats: int) -> dict:
-    """One size, in its own process: timings (s) and peaks (MB) per phase and repeat."""
-    out = {"baseline_rss_mb": mem_mb()["VmRSS"], "peak_reset": reset_peak(), "runs": []}
-    for r in range(repeats):
-        run, cfg = {}, data_config(path, work / f"cache-{r}")
-        reset_peak()
-        data, run["first_s"] = timed(build_tasks, cfg, 0)
-        run["first_peak_mb"] = mem_mb()["VmHWM"]
-        assert "cache" not in data.stats, "first build hit a cache"
-        del data
-        cached = [timed(build_tasks, cfg, 0) for _ in range(3)]
-        assert all("cache" in d.stats for d, _ in cached), "second build did not hit the .npz cache"
-        data, run["cached_s"] = cached[0][0], statistics.median(s for _, s in cached)
-        run["save_s"] = timed(save_tasks, work / "save-test.npz", data)[1]
-        run["stats"] = {k: v for k, v in data.stats.items() if k not in ("cache", "source")}
-        del data, cached
-        reset_peak()
-        log, run["read_s"] = timed(read_log, cfg)
-        run["read_peak_mb"], run["arrow_mb"] = mem_mb()["VmHWM"], log.frame.data.nbytes / 2**20
-        del log
-        out["runs"].append(run)
-    out["cache_npz_mb"] = sum(f.stat().st_size for f in (work / "cache-0").glob("*.npz")) / 2**20
+def worker(mode: str, work: Path) -> dict:
+    """In a fresh process: ``build`` the store of ``work/log`` into ``work/cache``, or ``open``
+    the built one and collate from it."""
+    cfg = data_config(work / "log", work / "cache")
+    out = {"baseline_rss_mb": mem_mb()["VmRSS"], "peak_reset": reset_peak()}
+    data, seconds = timed(build_tasks, cfg, 0)
+    out["s"], out["peak_mb"] = seconds, mem_mb()["VmHWM"]
+    out["from_cache"] = "cache" in data.stats
+    if mode == "build":
+        out["stats"] = {k: v for k, v in data.stats.items() if k not in ("cache", "source")}
+        return out
+    store = store_path(cfg, 0)
+    out["store_mb"] = sum(f.stat().st_size for f in store.iterdir()) / 2**20
+    out["store_rss_after_open_mb"] = mapped_store_mib()
+    loader = TaskLoader(data.train, MetaBatchSampler(len(data.train), 32, 2, 1, 0, 0, task_lengths(data.train)),
+                        prefetch=False)
+    loader.next()
+    t = time.perf_counter()
+    for _ in range(100):
+        loader.next()
+    out["loader_tasks_per_s"] = 100 * 64 / (time.perf_counter() - t)
+    out["store_rss_after_200_micro_batches_mb"] = mapped_store_mib()
+    out["tasks_in_memory_mb"] = in_memory_mib(data)
+    out["peak_after_loading_mb"] = mem_mb()["VmHWM"]
     return out
 
 
-def bench_build(size: int, tmp: Path, repeats: int) -> dict:
+def bench_build(size: int, tmp: Path) -> dict:
     work = tmp / f"n{size}"
     work.mkdir()
-    t = time.perf_counter()
-    log = write_log(size, work / "log.parquet")
-    log["generate_s"] = time.perf_counter() - t
-    out = sh([sys.executable, __file__, "--worker", str(work), "--repeats", str(repeats)], f"worker {size}")
-    res = json.loads(out.strip().splitlines()[-1])
-    med = {k: statistics.median(r[k] for r in res["runs"]) for k in ("first_s", "cached_s", "read_s", "save_s")}
-    n = log["interactions"]
-    return {"size": size, **log, **res, **med, "tasks_s": med["first_s"] - med["read_s"] - med["save_s"],
-            "first_per_s": n / med["first_s"], "cached_per_s": n / med["cached_s"],
-            "peak_mb": res["runs"][0]["first_peak_mb"],
-            "peak_bytes_per_interaction": (res["runs"][0]["first_peak_mb"] - res["baseline_rss_mb"]) * 2**20 / n}
+    log = synthesize_log(work / "log", size, shards=max(1, size // 5_000_000), seed=0)
+    res = {"size": size, "interactions": log["rows"], "users": log["users"], "items": log["items"],
+           "log_mb": log["mb"], "generate_s": log["seconds"]}
+    for mode in ("build", "open"):
+        out = sh([sys.executable, __file__, "--worker", mode, str(work)], f"{mode} {size}")
+        res[mode] = json.loads(out.strip().splitlines()[-1])
+    assert not res["build"]["from_cache"] and res["open"]["from_cache"]
+    n = res["interactions"]
+    res |= {"build_s": res["build"]["s"], "interactions_per_s": n / res["build"]["s"],
+            "peak_mb": res["build"]["peak_mb"], "open_s": res["open"]["s"], "store_mb": res["open"]["store_mb"],
+            "peak_bytes_per_interaction": res["build"]["peak_mb"] * 2**20 / n,
+            "peak_above_import_bytes_per_interaction": (res["build"]["peak_mb"] - res["build"]["baseline_rss_mb"]) * 2**20 / n,
+            "store_bytes_per_interaction": res["open"]["store_mb"] * 2**20 / n}
+    return res
+
+
+def bench_train_on_store(size: int, tmp: Path, steps: int) -> dict:
+    """World 2 through the deepspeed launcher on the built store of ``size``."""
+    work = tmp / f"n{size}"
+    exe = Path(sys.executable).with_name("gmeta-ds")
+    launcher = Path(sys.executable).with_name("deepspeed")
+    sets = {"data.path": str(work / "log"), "data.format": "parquet", "data.cache_dir": str(work / "cache"),
+            "data.threshold": 4, "data.split": "random", "data.min_interactions": 13,
+            "data.schema": json.dumps(SCHEMA), "eval.enabled": "false", "train.progress": "false",
+            "train.meta_steps": steps, "train.log_every": 5, "output_dir": str(work / "run"),
+            "meta.tasks_per_meta_step": 64, "meta.tasks_per_micro_batch": 32, "embedding.sharding": "sharded"}
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", "29731", str(exe), "train", "--config",
+           str(ROOT / "examples" / "table" / "config.yaml")]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env_path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+    _, wall = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True,
+                                           env={**os.environ, "PATH": env_path}))
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    recs = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()][1:]
+    return {"wall_s": wall, "steps": steps, "tasks_per_s": statistics.median(r["tasks_per_s"] for r in recs),
+            "peak_rss_mib_per_rank": summary.get("peak_rss_mib_per_rank")}
 
 
 def bench_loader(tasks, steps: int, rounds: int) -> dict:
@@ -221,16 +231,17 @@ def machine() -> dict:
             "gmeta_ds_uncommitted": dirty.splitlines()}
 
 
-def print_builds(builds: list[dict], repeats: int) -> None:
-    print(f"\nTask building ({repeats} repeat(s), medians; peak: VmHWM of the first build, MB; "
-          "B/int+: (peak - import baseline) / interaction; read pk: VmHWM of read_log alone)")
-    print(f"{'interactions':>12} {'users':>7} {'first s':>8} {'inter/s':>9} {'cached s':>8} {'inter/s':>10} "
-          f"{'read s':>7} {'tasks s':>7} {'save s':>6} {'peak MB':>8} {'B/int+':>7} {'read pk':>8}")
+def print_builds(builds: list[dict]) -> None:
+    print("\nTask store build (fresh process; peak = VmHWM MB) and open (fresh process)")
+    print(f"{'interactions':>12} {'users':>9} {'build s':>8} {'inter/s':>9} {'peak MB':>8} {'B/int':>6} "
+          f"{'store MB':>9} {'open s':>7} {'loader t/s':>10} {'data MB':>8}")
     for b in builds:
-        print(f"{b['interactions']:>12,} {b['users']:>7,} {b['first_s']:>8.2f} {b['first_per_s']:>9.3g} "
-              f"{b['cached_s']:>8.3f} {b['cached_per_s']:>10.3g} {b['read_s']:>7.2f} {b['tasks_s']:>7.2f} "
-              f"{b['save_s']:>6.2f} {b['peak_mb']:>8.0f} {b['peak_bytes_per_interaction']:>7.0f} "
-              f"{b['runs'][0]['read_peak_mb']:>8.0f}")
+        o = b["open"]
+        print(f"{b['interactions']:>12,} {b['users']:>9,} {b['build_s']:>8.1f} {b['interactions_per_s']:>9.3g} "
+              f"{b['peak_mb']:>8.0f} {b['peak_bytes_per_interaction']:>6.1f} {b['store_mb']:>9.0f} "
+              f"{b['open_s']:>7.3f} {o['loader_tasks_per_s']:>10.0f} "
+              f"{o['tasks_in_memory_mb'] + o['store_rss_after_200_micro_batches_mb']:>8.1f}")
+        print(f"{'':>12} phases: " + ", ".join(f"{k} {v:.1f}s" for k, v in b["build"]["stats"]["build_phases_s"].items()))
 
 
 def print_loader(loader: dict, scaling: dict, trainer: dict) -> None:
@@ -254,28 +265,38 @@ def print_loader(loader: dict, scaling: dict, trainer: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    ap.add_argument("--repeats", type=int, default=2, help="first/cached/read timings per size")
+    ap.add_argument("--train-size", type=int, default=None, help="train at world 2 on this size's store")
+    ap.add_argument("--store-train-steps", type=int, default=30)
     ap.add_argument("--loader-steps", type=int, default=100, help="meta-steps per round and setting")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--train-steps", type=int, default=100)
     ap.add_argument("--train-runs", type=int, default=2)
-    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker / "log.parquet", args.worker, args.repeats)))
+        print(json.dumps(worker(args.worker[0], Path(args.worker[1]))))
         return 0
+    if args.train_size is not None and args.train_size not in args.sizes:
+        ap.error("--train-size must be one of --sizes")
     start, info = time.perf_counter(), machine()
     with tempfile.TemporaryDirectory(prefix="meta_io-") as tmp_name:
         tmp = Path(tmp_name)
-        builds = []
+        builds, store_train = [], None
         for size in args.sizes:
-            builds.append(bench_build(size, tmp, args.repeats))
-            if size != args.sizes[0]:  # the first size's log and cache feed the loader benchmark
+            builds.append(bench_build(size, tmp))
+            print_builds(builds[-1:])
+            if size == args.train_size:
+                store_train = bench_train_on_store(size, tmp, args.store_train_steps)
+                print(f"world 2 on the {size:,} store: {store_train['tasks_per_s']:.0f} tasks/s; per rank "
+                      + "; ".join(f"VmHWM {r['vmhwm_mib']:.0f} MiB (data: {r['tasks_in_memory_mib']:.1f} MiB of task "
+                                  f"arrays, {r['task_store_rss_mib']:.1f} MiB of mapped store pages)"
+                                  for r in store_train["peak_rss_mib_per_rank"] or []))
+            if size != args.sizes[0]:  # the first size's log and store feed the loader benchmark
                 shutil.rmtree(tmp / f"n{size}")
-        print_builds(builds, args.repeats)
+        print_builds(builds)
         demo = load_config(DEMO)
         first = tmp / f"n{args.sizes[0]}"
-        table = build_tasks(data_config(first / "log.parquet", first / "cache-0"), seed=0)
+        table = build_tasks(data_config(first / "log", first / "cache"), seed=0)
         assert "cache" in table.stats
         sources = {"demo synthetic": generate_synthetic(demo.data.synthetic, demo.seed).train,
                    f"table {builds[0]['interactions']:,}": table.train}
@@ -291,7 +312,7 @@ def main(argv=None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     tmp_json = RESULTS.with_suffix(".json.tmp")  # written whole, then renamed: readers never see half
     tmp_json.write_text(json.dumps({"machine": info, "parameters": params, "total_s": total, "results": {
-        "build": builds, "loader": loader, "sampler_ms_per_step": scaling, "trainer": trainer}}, indent=2) + "\n")
+        "build": builds, "train_on_store": store_train, "loader": loader, "sampler_ms_per_step": scaling, "trainer": trainer}}, indent=2) + "\n")
     os.replace(tmp_json, RESULTS)
     print(f"total {total:.0f}s; wrote {RESULTS.relative_to(ROOT)}")
     return 0

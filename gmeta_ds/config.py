@@ -29,6 +29,22 @@ SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
 
+def parse_memory(text: str) -> str:
+    """``data.memory_limit`` ("2GB", "512MiB", bytes) as DuckDB's setting ("2048MB");
+    ValueError naming the key for anything else or below 64 MB."""
+    units = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    t = str(text).strip().upper().replace("IB", "B")
+    num = t.rstrip("KMGTB ")
+    unit = t[len(num):].strip()
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"data.memory_limit: {text!r} is not a size like 2GB or 512MB") from None
+    if value < 64 * 2**20:
+        raise ValueError(f"data.memory_limit: {text!r} is below 64MB; DuckDB needs more to sort")
+    return f"{int(value // 2**20)}MB"
+
+
 @dataclass
 class ModelConfig:
     """The CTR model (``task: ctr``): ``name`` is one of `registry.MODELS` (models/). The other
@@ -472,6 +488,10 @@ def _validate_log(data: DataConfig, problems: list[str]) -> None:
     _one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
     _one_of(problems, "data.label", data.label, LABEL_KINDS)
     _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
+    try:
+        parse_memory(data.memory_limit)
+    except ValueError as exc:
+        problems.append(str(exc))
     _positive(problems, "data.min_count", data.min_count)
     _check_task_sizes(data, "data.", problems)
 

@@ -379,7 +379,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
     with run_phase(cfg, "evaluation (waiting for rank 0)"):
-        peak_rss = peak_rss_per_rank(training_peak)  # collective
+        peak_rss = peak_rss_per_rank(training_peak, getattr(built, "data", None))  # collective
     summary = {}
     if rank == 0:
         summary = {"task": cfg.task, "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
@@ -405,14 +405,20 @@ def vmhwm_mib() -> float | None:
     return int(hwm[0].split()[1]) / 1024 if hwm else None
 
 
-def peak_rss_per_rank(training_peak: float | None) -> list[dict]:
+def peak_rss_per_rank(training_peak: float | None, data=None) -> list[dict]:
     """Every rank's peak resident memory, MiB (collective when world > 1): VmHWM after
     training and at the end (after gathering tables and evaluating), and ru_maxrss (on Linux
-    it survives exec, so a launched rank starts at its launcher's resident size)."""
+    it survives exec, so a launched rank starts at its launcher's resident size), and the
+    rank's data: resident pages of task-store memory maps (shared with its node; rows are read
+    with pread, so normally none) and the task arrays it holds in memory (all of them for
+    generated tasks; the per-task offsets and lengths for a task store)."""
     import resource
 
+    from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
+
     mine = {"training_vmhwm_mib": training_peak, "vmhwm_mib": vmhwm_mib(),
-            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "task_store_rss_mib": mapped_store_mib(), "tasks_in_memory_mib": in_memory_mib(data)}
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     everyone = [None] * dist.get_world_size()

@@ -88,7 +88,8 @@ class TaskSet:
     def subset(self, tasks: np.ndarray) -> "TaskSet":
         """A new TaskSet holding only ``tasks`` (in that order)."""
         lengths = np.diff(self.offsets)[tasks]
-        rows = np.concatenate([np.arange(self.offsets[t], self.offsets[t + 1]) for t in tasks])
+        rows = np.concatenate([np.arange(self.offsets[t], self.offsets[t + 1]) for t in tasks]) \
+            if len(tasks) else np.zeros(0, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         multi = {name: take_rows(values, row_offsets, rows) for name, (values, row_offsets) in self.multi.items()}
         return TaskSet(self.fields, self.ids[rows], self.labels[rows], offsets,
@@ -97,6 +98,18 @@ class TaskSet:
 
 def take_rows(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The bags of ``rows`` from a jagged (values, offsets): a new (values, offsets)."""
+    if not isinstance(offsets, np.ndarray) and len(rows):  # a task-store file: one read per run of rows
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        pieces = [offsets[int(rows[a]):int(rows[b - 1]) + 2]
+                  for a, b in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(rows)]]))]
+        ends = np.concatenate(pieces)
+        inner = np.ones(len(ends), dtype=bool)
+        inner[np.cumsum([len(p) for p in pieces]) - 1] = False  # the last offset of each piece
+        starts = ends[inner]
+        lengths = ends[1:][inner[:-1]] - starts
+        new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        picks = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+        return values[picks], new_offsets
     lengths = offsets[rows + 1] - offsets[rows]
     new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     picks = np.repeat(offsets[rows] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
@@ -160,7 +173,13 @@ def _pad_multi(task_set: TaskSet, slices: list[slice], width: int) -> dict:
 
 
 def collate(task_set: TaskSet, tasks: np.ndarray | list[int]) -> TaskBatch:
-    """Pad the given tasks of ``task_set`` into one `TaskBatch`."""
+    """Pad the given tasks of ``task_set`` into one `TaskBatch`. From a task store (arrays read
+    on demand) the tasks' rows are first read once per task and array (`TaskSet.subset`), then
+    padded from memory."""
+    if not isinstance(task_set.ids, np.ndarray):
+        batch = collate(task_set.subset(np.asarray(tasks, dtype=np.int64)), np.arange(len(tasks)))
+        batch.task_ids = torch.as_tensor(np.asarray(tasks, dtype=np.int64))
+        return batch
     splits = [task_set.split(int(t)) for t in tasks]
     s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in splits])
     q_ids, q_y, q_mask = _pad(task_set, [q for _, q in splits])

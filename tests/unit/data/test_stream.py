@@ -14,7 +14,7 @@ from helpers import write_ml100k
 from gmeta_ds.config import DataConfig, SchemaConfig
 from gmeta_ds.data.builder import build_tasks, read_log, store_path, tasks_from_log
 from gmeta_ds.data.readers import DataError, LogSchema, log_from_frame
-from gmeta_ds.data.stream import Source, build_store, open_store, row_order_key
+from gmeta_ds.data.stream import StoreArray, open_store, row_order_key
 
 SCHEMA = dict(task_key="user", item_key="item", label="rating", timestamp="ts",
               user_features=["age"], item_features=["cat"], multi_hot={"tags": "|"})
@@ -78,7 +78,7 @@ def test_parquet_store_equals_in_memory_builder(tmp_path, kw):
     reference = tasks_from_log(read_log(cfg), cfg, seed=3)
     assert_same(reference, build_tasks(cfg, seed=3))
     again = build_tasks(cfg, seed=3)  # from the store
-    assert "cache" in again.stats and isinstance(again.train.ids, np.memmap)
+    assert "cache" in again.stats and isinstance(again.train.ids, StoreArray)
     assert_same(reference, again)
 
 
@@ -203,3 +203,59 @@ def test_csv_errors_name_the_csv_file_and_row(tmp_path):
     (tmp_path / "semi.csv").write_text("user;item;rating\nu1;i1;4\n")
     with pytest.raises(DataError, match=r"semi.csv: expected columns separated by ','"):
         build_tasks(table_cfg(tmp_path / "semi.csv", tmp_path), seed=0)
+
+
+def _build_in_child(args):
+    path, cache = args
+    from gmeta_ds.config import DataConfig, SchemaConfig
+    from gmeta_ds.data.builder import build_tasks
+
+    cfg = DataConfig(source="table", path=path, cache_dir=cache, schema=SchemaConfig(**SCHEMA),
+                     min_interactions=8, max_interactions=35, query_size=4, test_fraction=0.25)
+    data = build_tasks(cfg, seed=0)
+    return "cache" in data.stats, np.asarray(data.train.ids).tobytes()
+
+
+def test_concurrent_processes_build_the_store_once(tmp_path):
+    import multiprocessing as mp
+
+    path = tmp_path / "log.parquet"
+    frame(n_users=400).to_parquet(path)
+    with mp.get_context("spawn").Pool(3) as pool:
+        results = pool.map_async(_build_in_child, [(str(path), str(tmp_path / "cache"))] * 3).get(timeout=120)
+    assert sorted(hit for hit, _ in results) == [False, True, True]  # one built, two opened its store
+    assert len({ids for _, ids in results}) == 1
+
+
+def test_store_arrays_read_only_what_is_asked(tmp_path):
+    from gmeta_ds.data.loader import TaskLoader, task_lengths
+    from gmeta_ds.data.sampler import MetaBatchSampler
+    from gmeta_ds.data.stream import mapped_store_mib
+    from gmeta_ds.data.tasks import collate
+
+    path = tmp_path / "log.parquet"
+    frame(n_users=300).to_parquet(path)
+    cfg = table_cfg(path, tmp_path)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=0)
+    data = build_tasks(cfg, seed=0)
+    ids, values = data.train.ids, data.train.multi["tags"][0]
+    full = np.asarray(ids)
+    rng = np.random.default_rng(0)
+    for key in (slice(3, 40), slice(None), 5, -1, np.array([7, 8, 9, 30, 31, 2]),
+                np.sort(rng.choice(len(full), 50, replace=False)), rng.integers(0, len(full), 20)):
+        np.testing.assert_array_equal(ids[key], full[key])
+    np.testing.assert_array_equal(values[np.arange(10, 20)], np.asarray(values)[10:20])
+    with pytest.raises(IndexError):
+        ids[np.array([len(full)])]
+    for a, b in zip(collate(reference.train, [0, 5, 9]).__dict__.values(), collate(data.train, [0, 5, 9]).__dict__.values()):
+        if isinstance(a, dict):
+            assert all(np.array_equal(a[k].values, b[k].values) and np.array_equal(a[k].offsets, b[k].offsets) for k in a)
+        else:
+            np.testing.assert_array_equal(a, b)
+    fresh = build_tasks(cfg, seed=0)  # no memory map yet: collating reads rows, maps nothing
+    loader = TaskLoader(fresh.train, MetaBatchSampler(len(fresh.train), 8, 2, 1, 0, 0, task_lengths(fresh.train)),
+                        prefetch=False)
+    for _ in range(5):
+        loader.next()
+    assert mapped_store_mib() in (None, 0.0) or all(
+        getattr(a, "_map", None) is None for a in (fresh.train.ids, fresh.train.labels))
