@@ -8,18 +8,18 @@ Steps, all deterministic given the config and seed:
 4. build categorical vocabularies from the **training** users' rows only: id 0 is the
    out-of-vocabulary bucket (values seen fewer than ``min_count`` times, and values only
    held-out users have, e.g. new items);
-5. order each task's rows (seeded shuffle, or by time) and put the last ``query_size`` rows in
-   the query, the rest in the support.
-The result is cached as ``.npz`` under ``cache_dir``, keyed by the data config, the seed and the
-log files' sizes and modification times, so a second run skips steps 1-5.
+5. order each task's rows (by `stream.row_order_key`, a seeded hash of the row number, or by
+   time) and put the last ``query_size`` rows in the query, the rest in the support.
+`tasks_from_log` runs the steps in memory on a log already read (frames from the Python API,
+and the reference the out-of-core path is tested against); `build_tasks` runs them out of core
+(`stream.py`) into a task store under ``cache_dir``, keyed by the data config, the seed and the
+log files' names, sizes and modification times, so a later run skips steps 1-5.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,46 +281,3 @@ def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> tupl
     sub_multi = {n: take_rows(v, o, rows) for n, (v, o) in multi.items()}
     return TaskSet(fields, ids[rows], labels[rows], offsets, (lengths[order] - query_size).astype(np.int64),
                    tasks[order].astype(np.int64), sub_multi), dropped
-
-
-def save_tasks(path: Path, data: TaskData) -> None:
-    """Write ``data`` atomically as one .npz (tmp file + rename)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"data.cache_dir: cannot make the task cache folder {path.parent} "
-                        f"({exc.strerror}); set data.cache_dir to a writable directory") from exc
-    arrays = {"fields": np.array(json.dumps([dataclasses.asdict(f) for f in data.fields])),
-              "stats": np.array(json.dumps(data.stats))}
-    arrays["states"] = np.array(json.dumps(sorted(data.states)))
-    for split, ts in {"train": data.train, "valid": data.valid, "test": data.test, **data.states}.items():
-        for name in ("ids", "labels", "offsets", "support_len", "task_keys"):
-            arrays[f"{split}.{name}"] = getattr(ts, name)
-        for name, (values, offsets) in ts.multi.items():
-            arrays[f"{split}.multi.{name}.values"] = values
-            arrays[f"{split}.multi.{name}.offsets"] = offsets
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")  # ranks may build concurrently
-    try:
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise DataError(f"data.cache_dir: cannot write the task cache {path} ({exc.strerror}); set "
-                        "data.cache_dir to a writable directory") from exc
-
-
-def load_tasks(path: Path) -> TaskData:
-    """Read a file written by `save_tasks` (plain arrays only: no pickle)."""
-    with np.load(path, allow_pickle=False) as z:
-        fields = [FieldSpec(**f) for f in json.loads(str(z["fields"]))]
-        parts = {}
-        for split in ("train", "valid", "test", *json.loads(str(z["states"]))):
-            multi = {f.name: (z[f"{split}.multi.{f.name}.values"], z[f"{split}.multi.{f.name}.offsets"])
-                     for f in fields if f.multi_hot}
-            parts[split] = TaskSet(fields, *(z[f"{split}.{n}"] for n in
-                                             ("ids", "labels", "offsets", "support_len", "task_keys")), multi)
-        stats = json.loads(str(z["stats"]))
-    states = {k: v for k, v in parts.items() if k in STATES}
-    return TaskData(fields, parts["train"], parts["test"], {**stats, "cache": str(path)}, states,
-                    parts["valid"])

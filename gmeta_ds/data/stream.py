@@ -317,8 +317,13 @@ class _Build:
             v, bad = _number_sql(s.timestamp, types[s.timestamp])
             exprs[s.timestamp] = f"CAST(floor({v}) AS BIGINT)"
             checks.append((bad, f"column {s.timestamp!r} must be an integer timestamp (e.g. Unix seconds)"))
+        self.raw_multi = {}  # string multi-hot columns: split after the sort (a list payload sorts 2.6x slower)
         for c, sep in s.multi_hot.items():
-            exprs[c] = _multi_sql(c, types[c], sep)
+            if pa.types.is_string(types[c]) or pa.types.is_large_string(types[c]):
+                exprs[c] = f'"{c}"'
+                self.raw_multi[c] = sep
+            else:
+                exprs[c] = _multi_sql(c, types[c], sep)
         self._check(src, checks)
         select = ", ".join(f'{e} AS "{c}"' for c, e in exprs.items())
         self.con.execute(f"CREATE TEMP VIEW n AS SELECT {select}, _row FROM {src}")
@@ -436,11 +441,15 @@ class _Build:
             self.fields.append(FieldSpec(c, len(values) + 1, side))
         for c, side in self.multi:
             vocab = _table(self.con, (
-                f'SELECT v FROM (SELECT unnest("{c}") AS v FROM j WHERE {train}) GROUP BY 1 '
+                f'SELECT v FROM (SELECT unnest({self._bags(c)}) AS v FROM j WHERE {train}) GROUP BY 1 '
                 f'HAVING count(*) >= {int(cfg.min_count)} ORDER BY count(*) DESC, v')).column("v")
             self.multi_vocab[c] = vocab.combine_chunks() if vocab.num_chunks else pa.array([], pa.string())
             self.fields.append(FieldSpec(c, len(vocab) + 1, side, multi_hot=True))
         self.stats["vocab"] = {f.name: f.num_ids for f in self.fields}
+
+    def _bags(self, c: str) -> str:
+        """SQL for the bags (lists of strings) of multi-hot column ``c`` of view ``j``."""
+        return _multi_sql(c, pa.string(), self.raw_multi[c]) if c in self.raw_multi else f'"{c}"'
 
     # -- one split: tasks long enough, rows ordered, written to the store
     def write_split(self, name: str, out: Path) -> dict:
@@ -491,10 +500,9 @@ class _Build:
             label_sum += float(y.sum(dtype=np.float64))
             for c, _ in self.multi:
                 values, offsets = multi[c]
-                col = batch.column(c)
-                found = pc.index_in(pc.list_flatten(col), value_set=self.multi_vocab[c])
+                tokens, lens = _split_bags(batch.column(c), self.raw_multi.get(c))
+                found = pc.index_in(tokens, value_set=self.multi_vocab[c])
                 values.append(pc.fill_null(pc.add(found, 1), 0).to_numpy(zero_copy_only=False))
-                lens = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
                 start = 1 if pos > 0 else 0
                 off = np.concatenate([[0], np.cumsum(lens)]) + bag_base[c]
                 offsets.put(pos + start, off[start:])
@@ -510,6 +518,22 @@ class _Build:
             files[f"multi.{c}.values"], files[f"multi.{c}.offsets"] = values.close(), offsets.close()
         return {"files": files, "tasks": len(tasks), "dropped": dropped, "rows": n_rows,
                 "label_sum": label_sum}
+
+
+def _split_bags(col, sep: str | None) -> tuple[pa.Array, np.ndarray]:
+    """(tokens, bag length per row) of a batch's multi-hot column: a list column as it is, a
+    string column split on ``sep`` with empty pieces dropped and a missing cell an empty bag
+    (what `_multi_sql` does in SQL and the in-memory reader in pandas)."""
+    if sep is None:
+        lens = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return pc.list_flatten(col), lens
+    lists = pc.split_pattern(pc.fill_null(col, ""), sep)
+    pieces = pc.list_flatten(lists)
+    per_row = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    keep = pc.not_equal(pieces, "").to_numpy(zero_copy_only=False)
+    row_of_piece = np.repeat(np.arange(len(per_row)), per_row)
+    lens = np.bincount(row_of_piece[keep], minlength=len(per_row)).astype(np.int64)
+    return pieces.filter(pa.array(keep)), lens
 
 
 class _Writer:

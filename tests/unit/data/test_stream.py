@@ -259,3 +259,13 @@ def test_store_arrays_read_only_what_is_asked(tmp_path):
         loader.next()
     assert mapped_store_mib() in (None, 0.0) or all(
         getattr(a, "_map", None) is None for a in (fresh.train.ids, fresh.train.labels))
+
+
+def test_list_typed_multi_hot_and_float_ids_equal_in_memory_builder(tmp_path):
+    df = frame(seed=2)
+    df["tags"] = [[t for t in s.split("|") if t] if i % 7 else None for i, s in enumerate(df.tags)]
+    df["cat"] = np.where(np.arange(len(df)) % 11 == 0, np.nan, np.arange(len(df)) % 5).astype(float)
+    path = tmp_path / "log.parquet"
+    df.to_parquet(path)
+    cfg = table_cfg(path, tmp_path)
+    assert_same(tasks_from_log(read_log(cfg), cfg, seed=1), build_tasks(cfg, seed=1))
