@@ -161,6 +161,11 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
     of core by `stream.build_store` the first time, by one process while the others wait;
     reused by later runs with the same cache key); see the module docstring for the steps."""
     store = store_path(cfg, seed)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"data.cache_dir: cannot make the task cache folder {store.parent} "
+                        f"({exc.strerror}); set data.cache_dir to a writable directory") from None
     if not (store / "manifest.json").is_file():
         with build_lock(store):
             if not (store / "manifest.json").is_file():

@@ -159,6 +159,13 @@ def _check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataTy
     return first
 
 
+def _short(exc: Exception, limit: int = 160) -> str:
+    """An exception's message for a user: one line, printable characters, at most ``limit``."""
+    text = " ".join(str(exc).split())
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _plain(t: pa.DataType) -> pa.DataType:
     return t.value_type if pa.types.is_dictionary(t) else t
 
@@ -184,7 +191,8 @@ def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> li
             header = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
                                     read_options=pacsv.ReadOptions(block_size=1 << 16)).schema.names
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{f}: cannot read as CSV ({exc})") from None
+            raise DataError(f"{f}: cannot read as CSV ({_short(exc)}); expected UTF-8 text with a header "
+                            "line") from None
         if len(header) < 2:
             raise DataError(f"{f}: expected columns separated by {'tabs' if sep == chr(9) else repr(sep)}, "
                             f"found one column (header {header[0][:200]!r}; wrong separator?)")
@@ -207,7 +215,7 @@ def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> li
                     table = pa.Table.from_batches([batch]).filter(pc.invert(empty))
                     writer.write_table(table.select(columns))
         except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
-            raise DataError(f"{f}: cannot read as CSV ({str(exc).strip()}); check the separator, "
+            raise DataError(f"{f}: cannot read as CSV ({_short(exc)}); check the separator, "
                             "quoting and encoding (UTF-8)") from None
         staged.append(target)
     return staged
@@ -302,9 +310,9 @@ class _Build:
             t = types[key]
             q = f'"{key}"'
             if pa.types.is_string(t) or pa.types.is_large_string(t):
-                checks.append((f"{q} IS NULL OR {q} = ''", f"column {key!r} is empty; expected a value"))
+                checks.append((f"{q} IS NULL OR {q} = ''", f"column {key!r} is empty; expected a value", None))
             else:
-                checks.append((f"{q} IS NULL", f"column {key!r} is empty; expected a value"))
+                checks.append((f"{q} IS NULL", f"column {key!r} is empty; expected a value", None))
         integral = self._integral_floats(src, [c for c in cols if c not in self._typed()])
         for c in cols:
             if c in self._typed():
@@ -312,11 +320,12 @@ class _Build:
             exprs[c] = _categorical_sql(c, types[c], c in integral)
         v, bad = _number_sql(s.label, types[s.label])
         exprs[s.label] = f"CAST({v} AS FLOAT)"
-        checks.append((bad, f"column {s.label!r} must be a number (not empty, not NaN)"))
+        checks.append((bad, f"column {s.label!r} must be a number", s.label))
         if s.timestamp:
             v, bad = _number_sql(s.timestamp, types[s.timestamp])
             exprs[s.timestamp] = f"CAST(floor({v}) AS BIGINT)"
-            checks.append((bad, f"column {s.timestamp!r} must be an integer timestamp (e.g. Unix seconds)"))
+            checks.append((bad, f"column {s.timestamp!r} must be an integer timestamp (e.g. Unix seconds)",
+                           s.timestamp))
         self.raw_multi = {}  # string multi-hot columns: split after the sort (a list payload sorts 2.6x slower)
         for c, sep in s.multi_hot.items():
             if pa.types.is_string(types[c]) or pa.types.is_large_string(types[c]):
@@ -341,16 +350,20 @@ class _Build:
         values = self.con.sql(f"SELECT {aggs} FROM {src}").fetchall()[0]
         return {c for c, ok in zip(floats, values) if ok is None or ok}
 
-    def _check(self, src: str, checks: list[tuple[str, str]]) -> None:
+    def _check(self, src: str, checks: list[tuple[str, str, str | None]]) -> None:
         """One scan for every per-row check; the first failing one (in column order) raises
-        naming the file and row of its first bad row."""
+        naming the file and row of its first bad row, and the value found there."""
         aggs = ", ".join(f"count(*) FILTER (WHERE {cond}), min(_row) FILTER (WHERE {cond})"
-                         for cond, _ in checks)
+                         for cond, _, _ in checks)
         values = self.con.sql(f"SELECT {aggs} FROM {src}").fetchall()[0]
-        for i, (_, problem) in enumerate(checks):
+        for i, (_, problem, column) in enumerate(checks):
             count, row = values[2 * i], values[2 * i + 1]
             if count:
-                raise DataError(f"{self.where(int(row))}: {problem} ({count} such row(s) in all)")
+                got = ""
+                if column is not None:
+                    value = self.con.sql(f'SELECT "{column}" FROM {src} WHERE _row = {int(row)}').fetchall()[0][0]
+                    got = f", got {_short(repr(value), 60) if value is not None else 'an empty cell'}"
+                raise DataError(f"{self.where(int(row))}: {problem}{got} ({count} such row(s) in all)")
 
     def where(self, row: int) -> str:
         if self.source.files is None:
@@ -596,11 +609,10 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
     temporary sibling and renamed into place). Returns ``store``."""
     import duckdb
 
-    store.parent.mkdir(parents=True, exist_ok=True)
     work = store.with_name(f"{store.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
     try:
+        work.mkdir(parents=True)
         if source.files is not None and source.fmt == "csv":
             source = Source(source.what, _stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"),
                             origins=source.files)
@@ -666,6 +678,9 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
             if not (store / "manifest.json").is_file():  # not another process's finished store
                 raise
         return store
+    except OSError as exc:  # ENOSPC, EACCES, ... while writing the store or DuckDB's spill
+        raise DataError(f"data.cache_dir: cannot write the task store {store} ({exc.strerror or exc}); "
+                        "free some disk or set data.cache_dir to a writable directory with room") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -187,14 +187,14 @@ CASES = [
      ["data.path: required for data.source 'table'"]),
     ("table-missing-file", "validate --config {cfg} --set data.source=table --set data.path={ws}/nope.csv",
      ["nope.csv: file does not exist"]),
-    ("table-path-is-a-directory", "validate --config {cfg} --set data.source=table "
+    ("table-folder-of-garbage", "validate --config {cfg} --set data.source=table "
      "--set data.path={ws}/garbage",
-     ["garbage: a folder, expected a file"]),
+     ["garbage/notes.txt: cannot read as CSV", "expected UTF-8 text with a header line"]),
     ("movielens-dir-of-garbage", "validate --config {cfg} --set data.source=movielens-100k "
      "--set data.path={ws}/garbage", ["garbage: no u.data", "the folder holds: notes.txt, ratings.bin"]),
     ("table-non-numeric-label", "validate --config {cfg} --set data.source=table "
      "--set data.path={ws}/ratings.csv",
-     ["ratings.csv: line 2: column 'rating' must be a number, got 'five'"]),
+     ["ratings.csv: row 1 below the header: column 'rating' must be a number, got 'five'"]),
     ("cache-dir-is-a-file", "validate --config {cfg} --set data.source=table --set data.path={ws}/good.csv "
      "--set data.cache_dir={ws}/afile", ["data.cache_dir: cannot make the task cache folder", "afile"]),
     ("text-data-missing", "validate --config {text} --set text.data.path={ws}/nope.csv",

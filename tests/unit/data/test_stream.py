@@ -269,3 +269,20 @@ def test_list_typed_multi_hot_and_float_ids_equal_in_memory_builder(tmp_path):
     df.to_parquet(path)
     cfg = table_cfg(path, tmp_path)
     assert_same(tasks_from_log(read_log(cfg), cfg, seed=1), build_tasks(cfg, seed=1))
+
+
+def test_disk_full_during_the_build_is_a_clear_error_and_leaves_no_store(tmp_path, monkeypatch):
+    import errno
+
+    from gmeta_ds.data import stream
+
+    path = tmp_path / "log.parquet"
+    frame().to_parquet(path)
+    cfg = table_cfg(path, tmp_path)
+
+    def full(self, start, values):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(stream._Writer, "put", full)
+    with pytest.raises(DataError, match=r"data.cache_dir: cannot write the task store .*No space left on device"):
+        build_tasks(cfg, seed=0)
+    assert [p.name for p in store_path(cfg, 0).parent.iterdir()] == [f"{store_path(cfg, 0).name}.lock"]
