@@ -306,6 +306,7 @@ class _Build:
                    f"JOIN src_files o ON p.filename = o.filename)")
         self.types = types
         exprs, checks = {}, []
+        self.int_cols: set[str] = set()
         for key in (s.task_key, s.item_key):
             t = types[key]
             q = f'"{key}"'
@@ -317,7 +318,11 @@ class _Build:
         for c in cols:
             if c in self._typed():
                 continue
-            exprs[c] = _categorical_sql(c, types[c], c in integral)
+            if pa.types.is_integer(types[c]):  # kept as integers: joins and sorts on them are cheaper;
+                exprs[c] = f'"{c}"'             # their string form (vocabulary order) is taken where needed
+                self.int_cols.add(c)
+            else:
+                exprs[c] = _categorical_sql(c, types[c], c in integral)
         v, bad = _number_sql(s.label, types[s.label])
         exprs[s.label] = f"CAST({v} AS FLOAT)"
         checks.append((bad, f"column {s.label!r} must be a number", s.label))
@@ -384,12 +389,13 @@ class _Build:
         if total == 0:
             raise DataError(f"{self.source.what}: the log holds no interactions")
         self.stats["interactions_read"] = int(total)
-        groups = _table(self.con, (f'SELECT "{s.task_key}" AS t, count(*) AS c FROM n GROUP BY 1 '
-                                  "ORDER BY 1"))
+        order_by = "CAST(t AS VARCHAR)" if s.task_key in self.int_cols else "t"  # tasks in string order
+        groups = _table(self.con, f'SELECT "{s.task_key}" AS t, count(*) AS c FROM n GROUP BY 1 '
+                                  f"ORDER BY {order_by}")
         keys, lengths = groups.column("t"), groups.column("c").to_numpy().astype(np.int64)
         short = lengths < cfg.min_interactions
         if cfg.short_tasks == "error" and short.any():
-            examples = ", ".join(keys.filter(pa.array(short)).slice(0, 5).to_pylist())
+            examples = ", ".join(map(str, keys.filter(pa.array(short)).slice(0, 5).to_pylist()))
             raise DataError(f"{self.source.what}: {int(short.sum())} task(s) have fewer than "
                             f"{cfg.min_interactions} interactions (data.min_interactions), e.g. "
                             f"{s.task_key} {examples}; set data.short_tasks: skip to drop them")
@@ -417,7 +423,7 @@ class _Build:
             if y is None:
                 raise DataError(f"{self.source.what}: data.four_state needs item release years, and "
                                 "this log has no release-year column")
-            new_item = (f"(regexp_full_match(n.\"{y}\", '[0-9]+') AND "
+            new_item = (f"(regexp_full_match(CAST(n.\"{y}\" AS VARCHAR), '[0-9]+') AND "
                         f"TRY_CAST(n.\"{y}\" AS HUGEINT) >= {int(cfg.new_item_year)})")
         self.con.execute(f'CREATE TEMP VIEW j AS SELECT n.*, ts.task, ts.split, {new_item} AS new_item '
                          f'FROM n JOIN task_split ts ON n."{s.task_key}" = ts.t')
@@ -437,7 +443,7 @@ class _Build:
         self.single = [(c, "user") for c in user] + [(c, "item") for c in item]
         self.multi = [(c, "user" if c in s.user_features else "item") for c in s.multi_hot]
         train = self.masks["train"]
-        self.fields, self.multi_vocab = [], {}
+        self.fields, self.multi_vocab, self.null_id = [], {}, {}
         if self.single:  # one scan for every single-hot field: GROUPING SETS
             cols = ", ".join(f'"{c}"' for c, _ in self.single)
             sets = ", ".join(f'("{c}")' for c, _ in self.single)
@@ -447,10 +453,16 @@ class _Build:
             bit = 1 << (len(self.single) - 1 - n)  # GROUPING(): 0 bit for the grouped column
             mine = counts.filter(pc.equal(counts.column("g"), (1 << len(self.single)) - 1 - bit))
             mine = mine.filter(pc.greater_equal(mine.column("cnt"), int(cfg.min_count)))
-            order = pc.sort_indices(mine, sort_keys=[("cnt", "descending"), (c, "ascending")])
+            text = mine.column(c)
+            if c in self.int_cols:  # the reader's string form: decimal digits, a missing value MISSING
+                text = pc.fill_null(pc.cast(text, pa.string()), MISSING)
+            order = pc.sort_indices(pa.table({"cnt": mine.column("cnt"), "s": text}),
+                                    sort_keys=[("cnt", "descending"), ("s", "ascending")])
             values = mine.column(c).take(order)
-            self.con.register(f"v{n}", pa.table({"v": values, "id": pa.array(
-                np.arange(1, len(values) + 1, dtype=np.int32))}))
+            ids = np.arange(1, len(values) + 1, dtype=np.int32)
+            missing = np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))
+            self.null_id[n] = int(ids[missing[0]]) if len(missing) else 0  # a NULL never joins
+            self.con.register(f"v{n}", pa.table({"v": values, "id": pa.array(ids)}))
             self.fields.append(FieldSpec(c, len(values) + 1, side))
         for c, side in self.multi:
             vocab = _table(self.con, (
@@ -496,7 +508,9 @@ class _Build:
         inner = (f'SELECT task, _row, "{s.label}" AS label{picked}{extra} FROM j '
                  f"SEMI JOIN keep_{name} USING (task) WHERE {mask}")
         joins = " ".join(f'LEFT JOIN v{n} ON r."{c}" = v{n}.v' for n, (c, _) in enumerate(self.single))
-        idcols = "".join(f", COALESCE(v{n}.id, 0) AS f{n}" for n in range(n_single))
+        idcols = "".join(f", COALESCE(v{n}.id, 0) AS f{n}" if not self.null_id[n] else
+                         f', COALESCE(v{n}.id, CASE WHEN r."{c}" IS NULL THEN {self.null_id[n]} ELSE 0 END) AS f{n}'
+                         for n, (c, _) in enumerate(self.single))
         mcols = "".join(f', r."{c}"' for c, _ in self.multi)
         query = (f"SELECT r.label{idcols}{mcols} FROM ({inner}) r {joins} ORDER BY r.task, {order}")
         reader = _batches(self.con, query, BATCH_ROWS)

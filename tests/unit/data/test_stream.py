@@ -265,6 +265,8 @@ def test_list_typed_multi_hot_and_float_ids_equal_in_memory_builder(tmp_path):
     df = frame(seed=2)
     df["tags"] = [[t for t in s.split("|") if t] if i % 7 else None for i, s in enumerate(df.tags)]
     df["cat"] = np.where(np.arange(len(df)) % 11 == 0, np.nan, np.arange(len(df)) % 5).astype(float)
+    df["user"] = pd.factorize(df["user"])[0].astype(np.int64) * 37 - 500  # integer task keys: string order
+    df["age"] = pd.array([None if i % 13 == 0 else (i * 7) % 12 - 3 for i in range(len(df))], dtype="Int64")
     path = tmp_path / "log.parquet"
     df.to_parquet(path)
     cfg = table_cfg(path, tmp_path)
