@@ -620,11 +620,18 @@ def estimate_bytes(rows: int, n_fields: int, n_multi: int) -> int:
 
 def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) -> Path:
     """Build the tasks of ``source`` into ``store`` (a folder; atomically: written into a
-    temporary sibling and renamed into place). Returns ``store``."""
+    temporary sibling and renamed into place). Returns ``store``. Call it holding
+    `build_lock`: it first removes the temporary folders of builds of the same store that were
+    killed before they could clean up (DuckDB's spill can be gigabytes)."""
     import duckdb
 
+    quoted = [c for c in schema.columns() if '"' in c]
+    if quoted:
+        raise DataError(f"data.schema: column name(s) {', '.join(map(repr, quoted))} contain a double quote; "
+                        "rename the column(s) in the log")
+    for stale in store.parent.glob(f"{store.name}.tmp-*"):  # a killed build's leftovers (the lock is ours)
+        shutil.rmtree(stale, ignore_errors=True)
     work = store.with_name(f"{store.name}.tmp-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
     try:
         work.mkdir(parents=True)
         if source.files is not None and source.fmt == "csv":

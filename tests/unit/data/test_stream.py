@@ -141,6 +141,13 @@ def test_store_is_atomic_and_verified(tmp_path):
     victim.write_bytes(victim.read_bytes()[:-4])
     with pytest.raises(DataError, match="damaged"):
         open_store(store)
+    # a killed build's temporary folder is removed by the next build of the same store
+    stale = store.with_name(f"{store.name}.tmp-999999")
+    (stale / "spill").mkdir(parents=True)
+    import shutil as _shutil
+    _shutil.rmtree(store)
+    build_tasks(cfg, seed=0)
+    assert not stale.exists() and (store / "manifest.json").is_file()
     # a build that fails leaves nothing behind that a later run would open
     bad = frame()
     bad.loc[7, "rating"] = np.nan
