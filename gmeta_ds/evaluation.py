@@ -88,7 +88,7 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
     """Supervised (non-meta) training of ``net`` on every interaction of ``tasks`` with Adam."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.from_numpy(tasks.ids.astype(np.int64))
-    labels = torch.from_numpy(np.asarray(tasks.labels))
+    labels = torch.from_numpy(np.array(tasks.labels))  # a copy: store arrays are read-only
     ones = torch.ones(batch_size)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     for _ in range(epochs):
