@@ -55,10 +55,7 @@ def read_log(cfg: DataConfig) -> InteractionLog:
     if cfg.source == "recbole":
         return reader(cfg.path, cfg.dataset_name)
     if cfg.source == "table":
-        s = cfg.schema
-        schema = LogSchema(s.task_key, s.item_key, s.label, s.timestamp, list(s.user_features),
-                           list(s.item_features), dict(s.multi_hot))
-        return reader(cfg.path, schema, cfg.format, cfg.sep)
+        return reader(cfg.path, table_schema(cfg), cfg.format, cfg.sep)
     return reader(cfg.path)
 
 
@@ -157,7 +154,7 @@ def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
 
 
 def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
-    """Tasks for ``cfg`` from a memory-mapped task store under ``data.cache_dir`` (built out
+    """Tasks for ``cfg`` from a task store under ``data.cache_dir`` (rows read on demand; built out
     of core by `stream.build_store` the first time, by one process while the others wait;
     reused by later runs with the same cache key); see the module docstring for the steps."""
     store = store_path(cfg, seed)
@@ -188,6 +185,7 @@ def store_path(cfg: DataConfig, seed: int) -> Path:
 
 
 def table_schema(cfg: DataConfig) -> LogSchema:
+    """The column roles of ``data.schema`` (``source: table``)."""
     s = cfg.schema
     return LogSchema(s.task_key, s.item_key, s.label, s.timestamp, list(s.user_features),
                      list(s.item_features), dict(s.multi_hot))
