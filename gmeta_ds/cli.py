@@ -355,10 +355,13 @@ def entry() -> None:
     failed one; all outputs are written and closed before this point."""
     import logging
 
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        code = main()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # output piped into `head` and closed: not a failure of the command
+        code = 0
     os._exit(code)
 
 
