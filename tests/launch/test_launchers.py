@@ -137,13 +137,40 @@ def test_bad_hostfile_stops_the_script_before_launch(tmp_path):
 
 def test_world_size_not_dividing_the_batch_fails_on_every_rank(tmp_path):
     """3 ranks cannot split 8 tasks/meta-step of 4-task micro-batches: each rank says so and
-    exits before the first collective (no rank waits for a peer)."""
+    exits before the first collective (no rank waits for a peer).
+
+    The ranks are started as independent processes with the launcher's environment: under a
+    launcher, the first rank to exit gets its peers killed, so how many of them print the message
+    there is a race. Here every rank must print it and exit 2 within the timeout on its own."""
     path = tiny_config(tmp_path)
+    port = str(free_port())
+    message = "meta.tasks_per_meta_step (8) must be a multiple of meta.tasks_per_micro_batch (4) x world size (3)"
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
+               "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([str(BIN / "gmeta-ds"), "train", "--config", str(path)],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=180))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    for rank, (proc, (out, err)) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 2, f"rank {rank}: {out[-2000:]}{err[-3000:]}"
+        assert message in err, f"rank {rank}: {err[-3000:]}"
+        assert "Traceback" not in err
+    # Under the deepspeed launcher the job fails with the same message (at least the first rank's).
     proc = run(deepspeed_cmd(3, str(BIN / "gmeta-ds"), "train", "--config", str(path)),
                expect_ok=False, timeout=180)
     assert proc.returncode != 0
-    message = "meta.tasks_per_meta_step (8) must be a multiple of meta.tasks_per_micro_batch (4) x world size (3)"
-    assert (proc.stdout + proc.stderr).count(message) == 3
+    assert message in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_missing_and_conflicting_deepspeed_configs(tmp_path):
