@@ -2,13 +2,13 @@
 # On a machine with a CUDA GPU: the GPU-marked tests, the inner-loop benchmark on the device
 # (CUDA == CPU checked first) and the real trainer on DeepSpeed's NCCL backend at world 1 vs the
 # same run on the CPU (same model? tasks/s). Every step has its own time limit (the limits add
-# up to 7.5 minutes) and the script goes on after a failing step; exit 1 if any step failed.
+# up to 11.3 minutes) and the script goes on after a failing step; exit 1 if any step failed.
 #
 #   benchmarks/gpu_check.sh OUT_DIR        (PYTHON=... to use another interpreter)
 #
 # OUT_DIR gets: status.txt (one line per step: name, exit code, seconds), <step>.log for each
 # step, gpu_tests.xml (JUnit), inner_loop_cuda.json, trainer_{cuda,cpu}/ (run dirs) and
-# trainer_compare.json.
+# trainer_compare.json, demo_{cuda,cpu}/ (with profile.json) and demo_compare.json.
 set -u -o pipefail
 
 OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -89,6 +89,32 @@ res["cuda_over_cpu_tasks_per_s"] = res["cuda"]["tasks_per_s"] / res["cpu"]["task
 (out / "trainer_compare.json").write_text(json.dumps(res, indent=2) + "\n")
 print(json.dumps(res, indent=2))
 sys.exit(0 if same else "the GPU run trained a different model than the CPU run")
+EOF
+
+# 4. the demo config itself (sharded tables, ZeRO-2), world 1: tasks/s on CUDA against the CPU,
+#    with the per-phase breakdown of 20 profiled meta-steps each (profile.json in the run dirs;
+#    issue 17: the fixed per-step costs, e.g. DeepSpeed's reduction and the non-finite check,
+#    are host syncs on a GPU)
+DEMO=(train --config examples/synthetic/config.yaml --set train.meta_steps=45 --set train.log_every=10
+      --set train.progress=false --set train.tensorboard=false --set eval.enabled=false
+      --set train.profile_steps=20 --set train.profile_warmup=5)
+step demo_cuda 100 "$BIN/deepspeed" --num_gpus 1 "$BIN/gmeta-ds" "${DEMO[@]}" --set "output_dir=$OUT/demo_cuda"
+step demo_cpu 70 env CUDA_VISIBLE_DEVICES= "$BIN/gmeta-ds" "${DEMO[@]}" --set "output_dir=$OUT/demo_cpu"
+step demo_compare 20 "$PY" - "$OUT" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+res = {}
+for dev in ("cuda", "cpu"):
+    run = out / f"demo_{dev}"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    prof = json.loads((run / "profile.json").read_text())["ranks"][0]
+    res[dev] = {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in recs[1:] or recs),
+                "step_ms_profiled": prof["step_ms"],
+                "phases_ms": {k: round(v["ms"], 3) for k, v in prof["phases"].items() if v["calls"]}}
+res["cuda_over_cpu_tasks_per_s"] = res["cuda"]["tasks_per_s"] / res["cpu"]["tasks_per_s"]
+(out / "demo_compare.json").write_text(json.dumps(res, indent=2) + "\n")
+print(json.dumps(res, indent=2))
 EOF
 
 echo "== summary ($OUT/status.txt)"

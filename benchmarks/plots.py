@@ -80,11 +80,16 @@ def memory(d, ax):
 
 
 def scaling(d, ax):
-    runs = d["runs"]
-    bars(ax, [f"world {r['world_size']}" + (f" #{i // 2 + 1}" if len(runs) > 2 else "") for i, r in enumerate(runs)],
-         {"tasks/s": [r["tasks_per_s"] for r in runs]}, "tasks/s")
-    ax.set_title(f"Demo config, same global batch: {d['speedup']:.2f}x, "
-                 f"efficiency {d['scaling_efficiency']:.0%}")
+    configs = d["configs"]
+    series = {}
+    for mode in ("strong", "weak"):
+        for world in [w for w in d["worlds"] if w > 1]:
+            series[f"{mode}, W={world}"] = [c["modes"].get(mode, {}).get(str(world), {}).get("speedup", 0.0)
+                                            for c in configs.values()]
+    bars(ax, list(configs), series, "tasks/s over world 1 (median of paired cycles)", fmt="{:.2f}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_title(f"Speed-up over one process, {d['machine']['cpu_count']} cores "
+                 "(W above the cores is oversubscribed)")
 
 
 def overlap(d, ax):

@@ -1,92 +1,189 @@
-"""World 1 vs world 2 on this machine: the same config and global tasks per meta-step, run as
-one plain process and under ``deepspeed --num_gpus 2``, side by side in one script.
+"""Does adding ranks pay? World 1, 2 and 4 on three configurations, strong and weak scaling,
+run side by side in one script through the real CLI (``gmeta-ds train``; ``deepspeed
+--num_gpus W`` for W > 1).
 
-Reports tasks/s (median over logged windows after the first), scaling efficiency
-(tasks/s at W / (W x tasks/s at 1)) and whether both runs trained the same model (checksums
-within 1e-5 relative). Writes ``benchmarks/results/scaling.json``.
+Configurations (``--configs``):
+  demo   examples/synthetic/config.yaml: the demo (sharded tables, MLP 64-32, ZeRO-2)
+  ctr    benchmarks/configs/ctr.yaml: MeLU over 8 fields, MLP 128-64, 3 inner steps of
+         second-order MAML, 32 tasks per meta-step, replicated tables (ZeRO-2)
+  dense  benchmarks/configs/dense.yaml: MLP 1024-512-256, where compute dominates
+Modes (``--modes``):
+  strong the config's global tasks per meta-step at every W (each rank gets 1/W of them)
+  weak   the same tasks per rank at every W (W x the config's tasks per meta-step)
 
-    python benchmarks/scaling.py [--config examples/synthetic/config.yaml] [--steps 80] [--repeats 3]
+Every repetition is one cycle: world 1, then each (mode, W > 1) run, so the runs compared
+are neighbours in time; a speed-up is the median over cycles of that cycle's ratio to its
+world-1 run (this machine's cores are shared and single runs are noisy). Reported per run:
+tasks/s (median over the logged windows after the first) and CPU-seconds per task (the
+process CPU time of every rank, all threads, over the same windows, from metrics.jsonl's
+``cpu_s_per_task``). W above this machine's cores is run anyway and marked
+``oversubscribed`` (ranks then time-share cores: a lower bound on what W cores would do).
 
-Each of the ``--repeats`` pairs runs world 1 then world 2; the speed-up is the median of the
-pairs' ratios (this machine's 2 shared cores make single runs noisy).
+With ``--profile`` (default on), one extra run per (config, W) in strong mode records the
+per-phase breakdown (``train.profile_steps``, `gmeta_ds.profiling`), per rank.
+``--same-model`` (default on): each config's strong-scaling runs at W = 2 must train the
+model of a one-thread world-1 run (checksums and final loss within 1e-5 relative; Adam
+amplifies last-bit differences of reduction order over hundreds of steps, so runs are
+kept short).
 
-Keep runs short for the same-model check: over hundreds of Adam steps the two runs drift apart
-(300 demo steps: dense checksum -11.67 vs -10.14) although they agree to 1e-7 after 40 -
-Adam amplifies the last-bit differences of reduction order in near-zero gradients.
+    python benchmarks/scaling.py [--configs demo ctr dense] [--worlds 1 2 4] [--modes strong weak]
+                                 [--repeats 3] [--steps N]
+
+Writes ``benchmarks/results/scaling.json`` (read by benchmarks/scaling_model.py).
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BIN, REPO, free_port, machine, run_group  # first: OMP_WAIT_POLICY
+
+# isort: split
 
 import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BIN, REPO, free_port, machine, run_group
+import yaml
+
+CONFIGS = {"demo": "examples/synthetic/config.yaml", "ctr": "benchmarks/configs/ctr.yaml",
+           "dense": "benchmarks/configs/dense.yaml"}
+DEFAULT_STEPS = {"demo": 60, "ctr": 60, "dense": 30}
+RESULTS = REPO / "benchmarks" / "results" / "scaling.json"
+SAME_MODEL_KEYS = ("dense_checksum", "embedding_checksum", "final_query_loss")
 
 
-def run(world: int, config: str, steps: int, out: Path, timeout: int, threads: str = "auto") -> dict:
+def batch_for(config: str, mode: str, world: int) -> tuple[int, int]:
+    """(tasks per meta-step, tasks per micro-batch) of a run: strong keeps the config's global
+    batch (the micro-batch shrinks where W ranks cannot each take a whole one); weak gives
+    every rank the config's world-1 share."""
+    meta = yaml.safe_load((REPO / config).read_text())["meta"]
+    per_step, micro = int(meta["tasks_per_meta_step"]), int(meta["tasks_per_micro_batch"])
+    if mode == "weak":
+        return per_step * world, micro
+    micro = min(micro, per_step // world)
+    if per_step % (micro * world):
+        raise SystemExit(f"{config}: {per_step} tasks per meta-step cannot be split over {world} ranks")
+    return per_step, micro
+
+
+def run(config: str, world: int, mode: str, steps: int, out: Path, timeout: float,
+        threads: str = "auto", profile: int = 0) -> dict:
+    per_step, micro = batch_for(config, mode, world)
     sets = [f"output_dir={out}", f"train.meta_steps={steps}", "train.log_every=10",
-            "train.progress=false", "train.tensorboard=false", "eval.enabled=false", f"train.threads={threads}"]
+            "train.progress=false", "train.tensorboard=false", "eval.enabled=false",
+            f"train.threads={threads}", f"meta.tasks_per_meta_step={per_step}",
+            f"meta.tasks_per_micro_batch={micro}"]
+    if profile:
+        sets += [f"train.profile_steps={profile}", "train.profile_warmup=5"]
     args = ["train", "--config", config, *[a for s in sets for a in ("--set", s)]]
-    if world == 1:
-        cmd = [str(BIN / "gmeta-ds"), *args]
-    else:
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-               str(BIN / "gmeta-ds"), *args]
+    cmd = [str(BIN / "gmeta-ds"), *args] if world == 1 else [
+        str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
+        str(BIN / "gmeta-ds"), *args]
     start = time.perf_counter()
-    run_group(cmd, timeout, f"world {world}")
+    run_group(cmd, timeout, f"{config} world {world} ({mode})")
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = records[1:] or records
     summary = json.loads((out / "summary.json").read_text())
-    return {"world_size": world, "wall_s": wall, "train_s": summary["elapsed_s"],
-            "tasks_per_s": statistics.median(r["tasks_per_s"] for r in (records[1:] or records)),
-            "batch": summary["batch"], "dense_checksum": summary["dense_checksum"],
-            "embedding_checksum": summary["embedding_checksum"],
-            "final_query_loss": summary["final_query_loss"]}
+    result = {"world_size": world, "mode": mode, "wall_s": wall, "train_s": summary["elapsed_s"],
+              "oversubscribed": world > (os.cpu_count() or 1),
+              "tasks_per_s": statistics.median(r["tasks_per_s"] for r in windows),
+              "cpu_s_per_task": statistics.median(r["cpu_s_per_task"] for r in windows),
+              "batch": summary["batch"], "tasks_per_meta_step": per_step, "tasks_per_micro_batch": micro,
+              "zero_stage": summary["ds_config"].get("zero_optimization", {}).get("stage", 0),
+              **{k: summary[k] for k in SAME_MODEL_KEYS}}
+    if profile:
+        result["profile"] = json.loads((out / "profile.json").read_text())
+    return result
+
+
+def close(a: dict, b: dict) -> bool:
+    return all(abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])) for k in SAME_MODEL_KEYS)
+
+
+def bench_config(name: str, args, tmp: Path) -> dict:
+    config, steps = CONFIGS[name], args.steps or DEFAULT_STEPS[name]
+    others = [(m, w) for m in args.modes for w in args.worlds if w > 1]
+    cycles = []
+    for i in range(args.repeats):
+        cycle = {"1": run(config, 1, "strong", steps, tmp / f"{name}_w1_{i}", args.timeout)}
+        for mode, world in others:
+            cycle[f"{mode}{world}"] = run(config, world, mode, steps, tmp / f"{name}_{mode}{world}_{i}",
+                                          args.timeout)
+        cycles.append(cycle)
+        print(f"  {name} cycle {i + 1}: " + ", ".join(
+            f"{k} {r['tasks_per_s']:.0f} tasks/s" for k, r in cycle.items()), flush=True)
+    result = {"config": config, "meta_steps": steps, "cycles": cycles, "modes": {}}
+    base = [c["1"] for c in cycles]
+    result["world1"] = {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in base),
+                        "cpu_s_per_task": statistics.median(r["cpu_s_per_task"] for r in base),
+                        "batch": base[0]["batch"]}
+    for mode in args.modes:
+        entry = {}
+        for world in [w for w in args.worlds if w > 1]:
+            runs = [c[f"{mode}{world}"] for c in cycles]
+            ratios = [r["tasks_per_s"] / c["1"]["tasks_per_s"] for r, c in zip(runs, cycles)]
+            cpu = [r["cpu_s_per_task"] / c["1"]["cpu_s_per_task"] for r, c in zip(runs, cycles)]
+            entry[str(world)] = {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in runs),
+                                 "speedup_per_cycle": ratios, "speedup": statistics.median(ratios),
+                                 "efficiency": statistics.median(ratios) / world,
+                                 "cpu_s_per_task": statistics.median(r["cpu_s_per_task"] for r in runs),
+                                 "cpu_s_per_task_ratio": statistics.median(cpu),
+                                 "oversubscribed": runs[0]["oversubscribed"], "batch": runs[0]["batch"]}
+        result["modes"][mode] = entry
+    if args.same_model and "strong" in args.modes and 2 in args.worlds:
+        reference = run(config, 1, "strong", steps, tmp / f"{name}_reference", args.timeout, threads="1")
+        result["same_model_reference"] = {k: reference[k] for k in SAME_MODEL_KEYS}
+        result["same_model"] = all(close(c["strong2"], reference) for c in cycles)
+    if args.profile:
+        result["profile"] = {str(w): run(config, w, "strong", max(steps, 30), tmp / f"{name}_profile{w}",
+                                         args.timeout, profile=20)["profile"] for w in args.worlds}
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="examples/synthetic/config.yaml")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="interleaved world 1 / world 2 pairs; medians are reported")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--modes", nargs="+", default=["strong", "weak"], choices=["strong", "weak"])
+    parser.add_argument("--repeats", type=int, default=3, help="cycles; medians of per-cycle ratios")
+    parser.add_argument("--steps", type=int, default=0, help="meta-steps per run (0: per config)")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--no-same-model", dest="same_model", action="store_false")
     args = parser.parse_args()
+    if 1 not in args.worlds:
+        args.worlds = [1, *args.worlds]
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run(w, args.config, args.steps, Path(tmp) / f"w{w}_{i}", args.timeout)
-                for i in range(args.repeats) for w in (1, 2)]
-        reference = run(1, args.config, args.steps, Path(tmp) / "w1_reference", args.timeout, threads="1")
-    ones, twos = runs[0::2], runs[1::2]
-    # Same model: every world-2 run against a one-thread world-1 run. With 2 intra-op threads a
-    # single process is not bitwise reproducible on this CPU (its runs differ from each other
-    # after ~60 meta-steps), so it cannot be the reference; one thread per rank is.
-    same = all(abs(t[k] - reference[k]) <= 1e-5 * max(1.0, abs(reference[k])) for t in twos
-               for k in ("dense_checksum", "embedding_checksum", "final_query_loss"))
-    speed = {w: statistics.median(r["tasks_per_s"] for r in rs) for w, rs in ((1, ones), (2, twos))}
-    ratios = [t["tasks_per_s"] / o["tasks_per_s"] for o, t in zip(ones, twos)]
-    result = {"machine": {**machine(), "load_avg_at_end": os.getloadavg()},
-              "config": args.config, "meta_steps": args.steps, "repeats": args.repeats, "runs": runs,
-              "same_model_reference": reference,
-              "tasks_per_s_median": speed, "speedup_per_pair": ratios,
-              "speedup": statistics.median(ratios),
-              "scaling_efficiency": statistics.median(ratios) / 2,
-              "same_model": same}
-    print(f"{'world':>5} {'tasks/s':>10} {'train s':>8}  batch")
-    for r in runs:
-        print(f"{r['world_size']:>5} {r['tasks_per_s']:>10.0f} {r['train_s']:>8.1f}  {r['batch']}")
-    print(f"median tasks/s: world 1 {speed[1]:.0f}, world 2 {speed[2]:.0f}; speed-up per pair "
-          f"{', '.join(f'{x:.2f}x' for x in ratios)}; median {result['speedup']:.2f}x, scaling efficiency "
-          f"{result['scaling_efficiency']:.0%}, same model: {same}")
-    out = REPO / "benchmarks" / "results" / "scaling.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    if not same:
+        for name in args.configs:
+            print(f"{name}: {CONFIGS[name]}", flush=True)
+            results[name] = bench_config(name, args, Path(tmp))
+    report = {"machine": {**machine(), "load_avg_at_end": os.getloadavg()},
+              "worlds": args.worlds, "repeats": args.repeats, "configs": results}
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'config':<7}{'mode':<8}{'W':>3}{'tasks/s':>10}{'speed-up':>10}{'eff.':>7}"
+          f"{'CPU-s/task':>12}{'vs W=1':>8}  per cycle")
+    for name, r in results.items():
+        w1 = r["world1"]
+        print(f"{name:<7}{'':<8}{1:>3}{w1['tasks_per_s']:>10.0f}{'1.00x':>10}{'100%':>7}"
+              f"{w1['cpu_s_per_task'] * 1e3:>10.2f}ms{'1.00x':>8}")
+        for mode, entry in r["modes"].items():
+            for world, e in entry.items():
+                flag = " (oversubscribed)" if e["oversubscribed"] else ""
+                print(f"{name:<7}{mode:<8}{world:>3}{e['tasks_per_s']:>10.0f}{e['speedup']:>9.2f}x"
+                      f"{e['efficiency']:>7.0%}{e['cpu_s_per_task'] * 1e3:>10.2f}ms"
+                      f"{e['cpu_s_per_task_ratio']:>7.2f}x  "
+                      f"{', '.join(f'{x:.2f}' for x in e['speedup_per_cycle'])}{flag}")
+        if "same_model" in r:
+            print(f"{name:<7}same model at W=2 as one-thread W=1: {r['same_model']}")
+    print(f"wrote {RESULTS}")
+    if not all(r.get("same_model", True) for r in results.values()):
         raise SystemExit("world 1 and world 2 trained different models")
 
 

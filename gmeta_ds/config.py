@@ -195,6 +195,11 @@ class TrainConfig:
     keep_last: int = 2                        # complete checkpoints kept (0 = all)
     # Resume: null, "auto" (OUTPUT_DIR/checkpoints/latest when there is one), or a checkpoint path.
     resume: Union[str, None] = None
+    # Per-phase time per rank (gmeta_ds/profiling.py): profile this many meta-steps after
+    # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).
+    profile_steps: int = 0
+    profile_warmup: int = 5
+    profile_trace: bool = False
 
 
 @dataclass
@@ -409,7 +414,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
     _one_of(problems, "train.nonfinite", cfg.train.nonfinite, ("abort", "skip"))
-    for key in ("checkpoint_every", "keep_last"):
+    for key in ("checkpoint_every", "keep_last", "profile_steps", "profile_warmup"):
         value = getattr(cfg.train, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             problems.append(f"train.{key}: {value!r} must be an integer >= 0")

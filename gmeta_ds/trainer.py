@@ -10,6 +10,7 @@ and ``summary.json``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import all_mean, collective_phase
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.profiling import PhaseProfiler, phase, write_profile
 
 WEIGHTS_FILE = "model.safetensors"
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
@@ -114,45 +116,90 @@ def _nonfinite_anywhere(finite_here: bool) -> bool:
     return bad.item() > 0
 
 
+class _AnyRank:
+    """Whether a flag (a 0-dim bool tensor, on the engine's device) is set on any rank: the
+    all-reduce is posted when built and waited for in `result`, so it runs under the work in
+    between (the last micro-batch's backward) instead of making every rank wait for the
+    slowest one first; one host sync, in `result`."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.value = flag.reshape(1).float()
+        self.work = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.work = dist.all_reduce(self.value, async_op=True)
+
+    def result(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return bool(self.value.item() > 0)
+
+
 def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
               batches: list[TaskBatch], step: int = 0, nonfinite: str = "abort") -> StepStats:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
-    Before each backward the outer loss is checked for NaN/inf on every rank: ``abort`` raises
-    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids; ``skip`` (one
-    micro-batch per meta-step) drops the meta-step on all ranks, so no update happens at all."""
-    query, support = [], []
+    The outer loss is checked for NaN/inf on every rank before any update. ``abort``: one
+    check per meta-step, a flag all-reduced while the last micro-batch runs its backward
+    (nothing is updated yet then: DeepSpeed updates in the last ``engine.step``), raising
+    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids. ``skip`` (one
+    micro-batch per meta-step) checks before the backward and drops the meta-step on all
+    ranks, so no update happens at all. Losses stay on the engine's device until the end
+    (one host sync per meta-step for the statistics).
+
+    At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``: DeepSpeed
+    would otherwise flatten every gradient into a buffer and all-reduce it over one rank, an
+    exact identity (`ds_engine.reduction_is_identity`)."""
+    query, support, bad_here = [], [], []
     if engine.device.type != "cpu":  # batches are collated on the host
         batches = [ds_engine.to_device(b, engine.device) for b in batches]
-    for batch in batches:
-        rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
-                if sharded else None)
+    local = ds_engine.reduction_is_identity(engine)
+    pending = None
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with phase("lookup"):
+            rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
+                    if sharded else None)
         with ds_engine.gathered(engine.module):  # ZeRO-3: full parameters for this micro-step
-            out = engine(batch, rows)
-            finite = bool(torch.isfinite(out.loss.detach()).all())
-            bad = _nonfinite_anywhere(finite)
-            if not bad:
-                if batch is batches[-1]:
+            with phase("inner_loop"):
+                out = engine(batch, rows)
+            with phase("nonfinite_check"):
+                finite = torch.isfinite(out.loss.detach()).all()
+                if nonfinite == "skip":
+                    skip = _nonfinite_anywhere(bool(finite))
+                else:
+                    skip = False
+                    bad_here.append(~finite)
+                    if last:
+                        pending = _AnyRank(torch.stack(bad_here).any())
+            if not skip:
+                if last:
                     _fault_stop(f"{step + 1}:{_rank()}")
-                engine.backward(out.loss)
-        if bad:
-            where = _who_is_nonfinite(finite, batch)
-            if nonfinite == "abort":
-                raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
-                    f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
-                    "'skip' drops such meta-steps instead)")
+                with phase("outer_backward"), (engine.no_sync() if local else contextlib.nullcontext()):
+                    engine.backward(out.loss)
+        if skip:
             if sharded is not None:
                 for p in sharded.parameters():
                     p.grad = None
             return StepStats(float("nan"), float("nan"), padding_efficiency(batch), skipped=True)
-        engine.step()
-        query.append(out.query_loss.item())
-        support.append(out.support_loss.item())
+        if pending is not None:
+            with phase("nonfinite_check"):
+                if pending.result():
+                    bad_batches = [b for b, flag in zip(batches, torch.stack(bad_here).tolist()) if flag]
+                    where = _who_is_nonfinite(bad_batches)
+                    raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
+                        f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
+                        "'skip' drops such meta-steps instead)")
+        with phase("optimizer_step"):
+            engine.step()
+        query.append(out.query_loss.detach())
+        support.append(out.support_loss.detach())
     if sharded is not None:
-        sharded.step()
+        with phase("sparse_step"):
+            sharded.step()
     padding = sum(padding_efficiency(b) for b in batches) / len(batches)
-    return StepStats(sum(query) / len(query), sum(support) / len(support), padding)
+    losses = torch.stack([torch.stack(query), torch.stack(support)]).float().mean(dim=1).tolist()
+    return StepStats(losses[0], losses[1], padding)
 
 
 def _rank() -> int:
@@ -165,9 +212,10 @@ def _fault_stop(point: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _who_is_nonfinite(finite: bool, batch: TaskBatch) -> list[tuple[int, list[int]]]:
-    """(rank, task ids of its micro-batch) of every rank whose loss is not finite."""
-    mine = None if finite else batch.task_ids.tolist()
+def _who_is_nonfinite(bad_batches: list[TaskBatch]) -> list[tuple[int, list[int]]]:
+    """(rank, task ids of its micro-batches with a non-finite loss) of every rank that has
+    any (collective when world > 1)."""
+    mine = [i for b in bad_batches for i in b.task_ids.tolist()] or None
     world = dist.get_world_size() if dist.is_initialized() else 1
     everyone = [mine]
     if world > 1:
@@ -205,13 +253,23 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
     bar = tqdm(total=cfg.train.meta_steps, initial=first, disable=rank != 0 or not cfg.train.progress,
                desc="meta-train", unit="step")
     every = cfg.train.checkpoint_every
+    profiler = PhaseProfiler(cfg.train.profile_steps, cfg.train.profile_warmup,
+                             Path(cfg.output_dir) / "profile" if cfg.train.profile_trace else None)
     record, window_start, window_steps, padding = {}, time.perf_counter(), 0, 0.0
+    window_cpu = time.process_time()
     skipped, last_query, last_support = 0, float("nan"), float("nan")
     try:
         for step in range(first, cfg.train.meta_steps):
             _fault_stop(f"{step + 1}:{rank}:start")
+            profiler.start_step()
             with run_phase(cfg, f"meta-step {step + 1}"):
-                stats = meta.meta_step(loader.next())
+                with phase("data"):
+                    batches = loader.next()
+                stats = meta.meta_step(batches)
+            profiler.end_step()
+            spent, spent_cpu = profiler.take_overhead()
+            window_start += spent
+            window_cpu += spent_cpu
             if stats.skipped:
                 skipped += 1
                 if rank == 0:
@@ -229,12 +287,16 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             if (step + 1) % cfg.train.log_every and not last:
                 bar.update(1)
                 continue
+            cpu = time.process_time() - window_cpu  # this process, all its threads
             with run_phase(cfg, f"meta-step {step + 1}"):
-                query, support, pad = all_mean([last_query, last_support, padding / max(1, window_steps)])
+                query, support, pad, cpu_mean = all_mean([last_query, last_support,
+                                                          padding / max(1, window_steps), cpu])
             elapsed = time.perf_counter() - window_start
+            tasks = window_steps * plan.tasks_per_meta_step
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
                       "query_loss": query, "support_loss": support,
-                      "tasks_per_s": window_steps * plan.tasks_per_meta_step / elapsed,
+                      "tasks_per_s": tasks / elapsed,
+                      "cpu_s_per_task": cpu_mean * plan.world_size / tasks if tasks else None,
                       "padding_efficiency": pad, "skipped_steps": skipped,
                       "dense_allreduce_bytes": comm * window_steps,
                       "embedding_comm_bytes": sharded.stats.total_sent() if sharded else 0}
@@ -245,9 +307,21 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
             bar.update(1)
             window_start, window_steps, padding = time.perf_counter(), 0, 0.0
+            window_cpu = time.process_time()
     finally:
         loader.close()
         bar.close()
+    if cfg.train.profile_steps:
+        with run_phase(cfg, "profile summary"):
+            report = write_profile(profiler, Path(cfg.output_dir), rank, plan.world_size,
+                                   {"world_size": plan.world_size, "batch": plan.describe(),
+                                    "zero_stage": zero_stage(meta.ds_config)})
+        if report is not None and cfg.train.progress:
+            from gmeta_ds.profiling import table
+
+            print(f"gmeta-ds: per-phase time of {profiler.recorded} profiled meta-steps (ms per "
+                  f"meta-step; collectives in brackets), {cfg.output_dir}/profile.json:\n"
+                  f"{table(report)}", flush=True)
     return record
 
 

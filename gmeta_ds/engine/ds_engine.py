@@ -262,3 +262,14 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
 
 def _few(items: list[str], n: int = 3) -> str:
     return "[" + ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "") + "]"
+
+
+def reduction_is_identity(engine) -> bool:
+    """Whether DeepSpeed's gradient reduction would leave every gradient as it is: one rank,
+    ZeRO-0 (no partitioning, so ``engine.no_sync()`` is allowed) and fp32 gradients (no cast to
+    a communication dtype and back). `trainer.meta_step` then skips it."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (world == 1 and engine.zero_optimization_stage() == 0 and not engine.fp16_enabled()
+            and not engine.bfloat16_enabled())

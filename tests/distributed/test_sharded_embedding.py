@@ -19,3 +19,13 @@ def test_nonfinite_loss_policy_on_two_ranks(policy):
     outputs = run_ranks("nonfinite", 2, policy, timeout=180)
     word = "skipped" if policy == "skip" else "raised"
     assert all(out.strip().endswith(f"{word} {r}") for r, out in enumerate(outputs)), outputs
+
+
+def test_nonfinite_loss_in_an_accumulated_micro_batch_aborts_before_any_update():
+    outputs = run_ranks("nonfinite_accumulated", 2, timeout=180)
+    assert all(out.strip().endswith(f"raised {r}") for r, out in enumerate(outputs)), outputs
+
+
+def test_world_one_zero0_skips_the_one_rank_reduction_bit_for_bit():
+    outputs = run_ranks("zero0_world1_without_reduction", 1, timeout=180)
+    assert outputs[0].strip().endswith("ok 0"), outputs

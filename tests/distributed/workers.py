@@ -86,26 +86,36 @@ def sharded_equals_unsharded() -> None:
     print("ok", rank)
 
 
-def nonfinite(policy: str) -> None:
-    """A NaN label in one task on rank 1: ``skip`` drops the meta-step on every rank (no
-    parameter moves, the next finite step trains); ``abort`` raises on every rank, naming the
-    meta-step, the rank and its task ids."""
-    from helpers import tiny_batch, tiny_melu
+def tiny_engine(stage: int, gas: int):
+    """A DeepSpeed engine (ZeRO ``stage``, ``gas`` micro-batches of 3 tasks per rank) on a
+    tiny MeLU meta-learned by first-step MAML, seeded identically on every rank."""
+    from helpers import tiny_melu
 
     from gmeta_ds.algorithms import MetaLearner, build_algorithm
     from gmeta_ds.config import MetaConfig
     from gmeta_ds.engine import ds_engine
     from gmeta_ds.engine.dist import skip_deepspeed_shm_op
-    from gmeta_ds.trainer import NonFiniteLoss, meta_step
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     skip_deepspeed_shm_op()
     torch.manual_seed(0)
     learner = MetaLearner(tiny_melu(), build_algorithm(MetaConfig(algorithm="maml", inner_steps=1), "binary"))
-    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
-          "train_batch_size": 3 * world, "zero_optimization": {"stage": 2},
+    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": gas,
+          "train_batch_size": 3 * gas * dist.get_world_size(), "zero_optimization": {"stage": stage},
           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
-    engine = ds_engine.initialize(learner, ds)
+    return ds_engine.initialize(learner, ds)
+
+
+def nonfinite(policy: str) -> None:
+    """A NaN label in one task on rank 1: ``skip`` drops the meta-step on every rank (no
+    parameter moves, the next finite step trains); ``abort`` raises on every rank, naming the
+    meta-step, the rank and its task ids."""
+    from helpers import tiny_batch
+
+    from gmeta_ds.engine import ds_engine
+    from gmeta_ds.trainer import NonFiniteLoss, meta_step
+
+    rank = dist.get_rank()
+    engine = tiny_engine(stage=2, gas=1)
     before = ds_engine.checksums(engine.module)
     bad = tiny_batch(seed=rank)
     if rank == 1:
@@ -123,6 +133,64 @@ def nonfinite(policy: str) -> None:
     stats = meta_step(engine, None, [], [tiny_batch(seed=10 + rank)], step=7, nonfinite="skip")
     assert not stats.skipped and ds_engine.checksums(engine.module) != before
     print("skipped", rank)
+
+
+def nonfinite_accumulated() -> None:
+    """Two micro-batches per rank, a NaN label in rank 0's first: the one check per
+    meta-step (after the last backward, before any update) raises on every rank naming
+    rank 0 and that micro-batch's tasks, and no parameter has moved."""
+    from helpers import tiny_batch
+
+    from gmeta_ds.engine import ds_engine
+    from gmeta_ds.trainer import NonFiniteLoss, meta_step
+
+    rank = dist.get_rank()
+    engine = tiny_engine(stage=1, gas=2)
+    good = [tiny_batch(seed=10 + rank), tiny_batch(seed=20 + rank)]
+    meta_step(engine, None, [], good, step=0)
+    before = ds_engine.checksums(engine.module)
+    bad = [tiny_batch(seed=rank), tiny_batch(seed=30 + rank)]
+    if rank == 0:
+        bad[0].support_y[1, 0] = float("nan")
+    try:
+        meta_step(engine, None, [], bad, step=1)
+    except NonFiniteLoss as exc:
+        assert "meta-step 2: non-finite outer loss on rank 0 (tasks [0, 1, 2])" in str(exc), str(exc)
+        assert "rank 1" not in str(exc), str(exc)
+        assert ds_engine.checksums(engine.module) == before
+        print("raised", rank)
+        return
+    raise AssertionError("no NonFiniteLoss")
+
+
+def zero0_world1_without_reduction() -> None:
+    """At world 1 under ZeRO-0 (fp32) the meta-step skips DeepSpeed's one-rank gradient
+    all-reduce (``engine.no_sync``): the trained weights equal, bit for bit, those of the same
+    steps with the reduction."""
+    from unittest import mock
+
+    from helpers import tiny_batch
+
+    from gmeta_ds.engine import ds_engine
+    from gmeta_ds.trainer import meta_step
+
+    states = []
+    for skip_reduction in (True, False):
+        engine = tiny_engine(stage=0, gas=2)
+        initial = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        assert ds_engine.reduction_is_identity(engine)
+        calls = []
+        original = engine.allreduce_gradients
+        with mock.patch.object(ds_engine, "reduction_is_identity", return_value=skip_reduction), \
+                mock.patch.object(engine, "allreduce_gradients",
+                                  side_effect=lambda *a, **k: (calls.append(1), original(*a, **k))):
+            for step in range(3):
+                meta_step(engine, None, [], [tiny_batch(seed=2 * step), tiny_batch(seed=2 * step + 1)], step=step)
+        assert (len(calls) == 0) == skip_reduction, (skip_reduction, len(calls))
+        states.append({k: v.clone() for k, v in engine.module.state_dict().items()})
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert any(not torch.equal(states[0][k], initial[k]) for k in initial)  # it trained
+    print("ok", dist.get_rank())
 
 
 def main() -> None:
