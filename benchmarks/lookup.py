@@ -1,16 +1,19 @@
-"""Per-step Python overhead of the embedding lookup: pooling single-hot ids, before/after.
+"""Per-step Python overhead of the embedding lookup: per-field single-hot ids, before/after.
 
-Single-hot fields (every field of the demo) used to be "pooled" like bags: an ``index_add`` of
-each row into a zero (N, d) tensor, forward and backward, for every field of every micro-batch.
-`Jagged.single` now marks them ``one_per_sample`` and `pool` returns the rows as they are (the
-sum or mean of one row). Both paths are timed side by side in one process, interleaved, with
-one thread (what each of 2 ranks gets on 2 cores), world 1 (no collectives: pure overhead):
+`ShardedEmbeddingCollection.lookup_fields` used to go through the per-feature path
+(`tables.lookup_fields`, still there: the fallback and the unsharded twin's lookup): one
+`Jagged.single` and one `check_ids` per field, one `torch.unique` and one concatenation per
+table, one index per field and a stack of the per-field rows. It now keeps the single-hot
+fields as one (N, F) tensor: one check, one unique of table-offset keys (linear, no sort, for
+small tables), one `index_select` of every field's rows. Both paths are timed side by side in one
+process, interleaved, with one thread (what each of 2 ranks gets on 2 cores), world 1 (no
+collectives: pure overhead):
 
 1. the lookup alone: `ShardedEmbeddingCollection.lookup_fields` of one micro-batch of the demo
    (32 tasks, support + query, 8 fields, the demo's plan) + backward of a fixed weighted sum;
-   outputs and gradients are checked equal first;
+   outputs and gradients are checked equal (bit for bit) first;
 2. the trainer's real `meta_step` on the demo config (world 1, ZeRO-2, 2 micro-batches), with
-   `Jagged.single` patched back to the old behaviour for "before".
+   `ShardedEmbeddingCollection.lookup_fields` patched to the per-feature path for "before".
 
 Reported: medians and the median of paired ratios (before / after of neighbouring
 repetitions). Writes ``benchmarks/results/lookup.json``.
@@ -39,25 +42,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from gmeta_ds.embedding import tables
-from gmeta_ds.embedding.tables import Jagged
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 
 RESULTS = ROOT / "benchmarks" / "results" / "lookup.json"
-_SINGLE = Jagged.single
+_FUSED = ShardedEmbeddingCollection.lookup_fields
 
 
 @contextmanager
-def old_pooling(on: bool):
-    """While ``on``: `Jagged.single` no longer marks its ids single-hot (the old path)."""
+def per_feature(on: bool):
+    """While ``on``: `ShardedEmbeddingCollection.lookup_fields` is the per-feature path (the old one)."""
     if on:
-        tables.Jagged.single = staticmethod(lambda ids: Jagged(*_fields(_SINGLE(ids))))
+        ShardedEmbeddingCollection.lookup_fields = tables.lookup_fields
     try:
         yield
     finally:
-        tables.Jagged.single = staticmethod(_SINGLE)
-
-
-def _fields(j: Jagged) -> tuple:
-    return j.values, j.offsets
+        ShardedEmbeddingCollection.lookup_fields = _FUSED
 
 
 def setup():
@@ -99,17 +98,16 @@ def lookup_part(sharded, fields, batch, reps: int) -> dict:
             p.grad.to_dense() if p.grad is not None else None for p in sharded.parameters()]
 
     g = torch.Generator().manual_seed(0)
-    with old_pooling(False):
-        sup, qry = embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
+    sup, qry = embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
     weights = (torch.randn(sup.shape, generator=g), torch.randn(qry.shape, generator=g))
-    with old_pooling(True):
+    with per_feature(True):
         _, out_old, grads_old = once()
     _, out_new, grads_new = once()
     same = all(torch.equal(a, b) for a, b in zip(out_old, out_new)) and all(
         (a is None and b is None) or torch.equal(a, b) for a, b in zip(grads_old, grads_new))
     before, after = [], []
     for _ in range(reps):
-        with old_pooling(True):
+        with per_feature(True):
             before.append(once()[0])
         after.append(once()[0])
     return {**paired(before, after), "outputs_and_grads_equal": same}
@@ -124,7 +122,7 @@ def step_part(engine, sharded, fields, loader, steps: int, tasks: int) -> dict:
     for _ in range(steps):
         for old, times in ((True, before), (False, after)):
             batches = loader.next()
-            with old_pooling(old):
+            with per_feature(old):
                 start = time.perf_counter()
                 meta_step(engine, sharded, fields, batches)
                 times.append(time.perf_counter() - start)
@@ -147,7 +145,7 @@ def main(argv=None) -> int:
     look = lookup_part(sharded, fields, loader.next()[0], args.reps)
     step = step_part(engine, sharded, fields, loader, args.steps, plan.tasks_per_meta_step)
     loader.close()
-    print("\nsingle-hot pooling skipped (after) vs index_add pooling (before), 1 thread, world 1")
+    print("\nfields as one tensor (after) vs one Jagged.single per field (before), 1 thread, world 1")
     print(f"{'what':<44} {'before ms':>10} {'after ms':>9} {'paired speed-up':>16}")
     print(f"{'lookup + backward, 1 micro-batch (32 tasks)':<44} {look['before_ms']:>10.2f} "
           f"{look['after_ms']:>9.2f} {look['paired_speedup']:>15.3f}x")

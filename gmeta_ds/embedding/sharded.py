@@ -17,6 +17,7 @@ all-reduces the gradients of replicated tables. World size 1 issues no collectiv
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,50 @@ from torch import Tensor, nn
 from gmeta_ds.embedding.comm import CommStats, all_to_all
 from gmeta_ds.embedding.optim import build_sparse_optimizer
 from gmeta_ds.embedding.plan import ShardingPlan
-from gmeta_ds.embedding.tables import Jagged, check_ids, feature_tables, init_rows, lookup_fields, pool
+from gmeta_ds.embedding.tables import (Jagged, TableConfig, check_fields, check_ids, check_width,
+                                       feature_tables, init_rows, lookup_fields, pool)
+
+
+@dataclass(frozen=True)
+class FieldTables:
+    """The tables of `ShardedEmbeddingCollection.lookup_fields`'s single-hot fields, one table
+    per field and no two fields (or a field and a bag) on one table. Field c's ids are offset by
+    ``base[c]`` (the rows of the tables before it) into one key space of ``total`` rows, so one
+    tensor op checks, deduplicates and gathers the ids of every field."""
+
+    tables: tuple[TableConfig, ...]
+    num_rows: Tensor  # (F,) rows of each field's table
+    base: Tensor      # (F,) first key of each field's table
+    bounds: Tensor    # (F + 1,) base, then total
+    total: int
+
+    @staticmethod
+    def of(by_feature: dict[str, TableConfig], fields: tuple[str, ...],
+           bags: tuple[str, ...]) -> FieldTables | None:
+        """The layout of single-hot ``fields`` next to multi-hot ``bags``, or None where the
+        fused lookup does not apply: no fields, an unknown feature, a table serving two of them,
+        or tables of different dimensions."""
+        if not fields or any(f not in by_feature for f in fields + bags):
+            return None
+        tables = tuple(by_feature[f] for f in fields)
+        names = {t.name for t in tables}
+        if len(names) < len(fields) or names & {by_feature[b].name for b in bags} or \
+                len({t.dim for t in tables}) > 1:
+            return None
+        num_rows = torch.tensor([t.num_rows for t in tables])
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long), num_rows.cumsum(0)])
+        return FieldTables(tables, num_rows, bounds[:-1], bounds, int(bounds[-1]))
+
+
+def unique_keys(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+    """``torch.unique(keys, return_inverse=True)`` (sorted) of keys in [0, bound): by marking
+    the keys present in a table of ``bound`` flags when that is no larger than ``keys`` (linear
+    time, no sort), else by torch's sort."""
+    if bound > keys.numel():
+        return torch.unique(keys, return_inverse=True)
+    flat = keys.reshape(-1)
+    present = torch.zeros(bound, dtype=torch.bool).index_fill_(0, flat, True)
+    return present.nonzero().squeeze(1), present.cumsum(0).sub_(1).index_select(0, flat).view_as(keys)
 
 
 class ShardedEmbeddingCollection:
@@ -47,6 +91,7 @@ class ShardedEmbeddingCollection:
         self.optimizers = {name: build_sparse_optimizer(p.table.optimizer, self.shards[name], p.table.lr)
                            for name, p in plan.tables.items()}
         self.stats = CommStats()
+        self._field_tables: dict[tuple, FieldTables | None] = {}
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.shards.values())
@@ -57,18 +102,53 @@ class ShardedEmbeddingCollection:
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
         requests = self._requests(features)                  # table -> (unique ids, inverse)
-        rows = self._replicated_rows(requests)
-        by_dim = defaultdict(list)
-        for name in requests:
-            if self.plan.tables[name].kind != "replicated":
-                by_dim[self.plan.tables[name].table.dim].append(name)
-        for names in by_dim.values():
-            rows.update(self._sharded_rows(names, {n: requests[n][0] for n in names}))
+        rows = self._rows({name: ids for name, (ids, _) in requests.items()})
         return self._per_feature(features, requests, rows)
 
     def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
-        """Single-hot ids (..., F) (+ multi-hot bags) -> rows (..., F + M, d) in one fused lookup."""
-        return lookup_fields(self, ids, fields, multi)
+        """Single-hot ids (..., F) (+ multi-hot bags) -> rows (..., F + M, d) in one fused lookup.
+
+        The rows, gradients, requests and traffic of `tables.lookup_fields` (one `Jagged.single`
+        per field through `forward`), bit for bit, with the single-hot fields kept as one (N, F)
+        tensor: their ids checked in one op (`check_fields`), every table's request
+        deduplicated by one unique of table-offset keys (`FieldTables`), their rows gathered by
+        one index. (With several threads the per-field path's accumulating index is not
+        deterministic; this one is, and equals its one-thread result.) Bags keep the
+        per-feature path; fields sharing a table (with each other or a bag), unknown features
+        or tables of different dimensions take `tables.lookup_fields` as a whole.
+        """
+        multi = multi or {}
+        check_width(ids, fields)
+        signature = (tuple(fields), tuple(multi))
+        if signature not in self._field_tables:
+            self._field_tables[signature] = FieldTables.of(self.by_feature, *signature)
+        layout = self._field_tables[signature]
+        if layout is None:
+            return lookup_fields(self, ids, fields, multi)
+        flat = check_fields(ids.reshape(-1, len(fields)).long(), fields, layout.tables, layout.num_rows,
+                            self.bad_ids)
+        if self.dedup:
+            keys, inverse = unique_keys(flat + layout.base, layout.total)
+            counts = torch.searchsorted(keys, layout.bounds).diff()
+            table_ids = keys - layout.base.repeat_interleave(counts, output_size=len(keys))
+            sizes = counts.tolist()
+        else:
+            n = len(flat)
+            table_ids = flat.t().reshape(-1)
+            inverse = torch.arange(n * len(fields)).view(len(fields), n).t()
+            sizes = [n] * len(fields)
+        names = [t.name for t in layout.tables]
+        bags = self._requests(multi)
+        rows = self._rows({**dict(zip(names, torch.split(table_ids, sizes))),
+                           **{name: bag_ids for name, (bag_ids, _) in bags.items()}})
+        # index_select, not indexing: as fast again, and its backward sums each row's
+        # gradients serially in the order of `inverse`, as the per-field indexing does
+        out = torch.cat([rows[name] for name in names]).index_select(0, inverse.reshape(-1))
+        out = out.view(*inverse.shape, -1)  # (N, F, d)
+        if multi:
+            pooled = self._per_feature(multi, bags, rows)
+            out = torch.cat([out, torch.stack([pooled[f] for f in multi], dim=1)], dim=1)
+        return out.reshape(*ids.shape[:-1], out.shape[1], -1)
 
     def _requests(self, features: dict[str, Jagged]) -> dict[str, tuple[Tensor, Tensor]]:
         """Per table: the ids to fetch (deduplicated unless ``dedup`` is off) and, for the
@@ -86,9 +166,18 @@ class ShardedEmbeddingCollection:
                 out[name] = (ids, torch.arange(len(ids)))
         return out
 
-    def _replicated_rows(self, requests) -> dict[str, Tensor]:
-        return {name: torch.nn.functional.embedding(ids, self.shards[name], sparse=True)
-                for name, (ids, _) in requests.items() if self.plan.tables[name].kind == "replicated"}
+    def _rows(self, ids: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Rows of every table's requested ``ids``: replicated tables looked up locally, sharded
+        ones through one exchange per group of same-dimension tables."""
+        rows = {name: torch.nn.functional.embedding(i, self.shards[name], sparse=True)
+                for name, i in ids.items() if self.plan.tables[name].kind == "replicated"}
+        by_dim = defaultdict(list)
+        for name in ids:
+            if self.plan.tables[name].kind != "replicated":
+                by_dim[self.plan.tables[name].table.dim].append(name)
+        for names in by_dim.values():
+            rows.update(self._sharded_rows(names, {n: ids[n] for n in names}))
+        return rows
 
     def _sharded_rows(self, names: list[str], ids: dict[str, Tensor]) -> dict[str, Tensor]:
         """input_dist -> lookup -> output_dist for tables of one dimension."""

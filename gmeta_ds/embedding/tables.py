@@ -12,6 +12,7 @@ feature::
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,15 +74,6 @@ def init_rows(table: TableConfig, seed: int, ids: Tensor) -> Tensor:
         out[order[picked]] = rows[sorted_ids[picked] - start]
         cursor += count
     return out
-    blocks = ids // INIT_BLOCK_ROWS
-    for block in torch.unique(blocks).tolist():
-        g = torch.Generator().manual_seed(_block_seed(seed, table.name, block))
-        start = block * INIT_BLOCK_ROWS
-        size = min(INIT_BLOCK_ROWS, table.num_rows - start)
-        rows = torch.randn(size, table.dim, generator=g) * table.init_std
-        sel = blocks == block
-        out[sel] = rows[ids[sel] - start]
-    return out
 
 
 @dataclass
@@ -118,11 +110,30 @@ def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> 
     if len(values):
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= table.num_rows:
-            bad = low if low < 0 else high
-            raise ValueError(f"feature {feature!r}: id {bad} is out of range for table "
-                             f"{table.name!r} with {table.num_rows} rows (valid: 0..{table.num_rows - 1}); "
-                             "set embedding.bad_ids: hash to map ids by modulo")
+            raise _out_of_range(feature, table, low if low < 0 else high)
     return values
+
+
+def check_fields(ids: Tensor, fields: Sequence[str], tables: Sequence[TableConfig], num_rows: Tensor,
+                 policy: str) -> Tensor:
+    """`check_ids` of every column of single-hot ids (N, F) in one tensor op: column c holds
+    feature ``fields[c]`` of table ``tables[c]`` (``num_rows``: (F,) their row counts). Same
+    ids, and the same error as checking the columns one by one (the first bad column's)."""
+    if policy == "hash":
+        return torch.remainder(ids, num_rows)
+    if len(ids):
+        low, high = torch.aminmax(ids, dim=0)
+        bad = (low < 0) | (high >= num_rows)
+        if bad.any():
+            c = int(bad.nonzero()[0])
+            raise _out_of_range(fields[c], tables[c], int(low[c]) if low[c] < 0 else int(high[c]))
+    return ids
+
+
+def _out_of_range(feature: str, table: TableConfig, bad: int) -> ValueError:
+    return ValueError(f"feature {feature!r}: id {bad} is out of range for table {table.name!r} with "
+                      f"{table.num_rows} rows (valid: 0..{table.num_rows - 1}); "
+                      "set embedding.bad_ids: hash to map ids by modulo")
 
 
 def pool(rows: Tensor, jagged: Jagged, pooling: str) -> Tensor:
@@ -187,8 +198,7 @@ def lookup_fields(collection, ids: Tensor, fields: list[str], multi: dict | None
     bag per row of ids (prod(...) bags), pooled by its table. Returns rows (..., F + M, d):
     single-hot fields first, then the multi-hot ones in ``multi``'s order.
     """
-    if ids.shape[-1] != len(fields):
-        raise ValueError(f"ids have {ids.shape[-1]} fields, expected {len(fields)} ({', '.join(fields)})")
+    check_width(ids, fields)
     lead = ids.shape[:-1]
     flat = ids.reshape(-1, len(fields))
     features = {f: Jagged.single(flat[:, i]) for i, f in enumerate(fields)}
@@ -196,3 +206,9 @@ def lookup_fields(collection, ids: Tensor, fields: list[str], multi: dict | None
     rows = collection(features)
     names = list(fields) + list(multi or {})
     return torch.stack([rows[f] for f in names], dim=1).reshape(*lead, len(names), -1)
+
+
+def check_width(ids: Tensor, fields: list[str]) -> None:
+    """Single-hot ids (..., F) must have one column per field of ``fields``."""
+    if ids.shape[-1] != len(fields):
+        raise ValueError(f"ids have {ids.shape[-1]} fields, expected {len(fields)} ({', '.join(fields)})")

@@ -21,15 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: str, world: int, *args: str, timeout: float = 120.0) -> list[str]:
-    """Run worker ``worker`` on ``world`` ranks; returns each rank's stdout; raises on failure."""
+def run_ranks(worker: str, world: int, *args: str, timeout: float = 120.0,
+              module: str = "distributed.workers") -> list[str]:
+    """Run worker ``worker`` (a function of ``module``, whose ``main`` calls it) on ``world``
+    ranks; returns each rank's stdout; raises on failure."""
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        procs.append(subprocess.Popen([sys.executable, "-m", "distributed.workers", worker, *args],
+        procs.append(subprocess.Popen([sys.executable, "-m", module, worker, *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     outputs = []

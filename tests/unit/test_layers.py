@@ -11,7 +11,7 @@ LAYERS = {
     "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3,
     "gmeta_ds.algorithms": 2,
-    "gmeta_ds.engine": 3,
+    "gmeta_ds.engine": 3, "gmeta_ds.profiling": 3,
     "gmeta_ds.metrics": 1,
     "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
     "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.baselines": 5,
