@@ -28,8 +28,10 @@ kept short).
 
     python benchmarks/scaling.py [--configs demo ctr dense] [--worlds 1 2 4] [--modes strong weak]
                                  [--repeats 3] [--steps N]
+    python benchmarks/scaling.py --report     # the saved results as markdown tables
 
-Writes ``benchmarks/results/scaling.json`` (read by benchmarks/scaling_model.py).
+Writes ``benchmarks/results/scaling.json`` (read by benchmarks/scaling_model.py); configs not
+run keep their saved results there.
 """
 from __future__ import annotations
 
@@ -72,12 +74,13 @@ def batch_for(config: str, mode: str, world: int) -> tuple[int, int]:
 
 
 def run(config: str, world: int, mode: str, steps: int, out: Path, timeout: float,
-        threads: str = "auto", profile: int = 0) -> dict:
+        threads: str = "auto", profile: int = 0, extra: tuple[str, ...] = ()) -> dict:
+    """One ``gmeta-ds train`` run (``extra``: more ``--set KEY=VALUE``); its numbers."""
     per_step, micro = batch_for(config, mode, world)
     sets = [f"output_dir={out}", f"train.meta_steps={steps}", "train.log_every=10",
             "train.progress=false", "train.tensorboard=false", "eval.enabled=false",
             f"train.threads={threads}", f"meta.tasks_per_meta_step={per_step}",
-            f"meta.tasks_per_micro_batch={micro}"]
+            f"meta.tasks_per_micro_batch={micro}", *extra]
     if profile:
         sets += [f"train.profile_steps={profile}", "train.profile_warmup=5"]
     args = ["train", "--config", config, *[a for s in sets for a in ("--set", s)]]
@@ -141,9 +144,53 @@ def bench_config(name: str, args, tmp: Path) -> dict:
         result["same_model_reference"] = {k: reference[k] for k in SAME_MODEL_KEYS}
         result["same_model"] = all(close(c["strong2"], reference) for c in cycles)
     if args.profile:
-        result["profile"] = {str(w): run(config, w, "strong", max(steps, 30), tmp / f"{name}_profile{w}",
-                                         args.timeout, profile=20)["profile"] for w in args.worlds}
+        result["profile"] = profiles(name, args, tmp)
     return result
+
+
+def profiles(name: str, args, tmp: Path) -> dict:
+    """Per-phase profiles (20 meta-steps after 5) of one strong-scaling run per W."""
+    steps = max(args.steps or DEFAULT_STEPS[name], 30)
+    return {str(w): run(CONFIGS[name], w, "strong", steps, tmp / f"{name}_profile{w}", args.timeout,
+                        profile=20)["profile"] for w in args.worlds}
+
+
+def markdown(report: dict) -> str:
+    """The scaling table and the per-phase breakdowns of a ``scaling.json``, as markdown."""
+    from gmeta_ds.profiling import PHASES
+
+    lines = ["| config | mode | W | tasks/s | speed-up (per cycle) | efficiency | CPU-s per task | vs W=1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in report["configs"].items():
+        w1 = r["world1"]
+        lines.append(f"| {name} | | 1 | {w1['tasks_per_s']:,.0f} | 1.00x | 100% | "
+                     f"{w1['cpu_s_per_task'] * 1e3:.2f} ms | 1.00x |")
+        for mode, entry in r["modes"].items():
+            for world, e in entry.items():
+                star = " (oversubscribed)" if e["oversubscribed"] else ""
+                lines.append(f"| {name} | {mode} | {world}{star} | {e['tasks_per_s']:,.0f} | "
+                             f"**{e['speedup']:.2f}x** ({', '.join(f'{x:.2f}' for x in e['speedup_per_cycle'])})"
+                             f" | {e['efficiency']:.0%} | {e['cpu_s_per_task'] * 1e3:.2f} ms | "
+                             f"{e['cpu_s_per_task_ratio']:.2f}x |")
+    for name, r in report["configs"].items():
+        if "profile" not in r:
+            continue
+        cols = [(w, i) for w, p in r["profile"].items() for i in range(len(p["ranks"]))]
+        lines += ["", f"**{name}**, ms per meta-step (of which in collectives), strong scaling, "
+                  f"{r['profile']['1']['batch']} at W=1:", "",
+                  "| phase | " + " | ".join(f"W={w} rank {i}" for w, i in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for phase in PHASES:
+            cells = []
+            for w, i in cols:
+                e = r["profile"][w]["ranks"][i]["phases"].get(phase, {"ms": 0, "calls": 0, "collective_ms": 0})
+                cells.append("" if not e["calls"] else
+                             f"{e['ms']:.1f}" + (f" ({e['collective_ms']:.1f})" if e["collective_ms"] >= 0.05 else ""))
+            if any(cells):
+                lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+        lines.append("| **meta-step** | " + " | ".join(
+            f"**{r['profile'][w]['ranks'][i]['step_ms']:.1f}**" for w, i in cols) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -156,7 +203,22 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--no-same-model", dest="same_model", action="store_false")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only re-record the profiles of --configs into the saved scaling.json")
+    parser.add_argument("--report", action="store_true",
+                        help="print the tables of the saved scaling.json as markdown; run nothing")
     args = parser.parse_args()
+    if args.report:
+        print(markdown(json.loads(RESULTS.read_text())))
+        return
+    if args.profile_only:  # re-record the profiles of the saved results' configs
+        report = json.loads(RESULTS.read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.configs:
+                report["configs"][name]["profile"] = profiles(name, args, Path(tmp))
+        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+        print(markdown(report))
+        return
     if 1 not in args.worlds:
         args.worlds = [1, *args.worlds]
     results = {}
@@ -164,8 +226,13 @@ def main() -> None:
         for name in args.configs:
             print(f"{name}: {CONFIGS[name]}", flush=True)
             results[name] = bench_config(name, args, Path(tmp))
+    for r in results.values():
+        r["repeats"], r["load_avg_at_end"] = args.repeats, os.getloadavg()
+    # Configs not run this time keep their saved results (same worlds only).
+    saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    kept = saved.get("configs", {}) if saved.get("worlds") == args.worlds else {}
     report = {"machine": {**machine(), "load_avg_at_end": os.getloadavg()},
-              "worlds": args.worlds, "repeats": args.repeats, "configs": results}
+              "worlds": args.worlds, "configs": {**kept, **results}}
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'config':<7}{'mode':<8}{'W':>3}{'tasks/s':>10}{'speed-up':>10}{'eff.':>7}"
           f"{'CPU-s/task':>12}{'vs W=1':>8}  per cycle")

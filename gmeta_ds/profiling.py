@@ -11,9 +11,9 @@ partitions) and ``sparse_step`` (the sharded tables' row optimizers).
 
 `PhaseProfiler` records ``train.profile_steps`` meta-steps after ``train.profile_warmup``
 and summarises them per rank: milliseconds per meta-step in each phase (inclusive wall time),
-the collectives' time inside it (gloo / NCCL work items, from the profiler's communication
-events; on a rank that arrives first this includes waiting for its peers), and the
-collectives by kind. `write_profile` gathers every rank's summary (collective) and writes
+the time collectives were in flight inside it (gloo / NCCL work items, from the profiler's
+communication events; on a rank that arrives first this includes waiting for its peers),
+and the collectives by kind. `write_profile` gathers every rank's summary (collective) and writes
 ``OUTPUT_DIR/profile.json`` on rank 0 (with ``train.profile_trace``, also a Chrome trace per
 rank under ``OUTPUT_DIR/profile/``). The profiler's own per-op bookkeeping slows the profiled
 steps (compare ``step_ms`` with the unprofiled tasks/s in metrics.jsonl); the phases' shares
@@ -104,7 +104,10 @@ class PhaseProfiler:
 
 
 def summarize(events, steps: int) -> dict:
-    """Per-meta-step milliseconds of each phase and of the collectives inside it."""
+    """Per-meta-step milliseconds of each phase and of the time collectives were in flight
+    during it (the union of the collectives' intervals intersected with the phase's, so a
+    collective posted in one phase and completing in the next counts in both, each for its
+    own part), and of every kind of collective."""
     regions, comms = [], []
     for ev in events:
         name = ev.name
@@ -115,7 +118,7 @@ def summarize(events, steps: int) -> dict:
     per = max(1, steps)
     phases = {p: {"ms": 0.0, "calls": 0, "collective_ms": 0.0} for p in PHASES}
     step_ms = 0.0
-    phase_spans = []
+    in_flight = _union([(start, end) for _, start, end in comms])
     for name, start, end in regions:
         if name == STEP:
             step_ms += (end - start) / 1e3
@@ -123,31 +126,29 @@ def summarize(events, steps: int) -> dict:
         entry = phases.setdefault(name, {"ms": 0.0, "calls": 0, "collective_ms": 0.0})
         entry["ms"] += (end - start) / 1e3
         entry["calls"] += 1
-        phase_spans.append((start, end, name))
-    phase_spans.sort()
+        entry["collective_ms"] += sum(max(0, min(end, e) - max(start, s)) for s, e in in_flight) / 1e3
     collectives: dict[str, dict] = {}
-    outside = 0.0
     for name, start, end in comms:
-        ms = (end - start) / 1e3
         kind = collectives.setdefault(name, {"calls": 0, "ms": 0.0})
         kind["calls"] += 1
-        kind["ms"] += ms
-        owner = next((p for s, e, p in phase_spans if s <= start <= e), None)
-        if owner is None:
-            outside += ms
-        else:
-            phases[owner]["collective_ms"] += ms
-    for entry in phases.values():
-        entry["ms"] /= per
-        entry["collective_ms"] /= per
-        entry["calls"] /= per
-    for kind in collectives.values():
-        kind["ms"] /= per
-        kind["calls"] /= per
+        kind["ms"] += (end - start) / 1e3
+    for entry in [*phases.values(), *collectives.values()]:
+        for key in entry:
+            entry[key] /= per
     accounted = sum(e["ms"] for e in phases.values())
     return {"steps": steps, "step_ms": step_ms / per, "phases": phases,
-            "other_ms": max(0.0, step_ms / per - accounted), "collectives": collectives,
-            "collective_ms_outside_phases": outside / per}
+            "other_ms": max(0.0, step_ms / per - accounted), "collectives": collectives}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time as ``intervals``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
 
 
 def write_profile(profiler: PhaseProfiler, output_dir: Path, rank: int, world: int,
