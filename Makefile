@@ -47,7 +47,7 @@ test-all: install
 wheel-check:
 	TORCH_SPEC="$(TORCH_SPEC)" tests/wheel/check_wheel.sh
 
-# The benchmark suite (~10 min on 2 cores): tables on stdout, JSON under benchmarks/results/,
+# The benchmark suite (~45 min on 2 cores, 30 of them benchmarks/scaling.py): tables on stdout, JSON under benchmarks/results/,
 # charts under docs/img/ (docs/performance.md). The venv's bin first on PATH, as for demo.
 bench: export PATH := $(abspath $(VENV))/bin:$(PATH)
 bench: install
@@ -55,6 +55,8 @@ bench: install
 	$(PY) benchmarks/embedding_comm.py
 	$(PY) benchmarks/meta_io.py
 	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/scaling_model.py
+	$(PY) benchmarks/zero_tuning.py --stages 2 3 --configs demo
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/comm_model.py
 	$(PY) benchmarks/lookup.py

@@ -7,7 +7,9 @@ profiles show every collective on the critical path of its phase):
 
     T(W) = t_task B_r s + t_fixed s + T_dense + M T_a2a + T_small,   s = max(1, W / cores)
 
-  t_task   compute per task (lookup, inner loop, outer loss and backward)
+  t_task   compute per task (lookup, inner loop, outer loss and backward) at world 1; a rank
+           of W >= 2 runs one thread, so there it is t_task x c1, c1 = the cores world 1 keeps
+           busy with its intra-op threads (its CPU-seconds per task x tasks/s, from scaling.json)
   t_fixed  per-step work that does not scale with tasks (data, optimizer step, sparse step)
   s        time-sharing when W ranks exceed this machine's cores (1 on GPUs)
   T_dense  the dense gradient under DeepSpeed ZeRO, S = 4 P bytes (P engine parameters):
@@ -206,7 +208,11 @@ def calibrate(name: str, entry: dict, cores: int, link: dict | None) -> dict | N
     inflation = step_s * 1e3 / r0["step_ms"]  # unprofiled / profiled
     cal = {"tasks_per_meta_step": per_step, "world1_step_s": step_s, "profile_scale": inflation,
            "t_task_s": compute_ms / r0["step_ms"] * step_s / per_step,
-           "t_fixed_s": (r0["step_ms"] - compute_ms) / r0["step_ms"] * step_s}
+           "t_fixed_s": (r0["step_ms"] - compute_ms) / r0["step_ms"] * step_s,
+           # cores world 1 keeps busy with its intra-op threads (CPU-seconds per task x tasks/s):
+           # a rank of W >= 2 runs one thread, so its compute per task is t_task x this
+           "world1_cores": min(float(cores), max(1.0, entry["world1"]["cpu_s_per_task"]
+                                                * entry["world1"]["tasks_per_s"]))}
     p2 = next((prof[w] for w in sorted(prof, key=int) if int(w) > 1), None)
     counts = {"a2a_per_micro": 4.0, "small_all_reduce": 3.0, "all_gather": 1.0}
     if p2 is not None:
@@ -248,7 +254,8 @@ def local_step(cal: dict, facts: dict, world: int, tasks: int, micro: int, alpha
         small += (c["all_gather"] - 1) * (world - 1) * alpha
     else:
         small = 0.0
-    compute, fixed = cal["t_task_s"] * tasks * s, cal["t_fixed_s"] * s
+    threads = cal["world1_cores"] if world > 1 else 1.0
+    compute, fixed = cal["t_task_s"] * threads * tasks * s, cal["t_fixed_s"] * s
     total = compute + fixed + dense + a2a + small
     return {"compute": compute, "fixed": fixed, "dense": dense, "a2a": a2a, "small": small, "total": total}
 
