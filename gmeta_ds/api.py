@@ -115,7 +115,8 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr
 # ---------------------------------------------------------------------------- learner
 def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, inner_steps: int = 1,
                  inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] | None = None,
-                 loss: str = "binary", vectorize: bool = True) -> MetaLearner:
+                 loss: str = "binary", vectorize: bool = True,
+                 split_body: bool | str = "auto") -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
@@ -123,7 +124,13 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     ``adapt``: globs over the model's parameter names (``"head.*"``), parameters of the
     model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field;
     None: the model's ``default_adapt`` (the zoo models of ``gmeta_ds.models``), else ``mlp.*``.
-    ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass."""
+    ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass.
+    ``split_body``: run the model's non-adapted body once per micro-batch and the inner loop
+    on its head only, for a model with ``split_body(adapted) -> BodySplit``
+    (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
+    True at every ZeRO stage, False never."""
+    if split_body not in (True, False, "auto"):
+        raise ConfigError([f"split_body: {split_body!r} is not one of True, False, 'auto'"])
     if loss not in LOSSES:
         raise ConfigError([f"loss: {loss!r} is not one of {', '.join(LOSSES)}"])
     if adapt is None:
@@ -142,7 +149,7 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     else:
         if algorithm not in ALGORITHMS:
             raise ConfigError([f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"])
-        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss)
+        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body)
     return MetaLearner(model, algo)
 
 

@@ -160,9 +160,10 @@ def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
-    from gmeta_ds.trainer import completed_run, train
+    from gmeta_ds.trainer import completed_run, rss_mib, train
     from gmeta_ds.workloads import get_workload
 
+    runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
     check_device_support(ds_config)
@@ -181,7 +182,7 @@ def _cmd_train(cfg: RunConfig) -> int:
         if world != plan.world_size:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
-        summary = train(cfg, ds_config, plan, rank, workload, prepared)
+        summary = train(cfg, ds_config, plan, rank, workload, prepared, runtime_rss)
         if rank == 0:
             print("\n".join(workload.report(summary, cfg.output_dir)))
     except BaseException:

@@ -76,6 +76,11 @@ class MetaConfig:
     vectorize: Union[bool, str] = AUTO
     # "auto": a quarter of the memory available to this rank (free GPU memory, or host RAM).
     vectorize_budget_mb: Union[int, str] = AUTO
+    # Run the model's non-adapted body once per micro-batch as an ordinary module call and the
+    # inner loop on its head only (gmeta_ds.functional.split): "auto" under ZeRO-3, where the
+    # body then stays partitioned, when the model offers a split for meta.adapt; true at every
+    # ZeRO stage (an error if the model cannot be split); false never.
+    split_body: Union[bool, str] = AUTO
 
 
 @dataclass
@@ -380,6 +385,8 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"seed: {cfg.seed} must be an integer >= 0")
     if cfg.meta.vectorize not in (True, False, AUTO):
         problems.append(f"meta.vectorize: {cfg.meta.vectorize!r} is not one of true, false, auto")
+    if cfg.meta.split_body not in (True, False, AUTO):
+        problems.append(f"meta.split_body: {cfg.meta.split_body!r} is not one of true, false, auto")
     _positive(problems, "meta.vectorize_budget_mb", cfg.meta.vectorize_budget_mb, allow_auto=True)
     if cfg.task == "text":
         _validate_text(cfg.text, problems)

@@ -11,6 +11,7 @@ and ``summary.json``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -160,7 +161,7 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
         with phase("lookup"):
             rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
                     if sharded else None)
-        with ds_engine.gathered(engine.module):  # ZeRO-3: full parameters for this micro-step
+        with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
             with phase("inner_loop"):
                 out = engine(batch, rows)
             with phase("nonfinite_check"):
@@ -420,11 +421,14 @@ def resumed_from(resume: dict | None) -> dict | None:
 
 
 def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=None,
-          prepared=None) -> dict:
+          prepared=None, runtime_rss_mib: float | None = None) -> dict:
     """The one training loop of every workload (``task:``): build (the workload), start the
     engine (resuming when asked), meta-train, gather, save and score (the workload), write
     ``summary.json``; returns the summary (rank 0; {} elsewhere). ``prepared``: what the
-    workload's preflight returned (the CLI runs it before the first collective)."""
+    workload's preflight returned (the CLI runs it before the first collective).
+    ``runtime_rss_mib``: this process's resident size before any model or data was built
+    (the CLI measures it), reported next to the resident size after training so the memory
+    the model's state holds between steps can be read off (`peak_rss_per_rank`)."""
     from gmeta_ds.api import MetaEngine
     from gmeta_ds.workloads import get_workload
 
@@ -445,6 +449,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
         log.close()
         raise
     training_peak = vmhwm_mib()  # before the tables are gathered for saving
+    gc.collect()
+    between_steps = rss_mib()  # the model's state, DeepSpeed's buffers, the data: no activations
     with run_phase(cfg, "final gather"):
         dense, embedding = ds_engine.checksums(engine.module, EMBEDDING_PREFIX)
         if built.sharded is not None:
@@ -453,7 +459,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
     with run_phase(cfg, "evaluation (waiting for rank 0)"):
-        peak_rss = peak_rss_per_rank(training_peak, getattr(built, "data", None))  # collective
+        peak_rss = peak_rss_per_rank(training_peak, getattr(built, "data", None),  # collective
+                                     runtime_rss_mib, between_steps)
     summary = {}
     if rank == 0:
         summary = {"task": cfg.task, "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
@@ -462,6 +469,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation,
                    "vectorize": engine.module.algorithm.vectorize,
+                   "split_body": getattr(engine.module, "active_split", None) is not None,
                    "batch": plan.describe(), "ds_config": ds_config,
                    "config": config_to_dict(cfg), **extras,
                    "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
@@ -472,20 +480,41 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     return summary
 
 
+def _status_mib(key: str) -> float | None:
+    status = Path("/proc/self/status")
+    lines = [ln for ln in status.read_text().splitlines() if ln.startswith(key + ":")] if status.exists() else []
+    return int(lines[0].split()[1]) / 1024 if lines else None
+
+
 def vmhwm_mib() -> float | None:
     """This process image's peak resident size so far, MiB (Linux; None elsewhere)."""
-    status = Path("/proc/self/status")
-    hwm = [ln for ln in status.read_text().splitlines() if ln.startswith("VmHWM:")] if status.exists() else []
-    return int(hwm[0].split()[1]) / 1024 if hwm else None
+    return _status_mib("VmHWM")
 
 
-def peak_rss_per_rank(training_peak: float | None, data=None) -> list[dict]:
+def rss_mib() -> float | None:
+    """This process's resident size now, MiB (Linux; None elsewhere), after handing the
+    allocator's free heap pages back to the system (glibc ``malloc_trim``), so memory freed
+    earlier is not counted as held."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return _status_mib("VmRSS")
+
+
+def peak_rss_per_rank(training_peak: float | None, data=None, runtime: float | None = None,
+                      between_steps: float | None = None) -> list[dict]:
     """Every rank's peak resident memory, MiB (collective when world > 1): VmHWM after
     training and at the end (after gathering tables and evaluating), and ru_maxrss (on Linux
     it survives exec, so a launched rank starts at its launcher's resident size), and the
     rank's data: resident pages of task-store memory maps (shared with its node; rows are read
     with pread, so normally none) and the task arrays it holds in memory (all of them for
-    generated tasks; the per-task offsets and lengths for a task store)."""
+    generated tasks; the per-task offsets and lengths for a task store). ``runtime`` (the
+    resident size before the model and data were built: interpreter, torch, DeepSpeed) and
+    ``between_steps`` (after the training loop, garbage collected: the model's state,
+    DeepSpeed's buffers and the data, no activations) are added when given."""
     import resource
 
     from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
@@ -493,6 +522,10 @@ def peak_rss_per_rank(training_peak: float | None, data=None) -> list[dict]:
     mine = {"training_vmhwm_mib": training_peak, "vmhwm_mib": vmhwm_mib(),
             "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "task_store_rss_mib": mapped_store_mib(), "tasks_in_memory_mib": in_memory_mib(data)}
+    if runtime is not None:
+        mine["runtime_rss_mib"] = runtime
+    if between_steps is not None:
+        mine["after_training_rss_mib"] = between_steps
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     everyone = [None] * dist.get_world_size()

@@ -21,6 +21,7 @@ from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
+from gmeta_ds.functional.split import BodySplit, HeadModule, body_features, check_split
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -67,12 +68,13 @@ class MetaAlgorithm:
     first_order = False
 
     def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
-                 kind: str = "binary"):
+                 kind: str = "binary", split_body: "bool | str" = "auto"):
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self.adapt = list(adapt)
         self.vectorize = vectorize
         self.kind = kind  # "binary" (click, BCE) or "regression" (rating, MSE)
+        self.split_body = split_body  # meta.split_body: auto | true | false (`MetaLearner.prepare_engine`)
 
     def init_learner(self, learner: "MetaLearner") -> None:
         """Add algorithm-owned meta-parameters to the learner (none by default)."""
@@ -81,14 +83,19 @@ class MetaAlgorithm:
         return {n: self.inner_lr for n in learner.adapted_names()}
 
     def inner_loop(self, learner: "MetaLearner", steps: int | None = None,
-                   first_order: bool | None = None) -> InnerLoop:
-        return InnerLoop(learner.net, steps or self.inner_steps,
+                   first_order: bool | None = None, head: bool = False) -> InnerLoop:
+        """The inner loop on the whole model, or (``head``) on the head of the learner's active
+        body split, whose inputs are the body's features (`MetaLearner.outer_loss`)."""
+        split = learner.active_split if head else None
+        module, prefix = (learner.net, "") if split is None else (HeadModule(learner.net, split), HeadModule.PREFIX)
+        return InnerLoop(module, steps or self.inner_steps,
                          self.first_order if first_order is None else first_order,
-                         loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields)
+                         loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields, prefix=prefix)
 
     def run(self, learner: "MetaLearner", theta: Params, support: tuple, query: tuple,
             query_fast=lambda f: f) -> TaskOutputs:
-        return run_tasks(self.inner_loop(learner), theta, self.learning_rates(learner),
+        """The T tasks of a micro-batch; with an active body split their inputs are features."""
+        return run_tasks(self.inner_loop(learner, head=True), theta, self.learning_rates(learner),
                          support, query, self.vectorize, query_fast)
 
     def outer_loss(self, learner: "MetaLearner", theta: Params, support: tuple,
@@ -163,20 +170,76 @@ class MetaLearner(nn.Module):
             xs, xq = (rows_s, index_s), (rows_q, index_q)
         return theta, (xs, batch.support_y, batch.support_mask), (xq, batch.query_y, batch.query_mask)
 
+    def body_split(self) -> tuple[BodySplit | None, str]:
+        """The model's body split for the adapted parameters (`functional.split`), or None and
+        why there is none."""
+        if self.adapted_fields:
+            return None, "embedding rows adapt (meta.adapt names embedding.<field>)"
+        offer = getattr(self.net, "split_body", None)
+        if offer is None:
+            return None, f"{type(self.net).__name__} defines no split_body"
+        split = offer(list(self.adapted))
+        if split is None:
+            return None, (f"{type(self.net).__name__}.split_body has no body for meta.adapt "
+                          f"{self.algorithm.adapt} (everything, or its first layers, adapt)")
+        why = check_split(self.net, split, self.adapted)
+        return (None, why) if why else (split, "")
+
+    @property
+    def active_split(self) -> BodySplit | None:
+        """The body split the training forward runs with (`prepare_engine`), if any."""
+        return self.__dict__.get("_split")
+
+    def split_wanted(self, zero_stage: int) -> bool:
+        """Whether ``meta.split_body`` asks for the body split at this ZeRO stage: ``auto``
+        under ZeRO-3 (when the model offers one), ``true`` always, ``false`` never."""
+        setting = self.algorithm.split_body
+        return setting is True or (setting == "auto" and zero_stage == 3)
+
+    def prepare_engine(self, zero_stage: int) -> None:
+        """Call before DeepSpeed wraps this module. With a body split (`split_wanted`) the
+        training forward runs the body once as an ordinary module call and the inner loop on
+        the head; under ZeRO-3 the body then stays partitioned (DeepSpeed's hooks gather it
+        layer by layer) and only the rest is gathered per micro-step (`step_parameters`).
+        ZeRO-3 without a split: `prepare_zero3`. ``meta.split_body: true`` without a split is
+        a `ConfigError` saying why."""
+        split, why = self.body_split() if self.split_wanted(zero_stage) else (None, "")
+        if split is None and self.algorithm.split_body is True:
+            raise ConfigError([f"meta.split_body: true, but the model cannot be split: {why}"])
+        if zero_stage == 3:
+            self.prepare_zero3()
+        if split is not None:
+            self.__dict__["_split"] = split
+
+    def step_parameters(self) -> list[nn.Parameter]:
+        """What one micro-step needs gathered under ZeRO-3: every parameter, or with an active
+        body split every parameter outside the body."""
+        split = self.active_split
+        if split is None:
+            return list(self.parameters())
+        body = {id(p) for p in split.body.parameters()}
+        return [p for p in self.parameters() if id(p) not in body]
+
     def prepare_zero3(self) -> None:
         """Call before ZeRO-3 partitions this module: keep a parameter-less copy of it (on the
         meta device, not registered as a submodule, so DeepSpeed never sees it) that `forward`
         runs with the full parameters gathered for the micro-step. The functional inner loop
         then never goes through ZeRO-3's per-module fetch/release hooks, which would swap
-        parameters out from under a second-order graph."""
-        self.__dict__["_skeleton"] = copy.deepcopy(self).to("meta")
+        parameters out from under a second-order graph. The copy never holds a second copy of
+        the weights, not even briefly (every tensor is mapped to a meta tensor as it is copied)."""
+        memo: dict = {}
+        for p in self.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in self.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        self.__dict__["_skeleton"] = copy.deepcopy(self, memo)
 
     def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
         """``rows``: support and query rows looked up outside (sharded tables); by default the
-        net's own embedding module looks them up. After `prepare_zero3` the parameters must be
-        gathered (``ds_engine.gathered``) around the forward and the backward."""
+        net's own embedding module looks them up. Under ZeRO-3 `step_parameters` must be
+        gathered (``ds_engine.gathered_for_step``) around the forward and the backward."""
         skeleton = self.__dict__.get("_skeleton")
-        if skeleton is not None:
+        if skeleton is not None and self.active_split is None:
             state = dict(self.named_parameters())
             state.update(self.named_buffers())
             return functional_call(skeleton, state, (batch, rows))
@@ -195,7 +258,16 @@ class MetaLearner(nn.Module):
         model's matrix products run in the parameters' dtype under autocast."""
         first = next(iter(theta.values()))
         if first.dtype not in HALF:
-            return self.algorithm.outer_loss(self, theta, support, query)
+            return self.algorithm.outer_loss(self, theta, *self.split_inputs(support, query))
         with torch.autocast(device_type=first.device.type, dtype=first.dtype):
             return self.algorithm.outer_loss(self, {n: p.float() for n, p in theta.items()},
-                                             support, query)
+                                             *self.split_inputs(support, query))
+
+    def split_inputs(self, support: tuple, query: tuple) -> tuple[tuple, tuple]:
+        """With an active body split, the support and query inputs replaced by the body's
+        features (one body call on every task's rows); else as they are."""
+        split = self.active_split
+        if split is None:
+            return support, query
+        fs, fq = body_features(split.body, support[0], query[0])
+        return (fs, *support[1:]), (fq, *query[1:])

@@ -133,20 +133,30 @@ def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
     run on a fresh machine compiles no DeepSpeed op (the CPU backend's shared-memory op is
     skipped in `gmeta_ds.engine.dist.skip_deepspeed_shm_op`).
 
-    ZeRO-3 partitions the parameters themselves: the module first keeps a hook-free skeleton
-    of itself (`MetaLearner.prepare_zero3`) and every micro-step runs inside `gathered`."""
+    ZeRO-3 partitions the parameters themselves. With a body split
+    (`MetaLearner.prepare_engine`, `gmeta_ds.functional.split`) DeepSpeed's module hooks stay
+    on the body only, which is gathered layer by layer in its forward and backward; the rest
+    runs inside `gathered_for_step`. Without one, the module keeps a hook-free skeleton of
+    itself (`MetaLearner.prepare_zero3`) and every micro-step runs with all parameters gathered."""
     import deepspeed
 
     written_with = None
     if resume is not None and zero_stage(ds_config) == 0:
         written_with = ds_internals.saved_ds_config(resume)
     ds_config = with_torch_adam(ds_config, written_with)
-    if zero_stage(ds_config) == 3:
+    stage = zero_stage(ds_config)
+    prepare = getattr(module, "prepare_engine", None)
+    if prepare is not None:
+        prepare(stage)
+    elif stage == 3:
         module.prepare_zero3()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                            config=ds_config)
-    if zero_stage(ds_config) == 3:
+    if stage == 3:
         ds_internals.remove_zero3_module_hooks(engine)
+        split = getattr(module, "active_split", None)
+        if split is not None:
+            ds_internals.hook_zero3_body(engine, split.body)
     return engine
 
 
@@ -169,6 +179,21 @@ def gathered(module: nn.Module):
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        yield
+
+
+@contextlib.contextmanager
+def gathered_for_step(module: nn.Module):
+    """What one micro-step's forward and backward need gathered under ZeRO-3 (a no-op for
+    ZeRO 0-2): the module's ``step_parameters()`` (a `MetaLearner` with a body split: all but
+    the body, which DeepSpeed gathers layer by layer), else every parameter."""
+    if not is_partitioned(module):
+        yield
+        return
+    import deepspeed
+
+    params = module.step_parameters() if hasattr(module, "step_parameters") else list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
         yield
 
 

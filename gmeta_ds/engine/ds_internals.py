@@ -74,6 +74,39 @@ def remove_zero3_module_hooks(engine) -> None:
     remove()
 
 
+# With a body split (gmeta_ds.functional.split) the body is an ordinary module call, so its
+# hooks are put back on it alone: ``_register_deepspeed_module`` is what
+# ``DeepSpeedZeRoOffload.setup_zero_stage3_hooks`` runs on the root module (fetch before each
+# submodule's forward and backward, release after), and the parameter coordinator's
+# ``reset_step`` is what that root hook runs at the start of every forward. Tested with
+# deepspeed 0.19.8.
+ZERO3_REGISTER_HOOKS = "_register_deepspeed_module"  # DeepSpeedZeRoOffload method
+ZERO3_COORDINATOR = "get_param_coordinator"  # DeepSpeedZeRoOffload method
+# What DeepSpeedZeRoOffload.__init__ runs on every module of the engine's tree; the body's own
+# wrapper modules (e.g. an encoder's pooling wrapper) are not in that tree.
+ZERO3_MODULE_INIT = ("deepspeed.runtime.zero.partition_parameters", "_init_external_params")
+
+
+def hook_zero3_body(engine, body) -> None:
+    """Put ZeRO-3's fetch/release hooks (removed by `remove_zero3_module_hooks`) back on
+    ``body`` and its submodules only: DeepSpeed then gathers each body layer for its forward
+    and again for its backward and releases it after, prefetching as configured."""
+    offload = getattr(engine.optimizer, ZERO3_HOOKS_OWNER, None)
+    register = getattr(offload, ZERO3_REGISTER_HOOKS, None)
+    coordinator = getattr(offload, ZERO3_COORDINATOR, None)
+    if register is None or coordinator is None:
+        raise RuntimeError(f"ZeRO-3 with deepspeed {deepspeed_version()}: the engine has no "
+                           f"optimizer.{ZERO3_HOOKS_OWNER}.{ZERO3_REGISTER_HOOKS} (a DeepSpeed internal "
+                           "gmeta_ds needs to keep the model's body partitioned); set "
+                           f"meta.split_body: false or use another deepspeed: {_tested()}")
+    init = getattr(importlib.import_module(ZERO3_MODULE_INIT[0]), ZERO3_MODULE_INIT[1])
+    for module in body.modules():
+        init(module)
+    # Registered before the fetch hooks, so it runs first: a new trace step per body forward.
+    body.register_forward_pre_hook(lambda module, args: coordinator().reset_step())
+    register(body)
+
+
 # --- ZeRO-3 parameter attributes ------------------------------------------------------------
 # ZeRO-3 (``zero.Init._convert_to_deepspeed_param``) marks each partitioned parameter with
 # ``ds_id`` and records its full size in ``ds_numel``: the parameter's own tensor is then an
@@ -253,6 +286,15 @@ def _has_zero3_hooks() -> bool:
     return callable(getattr(DeepSpeedZeRoOffload, ZERO3_REMOVE_HOOKS, None))
 
 
+def _has_body_hooks() -> bool:
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    return (callable(getattr(DeepSpeedZeRoOffload, ZERO3_REGISTER_HOOKS, None))
+            and callable(getattr(DeepSpeedZeRoOffload, ZERO3_COORDINATOR, None))
+            and "reset_step()" in _source(DeepSpeedZeRoOffload.setup_zero_stage3_hooks)
+            and callable(getattr(importlib.import_module(ZERO3_MODULE_INIT[0]), ZERO3_MODULE_INIT[1], None)))
+
+
 def _stage3_has_hooks_owner() -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -335,6 +377,9 @@ INTERNALS = (
     Internal(f"DeepSpeedZeRoOffload.{ZERO3_REMOVE_HOOKS} (deepspeed.runtime.zero.parameter_offload)",
              "removing ZeRO-3's module hooks: the learner runs on parameters gathered per micro-step",
              _has_zero3_hooks),
+    Internal(f"DeepSpeedZeRoOffload.{ZERO3_REGISTER_HOOKS} and {ZERO3_COORDINATOR}().reset_step "
+             "(deepspeed.runtime.zero.parameter_offload)",
+             "keeping a split model's body partitioned under ZeRO-3 (hooks on the body alone)", _has_body_hooks),
     Internal(f"DeepSpeedZeroOptimizer_Stage3.{ZERO3_HOOKS_OWNER} (deepspeed.runtime.zero.stage3)",
              "reaching ZeRO-3's module hooks from engine.optimizer", _stage3_has_hooks_owner),
     Internal(f"the ZeRO-3 parameter attribute {ZERO3_ID_ATTR} (zero.Init._convert_to_deepspeed_param)",

@@ -75,6 +75,8 @@ class InnerLoop:
     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = masked_bce
     # Field position -> name of fields whose looked-up rows adapt too (see functional/rows.py).
     row_fields: dict[int, str] = field(default_factory=dict)
+    # Prepended to parameter names for functional_call (``net.`` for a `split.HeadModule`).
+    prefix: str = ""
 
     def __post_init__(self) -> None:
         # functional_call re-checks weight tying on every call by walking every parameter
@@ -86,7 +88,7 @@ class InnerLoop:
     def logits(self, fast: Params, x) -> Tensor:
         """Model output of one task with the adapted ("fast") parameters ``fast``; ``x`` is
         rows, or (rows, index) when embedding rows adapt too."""
-        params = {n: v for n, v in fast.items() if not n.startswith(ROW_PREFIX)}
+        params = {self.prefix + n: v for n, v in fast.items() if not n.startswith(ROW_PREFIX)}
         inputs = compose_rows(fast, x, self.row_fields)
         return functional_call(self.module, params, (inputs,), tie_weights=self.tied)
 

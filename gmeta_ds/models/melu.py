@@ -13,11 +13,12 @@ item rows (``embedding.item_id``).
 """
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from gmeta_ds.config import EmbeddingConfig, ModelConfig
 from gmeta_ds.data.tasks import FieldSpec
 from gmeta_ds.embedding.tables import EmbeddingCollection
+from gmeta_ds.functional.split import BodySplit
 from gmeta_ds.models.base import FieldModel, field_tables, mlp
 
 melu_tables = field_tables  # one table per field (kept under its first name)
@@ -46,6 +47,23 @@ class MeLU(FieldModel):
 
     def forward(self, rows: Tensor) -> Tensor:
         return self.mlp(rows.flatten(start_dim=-2)).squeeze(-1)
+
+    def split_body(self, adapted: list[str]) -> BodySplit | None:
+        """The decision layers before the first adapted one as the body (`functional.split`):
+        with ``meta.adapt: ["mlp.4.*"]`` (hidden [64, 32]) the body is ``mlp[:4]``, the head
+        ``mlp[4:]``. None when an adapted parameter is not a decision layer's, or the first
+        layer adapts."""
+        layers = set()
+        for name in adapted:
+            parts = name.split(".")
+            if parts[0] != "mlp" or len(parts) < 3 or not parts[1].isdigit():
+                return None
+            layers.add(int(parts[1]))
+        first = min(layers, default=0)
+        if first == 0:
+            return None
+        body = nn.Sequential(nn.Flatten(start_dim=-2), *self.mlp[:first])
+        return BodySplit(body, lambda features: self.mlp[first:](features).squeeze(-1))
 
 
 def build_melu(fields: list[FieldSpec], embed_dim: int, hidden: list[int], emb: EmbeddingConfig,

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gmeta_ds.algorithms.base import MetaLearner, MetaOutput
 from gmeta_ds.config import TextConfig
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.functional.split import BodySplit
 from gmeta_ds.text.data import TextEpisodes
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -131,6 +132,58 @@ class SequenceClassifier(nn.Module):
         ids, attention = x
         mask = attention[:, None, None, :].bool()
         return self.model(input_ids=ids, attention_mask=mask).logits
+
+    def split_body(self, adapted: list[str]) -> BodySplit | None:
+        """The HF base model (``model.base_model``: the encoder) as the body and the model's
+        other children (BERT: dropout + classifier; RoBERTa: its classification head) as the
+        head, on the base model's pooled output when it has one, else on its hidden states.
+        Accepted only if ``head(body(x))`` reproduces the model's own logits on a probe batch
+        (architectures whose head is code in ``forward``, e.g. DistilBERT's, are refused)."""
+        model = self.model
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, None) if prefix else None
+        rest = [m for n, m in model.named_children() if n != prefix]
+        if not isinstance(base, nn.Module) or not rest:
+            return None
+
+        def head(features: Tensor) -> Tensor:
+            for module in rest:
+                features = module(features)
+            return features
+
+        param = next(self.parameters())
+        vocab = model.config.vocab_size
+        ids = torch.arange(12, device=param.device).reshape(2, 6) % max(1, vocab - 5) + 5
+        attention = torch.ones_like(ids)
+        attention[1, -2:] = 0
+        with torch.no_grad():
+            want = self((ids, attention))
+            for pooled in (True, False):
+                body = _Encoder(base, pooled)
+                try:
+                    got = head(body((ids, attention)))
+                except (TypeError, ValueError, RuntimeError, AttributeError):
+                    continue
+                if got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+                    return BodySplit(body, head)
+        return None
+
+
+class _Encoder(nn.Module):
+    """``(ids, attention) -> features`` of a HF base model: its pooled output (``pooled``) or
+    its last hidden states."""
+
+    def __init__(self, base: nn.Module, pooled: bool):
+        super().__init__()
+        self.base, self.pooled = base, pooled
+
+    def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
+        ids, attention = x
+        out = self.base(input_ids=ids, attention_mask=attention[:, None, None, :].bool())
+        features = out.pooler_output if self.pooled else out.last_hidden_state
+        if features is None:
+            raise ValueError("the base model has no pooled output")
+        return features
 
 
 def activation_bytes_per_task(cfg: TextConfig, model: nn.Module, inner_steps: int) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.config import RunConfig
-from gmeta_ds.ds_config import BatchPlan
+from gmeta_ds.ds_config import BatchPlan, size_text, zero_stage
 
 
 class BatchSource(Protocol):
@@ -41,6 +41,34 @@ class Built:
     tables: list = field(default_factory=list)
     field_names: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+
+
+def body_split_line(learner: MetaLearner, ds_config: dict) -> str:
+    """``gmeta-ds validate``'s line on how a micro-step runs the model (`functional.split`):
+    whether the body is split off, and under ZeRO-3 what each rank gathers per micro-step."""
+    stage = zero_stage(ds_config)
+    half = ds_config.get("bf16", {}).get("enabled", False) or ds_config.get("fp16", {}).get("enabled", False)
+    width = 2 if half else 4
+    total = sum(p.numel() for p in learner.parameters())
+    wanted = learner.split_wanted(stage)
+    split, why = learner.body_split() if wanted or learner.algorithm.split_body == "auto" else (None, "")
+    if split is not None and wanted:
+        body = sum(p.numel() for p in split.body.parameters())
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in split.body.modules()), default=0)
+        if stage == 3:
+            return (f"model body: {body} of {total} parameters run once per micro-batch, partitioned "
+                    f"(DeepSpeed's ZeRO-3 hooks gather one module at a time, largest "
+                    f"{size_text(width * largest)}); the rest, {size_text(width * (total - body))}, "
+                    "is gathered per micro-step (meta.split_body)")
+        return (f"model body: {body} of {total} parameters run once per micro-batch, the inner loop "
+                "runs on the head only (meta.split_body: true)")
+    if stage == 3:
+        reason = why or "meta.split_body: false"
+        return (f"model body: not split ({reason}): ZeRO-3 gathers every parameter for each "
+                f"micro-step, {size_text(width * total)} per rank on top of the partitioned state "
+                "(adapting only the last layers, e.g. a classifier head, lets the body stay partitioned)")
+    return ("model body: not split (meta.split_body: auto splits under ZeRO-3"
+            + (f"; here it could not: {why}" if why else "") + ")")
 
 
 class Workload(ABC):

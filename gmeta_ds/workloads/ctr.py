@@ -34,7 +34,7 @@ from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
-from gmeta_ds.workloads.base import Built, Workload
+from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 
 class CTRWorkload(Workload):
@@ -91,7 +91,7 @@ class CTRWorkload(Workload):
                  f"model: {cfg.model.name}, {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}",
                  f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): parameters "
                  f"{size_text(dense['params'])}, gradients {size_text(dense['grads'])}, optimizer "
-                 f"{size_text(dense['optimizer'])}"]
+                 f"{size_text(dense['optimizer'])}", body_split_line(learner, ds_config)]
         if tables is not None:
             lines.append(f"embedding: sharded over {world} rank(s), outside DeepSpeed:\n{tables.describe()}")
         else:

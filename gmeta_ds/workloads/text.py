@@ -23,7 +23,7 @@ from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
 from gmeta_ds.trainer import run_phase
-from gmeta_ds.workloads.base import Built, Workload
+from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer
 
@@ -193,7 +193,7 @@ class TextWorkload(Workload):
                 f"{'vectorized (vmap)' if learner.algorithm.vectorize else 'one by one (loop)'}",
                 f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {plan.world_size} rank(s)): "
                 f"parameters {size_text(dense['params'])}, gradients {size_text(dense['grads'])}, "
-                f"optimizer {size_text(dense['optimizer'])}"]
+                f"optimizer {size_text(dense['optimizer'])}", body_split_line(learner, ds_config)]
 
     def report(self, summary: dict, output_dir) -> list[str]:
         ev = summary.get("eval", {})
