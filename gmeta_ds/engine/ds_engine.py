@@ -168,33 +168,27 @@ def is_partitioned(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module):
-    """Full parameters of a ZeRO-3 module for the duration of the block (read-only: nothing
-    is broadcast back); a no-op for ZeRO 0-2. One micro-step's forward and ``engine.backward``
-    run inside it, so the gradients land on full parameters and DeepSpeed's hooks
-    reduce-scatter them into their partitions (the outer reduction stays DeepSpeed's)."""
+def gathered(module: nn.Module, params: list | None = None):
+    """Full parameters of a ZeRO-3 module (``params``: those only; default every one) for the
+    duration of the block (read-only: nothing is broadcast back); a no-op for ZeRO 0-2. One
+    micro-step's forward and ``engine.backward`` run inside `gathered_for_step`, so the
+    gradients land on full parameters and DeepSpeed's hooks reduce-scatter them into their
+    partitions (the outer reduction stays DeepSpeed's)."""
     if not is_partitioned(module):
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+    with deepspeed.zero.GatheredParameters(list(module.parameters()) if params is None else params):
         yield
 
 
-@contextlib.contextmanager
 def gathered_for_step(module: nn.Module):
     """What one micro-step's forward and backward need gathered under ZeRO-3 (a no-op for
     ZeRO 0-2): the module's ``step_parameters()`` (a `MetaLearner` with a body split: all but
     the body, which DeepSpeed gathers layer by layer), else every parameter."""
-    if not is_partitioned(module):
-        yield
-        return
-    import deepspeed
-
-    params = module.step_parameters() if hasattr(module, "step_parameters") else list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        yield
+    step = getattr(module, "step_parameters", None)
+    return gathered(module, step() if step is not None and is_partitioned(module) else None)
 
 
 def to_device(obj, device):
