@@ -15,16 +15,29 @@ for a few meta-steps (evaluation off):
   second-order activations dominate (no split possible; both ZeRO-3 variants are the same).
 
 Each rank reports (summary.json ``peak_rss_mib_per_rank``) its peak (VmHWM through the
-training loop), its resident size before any model was built and after the training loop
-(garbage collected: no activations). The *model-state part* of a run is its (after -
-before) minus the same difference of the ``example`` run at the same world size and
-variant; it is compared with the analytic ZeRO state per rank for fp32 Adam
-(`gmeta_ds.ds_config.dense_state_bytes`: parameters 4 bytes, gradients 4, Adam moments 8 per
-parameter; ZeRO-2 partitions gradients and moments, ZeRO-3 also the parameters: ZeRO-2
-(4 + 12/W) bytes per parameter, ZeRO-3 16/W).
+training loop), its resident size before any model was built, after the training loop
+(garbage collected, ``malloc_trim``: no activations) and how much of that is tensor storage
+(`gmeta_ds.trainer.host_tensor_mib`: every distinct storage reachable, ZeRO-3 partitions
+included). The *model-state part* of a run is its tensor storage minus DeepSpeed's gradient
+bucket (``reduce_bucket_size`` fp32 elements, allocated by ZeRO-3) and minus the ``example``
+run's at the same world size and variant (the workload's own tensors); it is compared with the
+analytic ZeRO state per rank for fp32 Adam (`gmeta_ds.ds_config.dense_state_bytes`):
+parameters 4 bytes, gradients 4, Adam moments 8 and DeepSpeed's fp32 master copy 4 per
+parameter, partitioned by stage: ZeRO-2 (4 + 16/W) bytes per parameter, ZeRO-3 20/W; between
+meta-steps ZeRO-2 has freed its gradient partition, so what it holds then is (4 + 12/W). The
+*held* part (after - before) is reported too: it adds the interpreter's objects and the
+allocator's own pages.
+
+``--throughput``: ZeRO-2 against ZeRO-3 (body split) at world 2 on the ``state`` case, runs
+alternated (``--rounds`` pairs), each profiling ``--profile-steps`` meta-steps after 2 warm-up
+ones (`gmeta_ds.profiling`): the ratio of ZeRO-3's to ZeRO-2's tasks per second per pair
+(median) and the per-phase milliseconds per meta-step of each (where the time goes).
 
     python benchmarks/hf_memory.py [--steps 3] [--worlds 1 2 4] [--cases example state]
     (-> benchmarks/results/hf_memory.json)
+    python benchmarks/hf_memory.py --report   (the table of the results file again)
+    python benchmarks/hf_memory.py --throughput [--rounds 3] [--profile-steps 4]
+    (-> benchmarks/results/hf_zero3_throughput.json)
 """
 from __future__ import annotations
 
@@ -39,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BIN, REPO, free_port, machine, run_group
 
 RESULTS = REPO / "benchmarks" / "results" / "hf_memory.json"
+THROUGHPUT = REPO / "benchmarks" / "results" / "hf_zero3_throughput.json"
 
 
 CASES = {  # name: (hidden, layers, extra --set overrides)
@@ -54,9 +68,10 @@ VARIANTS = {  # name: (ZeRO stage, extra --set overrides)
 }
 
 
-def run(case: str, variant: str, world: int, steps: int, out: Path, timeout: float) -> dict:
-    from gmeta_ds.ds_config import dense_state_bytes
-
+def train_args(case: str, variant: str, world: int, steps: int, out: Path,
+               ds_config: str | None = None) -> list[str]:
+    """The arguments after ``gmeta-ds`` for one run of ``case`` / ``variant`` on ``world`` ranks
+    (``ds_config``: the DeepSpeed JSON, default ``ds_configs/zero{stage}.json``)."""
     hidden, layers, extra = CASES[case]
     stage, more = VARIANTS[variant]
     model = (f"text.model.config={{model_type: bert, hidden_size: {hidden}, num_hidden_layers: {layers}, "
@@ -65,10 +80,19 @@ def run(case: str, variant: str, world: int, steps: int, out: Path, timeout: flo
     sets = [f"output_dir={out}", f"train.meta_steps={steps}", "train.log_every=1", "train.progress=false",
             "train.tensorboard=false", "eval.enabled=false", model,
             "meta.tasks_per_micro_batch=2", f"meta.tasks_per_meta_step={tasks}", *extra, *more,
-            f"deepspeed=ds_configs/zero{stage}.json"]
+            f"deepspeed={ds_config or f'ds_configs/zero{stage}.json'}"]
+    return ["train", "--config", "examples/hf_fewshot/config.yaml", *[a for s in sets for a in ("--set", s)]]
+
+
+def run(case: str, variant: str, world: int, steps: int, out: Path, timeout: float,
+        more: tuple[str, ...] = ()) -> dict:
+    from gmeta_ds.ds_config import dense_state_bytes
+
+    hidden, layers, _ = CASES[case]
+    stage, _ = VARIANTS[variant]
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port", str(free_port()),
-           str(BIN / "gmeta-ds"), "train", "--config", "examples/hf_fewshot/config.yaml",
-           *[a for s in sets for a in ("--set", s)]]
+           str(BIN / "gmeta-ds"), *train_args(case, variant, world, steps, out),
+           *[a for s in more for a in ("--set", s)]]
     start = time.perf_counter()
     run_group(cmd, timeout, f"{variant} hidden {hidden} x {layers} layers, {world} rank(s)")
     summary = json.loads((out / "summary.json").read_text())
@@ -82,11 +106,21 @@ def run(case: str, variant: str, world: int, steps: int, out: Path, timeout: flo
             "peak_mib_per_rank": [r["training_vmhwm_mib"] for r in ranks],
             "runtime_mib_per_rank": [r.get("runtime_rss_mib") for r in ranks],
             "after_training_mib_per_rank": [r.get("after_training_rss_mib") for r in ranks],
-            "analytic_state_mib": sum(state[k] for k in ("params", "grads", "optimizer")) / 2**20}
+            "tensor_mib_per_rank": [r.get("after_training_tensor_mib") for r in ranks],
+            "bucket_mib": (4 * summary["ds_config"]["zero_optimization"].get("reduce_bucket_size", 5e8) / 2**20
+                           if stage == 3 else 0.0),
+            "analytic_state_mib": sum(state[k] for k in ("params", "grads", "optimizer")) / 2**20,
+            "analytic_grads_mib": state["grads"] / 2**20}
 
 
 def _mean(values) -> float:
     return sum(values) / len(values)
+
+
+def statistics_median(values) -> float:
+    import statistics
+
+    return statistics.median(values)
 
 
 def held(row: dict) -> float:
@@ -94,20 +128,36 @@ def held(row: dict) -> float:
     return _mean([a - b for a, b in zip(row["after_training_mib_per_rank"], row["runtime_mib_per_rank"])])
 
 
+def tensors(row: dict) -> float:
+    """Mean over ranks of the tensor storage held after training, less DeepSpeed's bucket."""
+    return _mean(row["tensor_mib_per_rank"]) - row["bucket_mib"]
+
+
 def add_model_state(rows: list[dict]) -> None:
-    """``measured_state_mib``: `held` minus the ``example`` run's at the same world and variant."""
-    base = {(r["world"], r["variant"]): held(r) for r in rows if r["case"] == "example"}
+    """``measured_state_mib``: `tensors` minus the ``example`` run's at the same world and
+    variant; ``held_mib``: `held` minus the example's (adds interpreter objects, allocator pages)."""
+    base = {(r["world"], r["variant"]): r for r in rows if r["case"] == "example"}
     for r in rows:
         key = (r["world"], r["variant"])
         if r["case"] != "example" and key in base:
-            r["measured_state_mib"] = held(r) - base[key]
-            r["state_vs_analytic"] = r["measured_state_mib"] / r["analytic_state_mib"]
+            r["measured_state_mib"] = tensors(r) - tensors(base[key])
+            r["held_mib"] = held(r) - held(base[key])
+            r["analytic_held_mib"] = analytic_held(r)
+            r["state_vs_analytic"] = r["measured_state_mib"] / r["analytic_held_mib"]
+
+
+def analytic_held(row: dict) -> float:
+    """The analytic state a rank holds between meta-steps: ZeRO-3 keeps its gradient
+    partition buffer, ZeRO 0-2 free theirs after each step (held only from the backward to
+    the step), so (4 + 12/W) bytes per parameter under ZeRO-2."""
+    grads = row.get("analytic_grads_mib", 4 * row["parameters"] / row["world"] / 2**20)
+    return row["analytic_state_mib"] - (grads if row["stage"] < 3 else 0.0)
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = ["| case | parameters | ranks | ZeRO | peak per rank (MiB, max) | x ZeRO-2 peak | model-state "
-             "part (MiB) | analytic (MiB) | measured / analytic | final query loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "part (MiB) | analytic, between steps (MiB) | measured / analytic | held (MiB) | final query loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     z2 = {(r["case"], r["world"]): max(r["peak_mib_per_rank"]) for r in rows if r["variant"] == "zero2"}
     for r in rows:
         peak = max(r["peak_mib_per_rank"])
@@ -115,10 +165,39 @@ def table(rows: list[dict]) -> list[str]:
         measured = r.get("measured_state_mib")
         lines.append(f"| {r['case']} (BERT {r['hidden']} x {r['layers']}) | {r['parameters'] / 1e6:.1f}M | "
                      f"{r['world']} | {r['variant']} | {peak:.0f} | {ratio:.2f} | "
-                     f"{'-' if measured is None else f'{measured:.0f}'} | {r['analytic_state_mib']:.0f} | "
+                     f"{'-' if measured is None else f'{measured:.0f}'} | {analytic_held(r):.0f} | "
                      f"{'-' if measured is None else format(r['state_vs_analytic'], '.2f')} | "
+                     f"{'-' if measured is None else format(r['held_mib'], '.0f')} | "
                      f"{r['final_query_loss']:.5f} |")
     return lines
+
+
+def throughput(rounds: int, profile_steps: int, timeout: float) -> dict:
+    """ZeRO-2 and ZeRO-3 (body split) alternated at world 2 on the ``state`` case."""
+    import statistics
+
+    warmup = 2
+    more = (f"train.profile_steps={profile_steps}", f"train.profile_warmup={warmup}")
+    runs = {"zero2": [], "zero3": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(rounds):
+            for variant in ("zero2", "zero3") if k % 2 == 0 else ("zero3", "zero2"):
+                out = Path(tmp) / f"{variant}_{k}"
+                row = run("state", variant, 2, warmup + profile_steps, out, timeout, more)
+                report = json.loads((out / "profile.json").read_text())
+                ranks = report["ranks"]
+                row["step_ms"] = _mean([r["step_ms"] for r in ranks])
+                row["phases_ms"] = {name: _mean([r["phases"].get(name, {}).get("ms", 0.0) for r in ranks])
+                                    for name in ranks[0]["phases"]}
+                row["collective_ms"] = {name: _mean([r["phases"].get(name, {}).get("collective_ms", 0.0)
+                                                     for r in ranks]) for name in ranks[0]["phases"]}
+                row["tasks_per_s"] = 4 * 1000.0 / row["step_ms"]  # 2 ranks x 2 tasks per meta-step
+                runs[variant].append(row)
+                print(json.dumps({k2: row[k2] for k2 in ("variant", "step_ms", "tasks_per_s", "phases_ms")}),
+                      flush=True)
+    ratios = [b["tasks_per_s"] / a["tasks_per_s"] for a, b in zip(runs["zero2"], runs["zero3"])]
+    return {"machine": machine(), "world": 2, "rounds": rounds, "profile_steps": profile_steps,
+            "zero3_over_zero2_tasks_per_s": statistics.median(ratios), "pair_ratios": ratios, "runs": runs}
 
 
 def main() -> int:
@@ -128,7 +207,29 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--throughput", action="store_true", help="ZeRO-3 / ZeRO-2 tasks/s at world 2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--report", action="store_true", help="re-print the table of the results file")
     args = parser.parse_args()
+    if args.report:
+        rows = json.loads(RESULTS.read_text())["runs"]
+        add_model_state(rows)
+        print("\n".join(table(rows)))
+        return 0
+    if args.throughput:
+        result = throughput(args.rounds, args.profile_steps, args.timeout)
+        for variant, rows in result["runs"].items():
+            phases = {n: round(statistics_median([r["phases_ms"][n] for r in rows]), 1) for n in rows[0]["phases_ms"]}
+            print(f"{variant}: {statistics_median([r['step_ms'] for r in rows]):.0f} ms per meta-step; {phases}")
+        print(f"ZeRO-3 / ZeRO-2 tasks/s at world 2: {result['zero3_over_zero2_tasks_per_s']:.3f} "
+              f"(pairs {', '.join(f'{x:.3f}' for x in result['pair_ratios'])})")
+        THROUGHPUT.parent.mkdir(parents=True, exist_ok=True)
+        tmp = THROUGHPUT.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(THROUGHPUT)
+        print(f"wrote {THROUGHPUT}")
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
@@ -140,7 +241,9 @@ def main() -> int:
     add_model_state(rows)
     print("\n".join(table(rows)))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": rows}, indent=2) + "\n")
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": rows}, indent=2) + "\n")
+    tmp.replace(RESULTS)
     print(f"wrote {RESULTS}")
     return 0
 

@@ -219,12 +219,16 @@ def dense_state_bytes(ds: dict, n_params: int, world_size: int) -> dict:
     """Bytes per rank of the dense model's parameters, gradients and Adam state under the
     resolved config's ZeRO stage (stage 1 partitions optimizer state, stage 2 also gradients,
     stage 3 also parameters between micro-steps (gathered in full during one);
-    bf16/fp16 keep 2-byte parameters and gradients plus fp32 master weights in the optimizer
-    state; CPU offload moves the optimizer state to host memory, still counted here)."""
+    bf16/fp16 keep 2-byte parameters and gradients; the optimizer state is Adam's two moments
+    plus, under ZeRO 1-3 or half precision, DeepSpeed's fp32 master copy of the parameters'
+    partition, which its ZeRO optimizers keep even for fp32 parameters; CPU offload moves the
+    optimizer state to host memory, still counted here). Per parameter in fp32: ZeRO-0 16
+    bytes, ZeRO-1 8 + 12/W, ZeRO-2 4 + 16/W, ZeRO-3 20/W: the storages a ZeRO-3 rank holds
+    after training are exactly these (benchmarks/hf_memory.py)."""
     stage = zero_stage(ds)
     half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
     weight = 2 if half else 4
-    optimizer = (12 if half else 8) * n_params  # Adam moments (+ fp32 master copy)
+    optimizer = (12 if half or stage >= 1 else 8) * n_params  # Adam moments (+ fp32 master copy)
     grads = weight * n_params
     params = weight * n_params
     return {"stage": stage, "params": params // world_size if stage >= 3 else params,

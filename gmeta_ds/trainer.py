@@ -451,6 +451,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     training_peak = vmhwm_mib()  # before the tables are gathered for saving
     gc.collect()
     between_steps = rss_mib()  # the model's state, DeepSpeed's buffers, the data: no activations
+    held_tensors = host_tensor_mib()
     with run_phase(cfg, "final gather"):
         dense, embedding = ds_engine.checksums(engine.module, EMBEDDING_PREFIX)
         if built.sharded is not None:
@@ -460,7 +461,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     log.close()
     with run_phase(cfg, "evaluation (waiting for rank 0)"):
         peak_rss = peak_rss_per_rank(training_peak, getattr(built, "data", None),  # collective
-                                     runtime_rss_mib, between_steps)
+                                     runtime_rss_mib, between_steps, held_tensors)
     summary = {}
     if rank == 0:
         summary = {"task": cfg.task, "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
@@ -504,8 +505,27 @@ def rss_mib() -> float | None:
     return _status_mib("VmRSS")
 
 
+def host_tensor_mib() -> float:
+    """MiB of host memory in the distinct tensor storages this process can reach (each
+    storage once, however many views share it; ZeRO-3's partitions, ``param.ds_tensor``,
+    included): the model state and DeepSpeed's buffers, measured rather than inferred."""
+    sizes = {}
+    for obj in gc.get_objects():
+        try:
+            if not issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups
+                continue
+            for t in (obj, getattr(obj, "ds_tensor", None)):
+                if t is not None and t.device.type == "cpu" and not t.is_meta:
+                    storage = t.untyped_storage()
+                    sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
+        except (RuntimeError, ReferenceError):  # storages that cannot be read (e.g. freed)
+            continue
+    sizes.pop(0, None)  # empty storages
+    return sum(sizes.values()) / 2**20
+
+
 def peak_rss_per_rank(training_peak: float | None, data=None, runtime: float | None = None,
-                      between_steps: float | None = None) -> list[dict]:
+                      between_steps: float | None = None, tensors: float | None = None) -> list[dict]:
     """Every rank's peak resident memory, MiB (collective when world > 1): VmHWM after
     training and at the end (after gathering tables and evaluating), and ru_maxrss (on Linux
     it survives exec, so a launched rank starts at its launcher's resident size), and the
@@ -514,7 +534,8 @@ def peak_rss_per_rank(training_peak: float | None, data=None, runtime: float | N
     generated tasks; the per-task offsets and lengths for a task store). ``runtime`` (the
     resident size before the model and data were built: interpreter, torch, DeepSpeed) and
     ``between_steps`` (after the training loop, garbage collected: the model's state,
-    DeepSpeed's buffers and the data, no activations) are added when given."""
+    DeepSpeed's buffers and the data, no activations) and ``tensors`` (what of it is tensor
+    storage, `host_tensor_mib`) are added when given."""
     import resource
 
     from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
@@ -526,6 +547,8 @@ def peak_rss_per_rank(training_peak: float | None, data=None, runtime: float | N
         mine["runtime_rss_mib"] = runtime
     if between_steps is not None:
         mine["after_training_rss_mib"] = between_steps
+    if tensors is not None:
+        mine["after_training_tensor_mib"] = tensors
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     everyone = [None] * dist.get_world_size()

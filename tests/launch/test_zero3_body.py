@@ -71,17 +71,26 @@ def test_text_zero3_split_bf16_trains_close_to_fp32(tmp_path, text_one_process):
 
 
 @pytest.mark.slow
-def test_text_zero3_split_resumes_exactly_at_another_world_size(tmp_path, text_one_process):
-    """2 of 4 meta-steps on 2 ZeRO-3 ranks, resumed on 1 rank (ZeRO-3's own checkpoint is
-    per rank, so DeepSpeed's universal conversion reloads it): the uninterrupted model."""
+def test_text_zero3_split_resumes_exactly_and_exports(tmp_path, text_one_process):
+    """2 of 4 meta-steps on 2 ZeRO-3 ranks; resumed on 2 ranks for the 3rd (the same world
+    size) and on 1 rank for the 4th (another: ZeRO-3's checkpoint is per rank, so DeepSpeed's
+    universal conversion reloads it): the uninterrupted model. The exported Hugging Face model
+    is then evaluated by `gmeta-ds eval` to the accuracy the run reported."""
+    import json
+
     path = text_config(tmp_path, "maml", "zero3", meta=HEAD,
                        train={"meta_steps": 2, "log_every": 1, "lr": 0.01, "progress": False,
-                              "checkpoint_every": 2})
+                              "checkpoint_every": 1})
     train(path, 2)
-    resumed = train(path, 2, "train.meta_steps=4", "train.resume=auto")
-    assert resumed["resumed_from"]["step"] == 2 and resumed["resumed_from"]["optimizer_restored"]
-    assert resumed["split_body"] is True
+    same_world = train(path, 2, "train.meta_steps=3", "train.resume=auto")
+    assert same_world["resumed_from"]["step"] == 2 and same_world["resumed_from"]["optimizer_restored"]
+    resumed = train(path, 1, "train.meta_steps=4", "train.resume=auto", "eval.enabled=true")
+    assert resumed["resumed_from"]["step"] == 3 and resumed["resumed_from"]["optimizer_restored"]
+    assert same_world["split_body"] is True and resumed["split_body"] is True
     same_text_model(resumed, text_one_process("maml"))
+    run([str(BIN / "gmeta-ds"), "eval", "--config", str(path), "--set", "eval.enabled=true"])
+    evaluated = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert evaluated["accuracy"] == pytest.approx(resumed["eval"]["accuracy"], abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------ CTR
