@@ -36,6 +36,7 @@ ones (`gmeta_ds.profiling`): the ratio of ZeRO-3's to ZeRO-2's tasks per second 
     python benchmarks/hf_memory.py [--steps 3] [--worlds 1 2 4] [--cases example state]
     (-> benchmarks/results/hf_memory.json)
     python benchmarks/hf_memory.py --report   (the table of the results file again)
+    python benchmarks/hf_memory.py --update --variants zero3 ...   (re-measure some rows only)
     python benchmarks/hf_memory.py --throughput [--rounds 3] [--profile-steps 4]
     (-> benchmarks/results/hf_zero3_throughput.json)
 """
@@ -211,6 +212,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--report", action="store_true", help="re-print the table of the results file")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the measured (case, variant, world) rows of the results file")
     args = parser.parse_args()
     if args.report:
         rows = json.loads(RESULTS.read_text())["runs"]
@@ -238,6 +241,12 @@ def main() -> int:
                     rows.append(run(case, variant, world, args.steps,
                                     Path(tmp) / f"{case}_{variant}_{world}", args.timeout))
                     print(json.dumps(rows[-1]), flush=True)
+    if args.update and RESULTS.exists():
+        fresh = {(r["case"], r["variant"], r["world"]) for r in rows}
+        rows = [r for r in json.loads(RESULTS.read_text())["runs"]
+                if (r["case"], r["variant"], r["world"]) not in fresh] + rows
+        order = {name: i for i, name in enumerate(CASES)}, {name: i for i, name in enumerate(VARIANTS)}
+        rows.sort(key=lambda r: (order[0][r["case"]], r["world"], order[1][r["variant"]]))
     add_model_state(rows)
     print("\n".join(table(rows)))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
