@@ -286,7 +286,7 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
     own = {**shard_state(sharded), **_rng_state()}
     own_file = ckpt / f"rank{rank:05d}.safetensors"
     attempt(str(own_file), lambda: save_file({k: v.contiguous() for k, v in own.items()}, str(own_file)))
-    dense = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
+    dense = ds_engine.full_state_dict(engine.module, rank0_only=True)  # collective under ZeRO-3
     if rank == 0:
         dense_file = ckpt / "dense.safetensors"
         attempt(str(dense_file), lambda: save_file(

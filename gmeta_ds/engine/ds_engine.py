@@ -240,10 +240,44 @@ def to_device(obj, device):
     return obj
 
 
-def full_state_dict(module: nn.Module) -> dict:
-    """The module's state dict as plain (copied) tensors, gathered under ZeRO-3."""
-    with gathered(module):
+def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict:
+    """The module's state dict as plain (copied) tensors, gathered under ZeRO-3 (collective
+    then) one parameter at a time, so a rank never holds more than one gathered parameter
+    beyond its copy. ``rank0_only``: under ZeRO-3 the other ranks keep no copy and get ``{}``
+    (a rank that saves or evaluates the full model alone: the others' peak stays ZeRO-3's)."""
+    if not is_partitioned(module):
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    import torch.distributed as dist
+
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    copies = {}
+    for p in module.parameters():  # each distinct parameter once (tied ones too)
+        with gathered(module, [p]):
+            if keep:
+                copies[id(p)] = p.detach().clone()
+    if not keep:
+        return {}
+    return {k: copies[id(v)] if id(v) in copies else v.detach().clone()
+            for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def gather_into(module: nn.Module, target: nn.Module | None) -> None:
+    """Copy ``module``'s full weights into ``target``'s tensors of the same names (cast to
+    their dtype), gathering one parameter at a time under ZeRO-3 (collective then: every rank
+    calls it, ``target`` None where nothing is kept). No second copy of the model: a rank
+    holds ``target`` and one gathered parameter."""
+    dest = target.state_dict(keep_vars=True) if target is not None else None
+    entries: dict[int, list] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        entries.setdefault(id(tensor), []).append((name, tensor))
+    for same in entries.values():  # a tied tensor is gathered once
+        tensor = same[0][1]
+        params = [tensor] if isinstance(tensor, nn.Parameter) else []
+        with gathered(module, params) if params else contextlib.nullcontext():
+            if dest is not None:
+                with torch.no_grad():
+                    for name, _ in same:
+                        dest[name].copy_(tensor.detach())
 
 
 def numel(module: nn.Module) -> int:
@@ -256,8 +290,8 @@ def checksums(module: nn.Module, embedding_prefix: str | None = None) -> tuple[f
     embedding sum is over the parameters named ``embedding_prefix...`` (the caller's model
     tells where its tables are; None: no embedding parameters, all are dense)."""
     dense = embedding = 0.0
-    with gathered(module):
-        for name, p in module.named_parameters():
+    for name, p in module.named_parameters():
+        with gathered(module, [p]):  # one at a time under ZeRO-3 (collective then)
             value = p.detach().double().sum().item()
             if embedding_prefix and name.startswith(embedding_prefix):
                 embedding += value

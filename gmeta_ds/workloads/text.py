@@ -158,14 +158,15 @@ class TextWorkload(Workload):
     def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
         """Rank 0 saves the classifier (``OUTPUT_DIR/model``, save_pretrained) and scores it on
         held-out classes; the other ranks wait in the loop's final barrier."""
+        tokenizer, tasks = built.extra["tokenizer"], built.data
+        # A plain float32 copy for saving and evaluation, on rank 0 only, filled one gathered
+        # parameter at a time (no second full copy on any rank).
+        final = build_learner(cfg, tokenizer) if rank == 0 else None
         with run_phase(cfg, "final gather"):
-            state = ds_engine.full_state_dict(engine.module)  # collective under ZeRO-3
+            ds_engine.gather_into(engine.module, final)  # collective under ZeRO-3
         if rank != 0:
             return {}, {}
-        tokenizer, tasks = built.extra["tokenizer"], built.data
         out_dir = Path(cfg.output_dir)
-        final = build_learner(cfg, tokenizer)  # a plain float32 copy for saving and evaluation
-        final.load_state_dict({k: v.float() for k, v in state.items()})
         final.to(engine.device)
         final.net.model.save_pretrained(str(out_dir / MODEL_DIR))
         tokenizer.save_pretrained(str(out_dir / MODEL_DIR))
