@@ -250,15 +250,26 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict:
     import torch.distributed as dist
 
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    copies = {}
-    for p in module.parameters():  # each distinct parameter once (tied ones too)
-        with gathered(module, [p]):
-            if keep:
-                copies[id(p)] = p.detach().clone()
-    if not keep:
-        return {}
-    return {k: copies[id(v)] if id(v) in copies else v.detach().clone()
-            for k, v in module.state_dict(keep_vars=True).items()}
+    state = {}
+    for names, tensor in _one_gathered_at_a_time(module):
+        if keep:
+            copy = tensor.detach().clone()
+            state.update((name, copy) for name in names)
+    return state
+
+
+def _one_gathered_at_a_time(module: nn.Module):
+    """Each distinct tensor of ``module``'s state dict with its names (tied ones share one),
+    yielded while gathered under ZeRO-3 (one parameter at a time; collective then: every rank
+    iterates it whole, in the same order)."""
+    entries: dict[int, list] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        entries.setdefault(id(tensor), []).append((name, tensor))
+    for same in entries.values():
+        tensor = same[0][1]
+        params = [tensor] if isinstance(tensor, nn.Parameter) else []
+        with gathered(module, params) if params else contextlib.nullcontext():
+            yield [name for name, _ in same], tensor
 
 
 def gather_into(module: nn.Module, target: nn.Module | None) -> None:
@@ -267,17 +278,11 @@ def gather_into(module: nn.Module, target: nn.Module | None) -> None:
     calls it, ``target`` None where nothing is kept). No second copy of the model: a rank
     holds ``target`` and one gathered parameter."""
     dest = target.state_dict(keep_vars=True) if target is not None else None
-    entries: dict[int, list] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        entries.setdefault(id(tensor), []).append((name, tensor))
-    for same in entries.values():  # a tied tensor is gathered once
-        tensor = same[0][1]
-        params = [tensor] if isinstance(tensor, nn.Parameter) else []
-        with gathered(module, params) if params else contextlib.nullcontext():
-            if dest is not None:
-                with torch.no_grad():
-                    for name, _ in same:
-                        dest[name].copy_(tensor.detach())
+    for names, tensor in _one_gathered_at_a_time(module):
+        if dest is not None:
+            with torch.no_grad():
+                for name in names:
+                    dest[name].copy_(tensor.detach())
 
 
 def numel(module: nn.Module) -> int:
