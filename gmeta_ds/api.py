@@ -348,9 +348,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
 
 def _checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
     """Tables, fields, algorithm and dense shapes: what a checkpoint must match to load."""
-    tables = ({n: [p.table.num_rows, p.table.dim] for n, p in embeddings.plan.tables.items()}
-              if embeddings is not None else {})
-    return {"tables": tables, "fields": list(getattr(learner.net, "row_fields", [])),
+    return {"tables": checkpoint.table_meta(embeddings), "fields": list(getattr(learner.net, "row_fields", [])),
             "algorithm": type(learner.algorithm).__name__.lower(),
             "dense_shapes": {n: list(v.shape) for n, v in learner.state_dict().items()}}
 

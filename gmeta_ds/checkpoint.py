@@ -93,21 +93,134 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
                          int(state["rng.numpy.pos"][0]), 0, 0.0))
 
 
+def table_meta(sharded) -> dict[str, list]:
+    """Per table what a checkpoint must match: [rows, dim] (static), ["dynamic", dim]."""
+    if sharded is None:
+        return {}
+    return {n: ["dynamic" if p.kind == "dynamic" else p.table.num_rows, p.table.dim]
+            for n, p in sharded.plan.tables.items()}
+
+
 def shard_state(sharded) -> dict[str, torch.Tensor]:
-    """This rank's embedding rows (with global ids) and sparse-optimizer state, flat."""
+    """This rank's embedding rows (with global ids) and sparse-optimizer state, flat; dynamic
+    tables the rows of their admitted ids, plus their default row and map (`_dynamic_state`)."""
     out: dict[str, torch.Tensor] = {}
     if sharded is None:
         return out
     for name, param in sharded.shards.items():
         plan = sharded.plan.tables[name]
+        if plan.kind == "dynamic":
+            out.update(_dynamic_state(sharded, name))
+            continue
         out[f"table.{name}.ids"] = plan.global_ids(sharded.rank).to(torch.int64)
-        out[f"table.{name}.rows"] = param.detach().clone()
+        out[f"table.{name}.rows"] = param.detach().cpu().clone()
         for key, value in sharded.optimizers[name].state.get(param, {}).items():
             if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
-                out[f"table.{name}.row_state.{key}"] = value.detach().clone()
+                out[f"table.{name}.row_state.{key}"] = value.detach().cpu().clone()
             elif value is not None:
                 out[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
     return out
+
+
+def _dynamic_state(sharded, name: str) -> dict[str, torch.Tensor]:
+    """A dynamic table's admitted ids with their rows and optimizer state (``table.<name>.*``,
+    as static tables), its default row (``dynamic.<name>.default*``) and its map: rows, last
+    use, uses, clock, counters and admission sketch (``dynamic.<name>.*``)."""
+    param, index = sharded.shards[name], sharded.dynamic[name]
+    slots = index.rows
+    out = {f"table.{name}.ids": index.keys.cpu().clone(),
+           f"table.{name}.rows": param.detach()[slots].cpu(),
+           f"dynamic.{name}.default": param.detach()[:1].cpu()}
+    for key, value in sharded.optimizers[name].state.get(param, {}).items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
+            out[f"table.{name}.row_state.{key}"] = value.detach()[slots].cpu()
+            out[f"dynamic.{name}.default_state.{key}"] = value.detach()[:1].cpu()
+        elif value is not None:
+            out[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
+    out.update({f"dynamic.{name}.{k}": v.cpu() for k, v in index.state().items() if k != "ids"})
+    out[f"dynamic.{name}.capacity"] = torch.tensor([index.capacity])
+    return out
+
+
+def _load_dynamic(sharded, name: str, files: list[dict[str, torch.Tensor]]) -> None:
+    """Refill a dynamic table from every saved rank: this rank takes the ids it owns at its
+    world size. At the saving world size and capacity everything comes back as it was (rows,
+    map, sketch, counters); elsewhere ids get rows in order (the most recently or frequently
+    used kept if they exceed the capacity), the default row and its optimizer state are the
+    mean of the saved ones, the sketches (same capacity) are summed and counters restart."""
+    from gmeta_ds.embedding.dynamic import owner_of
+
+    param, index, plan = sharded.shards[name], sharded.dynamic[name], sharded.plan.tables[name]
+    for f in files:
+        if f"dynamic.{name}.default" not in f:
+            raise ConfigError([f"checkpoint table {name!r} is not dynamic; the config makes it "
+                               f"dynamic (embedding.tables.{name}.kind)"])
+        if f[f"dynamic.{name}.default"].shape[1] != plan.table.dim:
+            raise ConfigError([f"checkpoint table {name!r} has rows of dimension "
+                               f"{f[f'dynamic.{name}.default'].shape[1]}; the config builds {plan.table.dim}"])
+    same = (len(files) == sharded.world and
+            all(int(f[f"dynamic.{name}.capacity"][0]) == index.capacity for f in files))
+    key = lambda k: f"dynamic.{name}.{k}"  # noqa: E731
+    parts = {k: [] for k in ("ids", "rows", "last_used", "uses", "slots")}
+    state_keys = sorted({k for f in files for k in f if k.startswith(f"table.{name}.row_state.")})
+    states = {k: [] for k in state_keys}
+    for f in files:
+        ids = f[f"table.{name}.ids"]
+        mine = owner_of(ids, sharded.world) == sharded.rank
+        parts["ids"].append(ids[mine])
+        parts["rows"].append(f[f"table.{name}.rows"][mine])
+        parts["last_used"].append(f[key("last_used")][mine])
+        parts["uses"].append(f[key("uses")][mine])
+        parts["slots"].append(f[key("rows")][mine])
+        for k in state_keys:
+            states[k].append(f[k][mine])
+    joined = {k: torch.cat(v) for k, v in parts.items()}
+    own = files[sharded.rank] if same else None
+    counters = ({k: int(v) for k, v in zip(sorted(index.counters), own[key("counters")].tolist())}
+                if same else {k: 0 for k in index.counters})
+    sketch = own.get(key("sketch")) if same else None
+    if not same and index.sketch is not None:
+        saved = [f[key("sketch")] for f in files if key("sketch") in f]
+        if saved and all(s.shape == index.sketch.shape for s in saved):
+            sketch = torch.stack(saved).sum(0).clamp(max=2**31 - 1).int()
+    kept = index.restore(joined["ids"].to(index.keys.device), joined["slots"].to(index.keys.device) if same else None,
+                         joined["last_used"].to(index.keys.device), joined["uses"].to(index.keys.device),
+                         max(int(f[key("clock")][0]) for f in files),
+                         sketch.to(index.keys.device) if sketch is not None else None, counters)
+    kept = kept.cpu()
+    default = own[key("default")] if same else torch.stack([f[key("default")] for f in files]).mean(0)
+    with torch.no_grad():
+        param.zero_()
+        param[:1] = default.to(param.device)
+        param[index.rows] = joined["rows"][kept].to(param.device)
+    optimizer = sharded.optimizers[name]
+    state = optimizer.state[param]
+    for k in state_keys:
+        short = k[len(f"table.{name}.row_state."):]
+        saved_default = [f[key(f"default_state.{short}")] for f in files]
+        value = torch.zeros((param.shape[0], *saved_default[0].shape[1:]), dtype=saved_default[0].dtype)
+        value[:1] = saved_default[sharded.rank] if same else torch.stack(saved_default).mean(0)
+        value[index.rows.cpu()] = torch.cat(states[k])[kept]
+        state[short] = value.to(param.device)
+    _restore_scalars(state, name, files)
+
+
+def _restore_scalars(state: dict, name: str, files: list[dict[str, torch.Tensor]]) -> None:
+    """Lazy optimizers count steps per shard; after resharding take the largest."""
+    scalar_state: dict[str, float] = {}
+    prefix = f"table.{name}.scalar_state."
+    for f in files:
+        for key in [k for k in f if k.startswith(prefix)]:
+            short = key[len(prefix):]
+            scalar_state[short] = max(scalar_state.get(short, 0.0), float(f[key][0]))
+    for key, value in scalar_state.items():
+        old = state.get(key)
+        if torch.is_tensor(old):
+            state[key] = torch.tensor(value, dtype=old.dtype, device=old.device)
+        elif isinstance(old, int) or key == "step":  # a lazy optimizer's counter (SparseAdam's int step)
+            state[key] = int(value)
+        else:
+            state[key] = torch.tensor(value)
 
 
 def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
@@ -115,16 +228,21 @@ def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
     size or plan): each row comes from the file that holds its global id."""
     for name, param in sharded.shards.items():
         plan = sharded.plan.tables[name]
+        if plan.kind == "dynamic":
+            _load_dynamic(sharded, name, files)
+            continue
         mine = plan.global_ids(sharded.rank)
         position = torch.full((plan.table.num_rows,), -1, dtype=torch.int64)
         position[mine] = torch.arange(len(mine))
         rows = torch.empty_like(param.data)
         filled = torch.zeros(len(mine), dtype=torch.bool)
         row_state: dict[str, torch.Tensor] = {}
-        scalar_state: dict[str, float] = {}
         for f in files:
             if f"table.{name}.ids" not in f:
                 raise ConfigError([f"checkpoint has no embedding table {name!r}"])
+            if f"dynamic.{name}.default" in f:
+                raise ConfigError([f"checkpoint table {name!r} is dynamic; the config makes it static "
+                                   f"(set embedding.tables.{name}.kind: dynamic to resume it)"])
             ids = f[f"table.{name}.ids"]
             saved = f[f"table.{name}.rows"]
             if saved.shape[1:] != param.shape[1:] or (len(ids) and int(ids.max()) >= plan.table.num_rows):
@@ -141,11 +259,6 @@ def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
                 state = row_state.setdefault(key[len(prefix):], torch.zeros((len(mine), *value.shape[1:]),
                                                                           dtype=value.dtype))
                 state[where[keep]] = value[keep]
-            prefix = f"table.{name}.scalar_state."
-            for key in [k for k in f if k.startswith(prefix)]:
-                short = key[len(prefix):]
-                # Lazy optimizers count steps per shard; after resharding take the largest.
-                scalar_state[short] = max(scalar_state.get(short, 0.0), float(f[key][0]))
         if not bool(filled.all()):
             raise ConfigError([f"checkpoint is missing {int((~filled).sum())} row(s) of table {name!r}"])
         with torch.no_grad():
@@ -153,15 +266,8 @@ def load_shard_state(sharded, files: list[dict[str, torch.Tensor]]) -> None:
         optimizer = sharded.optimizers[name]
         state = optimizer.state[param]
         for key, value in row_state.items():
-            state[key] = value
-        for key, value in scalar_state.items():
-            old = state.get(key)
-            if torch.is_tensor(old):
-                state[key] = torch.tensor(value, dtype=old.dtype)
-            elif isinstance(old, int) or key == "step" and optimizer.__class__.__name__ == "SparseAdam":
-                state[key] = int(value)
-            else:
-                state[key] = torch.tensor(value)
+            state[key] = value.to(param.device)
+        _restore_scalars(state, name, files)
 
 
 # ---------------------------------------------------------------------------- save
@@ -386,6 +492,13 @@ def check_compatible(manifest: dict, meta: dict, ckpt: Path) -> None:
     """The checkpoint was written for this model: same tables (rows x dim), fields and dense
     parameter shapes."""
     problems = []
+    saved, built = manifest.get("tables") or {}, meta.get("tables") or {}
+    for name in sorted(set(saved) & set(built)):
+        kinds = ["dynamic" if v[0] == "dynamic" else "static" for v in (saved[name], built[name])]
+        if kinds[0] != kinds[1]:
+            problems.append(f"table {name!r}: the checkpoint holds a {kinds[0]} table, the config builds "
+                            f"a {kinds[1]} one; set embedding.tables.{name}.kind: {kinds[0]} to resume "
+                            "it, or start a fresh run")
     for key in ("tables", "fields", "dense_shapes", "algorithm"):
         if manifest.get(key) != meta.get(key):
             problems.append(f"{key}: checkpoint has {manifest.get(key)!r}, the config builds {meta.get(key)!r}")

@@ -335,9 +335,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields: list[str]) -> dict:
     """What a checkpoint must match to load into this run: tables, fields, dense shapes."""
-    tables = ({n: [p.table.num_rows, p.table.dim] for n, p in sharded.plan.tables.items()}
-              if sharded is not None else {})
-    return {"tables": tables, "fields": list(fields), "algorithm": cfg.meta.algorithm,
+    return {"tables": checkpoint.table_meta(sharded), "fields": list(fields), "algorithm": cfg.meta.algorithm,
             "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
 
 

@@ -52,32 +52,33 @@ def _row_bytes(x: Tensor) -> int:
     return math.prod(x.shape[1:]) * x.element_size()
 
 
-def _exchange(x: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+def _exchange(x: Tensor, send_splits: list[int], recv_splits: list[int], group=None) -> Tensor:
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits)
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, stats, rank, stage):
+    def forward(ctx, x, send_splits, recv_splits, stats, rank, stage, group):
         ctx.splits, ctx.stats, ctx.rank, ctx.stage = (send_splits, recv_splits), stats, rank, stage
         row_bytes = _row_bytes(x)
-        ctx.row_bytes = row_bytes
+        ctx.row_bytes, ctx.group = row_bytes, group
         stats.record(stage, send_splits, recv_splits, row_bytes, rank)
-        return _exchange(x, send_splits, recv_splits)
+        return _exchange(x, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         ctx.stats.record(ctx.stage + "_backward", recv_splits, send_splits, ctx.row_bytes, ctx.rank)
-        return _exchange(grad, recv_splits, send_splits), None, None, None, None, None
+        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None, None, None, None
 
 
 def all_to_all(x: Tensor, send_splits: list[int], recv_splits: list[int], stats: CommStats,
-               rank: int, stage: str) -> Tensor:
-    """Differentiable all-to-all of rows of ``x`` (splits along dim 0), counted in ``stats``."""
+               rank: int, stage: str, group=None) -> Tensor:
+    """Differentiable all-to-all of rows of ``x`` (splits along dim 0) over ``group`` (None:
+    the default group), counted in ``stats``."""
     if x.requires_grad:
-        return _AllToAll.apply(x, send_splits, recv_splits, stats, rank, stage)
+        return _AllToAll.apply(x, send_splits, recv_splits, stats, rank, stage, group)
     stats.record(stage, send_splits, recv_splits, _row_bytes(x), rank)
-    return _exchange(x, send_splits, recv_splits)
+    return _exchange(x, send_splits, recv_splits, group)

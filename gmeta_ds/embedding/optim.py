@@ -30,7 +30,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     raise ValueError("RowWiseAdagrad expects sparse row gradients")
                 state = self.state[p]
                 if not state:
-                    state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype)
+                    state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
                 grad = p.grad.coalesce()
                 rows, values = grad.indices()[0], grad.values()
                 state["sum"][rows] += values.pow(2).mean(dim=1)

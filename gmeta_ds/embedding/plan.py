@@ -5,6 +5,8 @@
   ceil(rows / W) rows per rank either way.
 - ``table_wise``: a whole table on one rank (tables placed largest first on the least loaded rank).
 - ``replicated``: every rank holds the whole (small) table; gradients are all-reduced.
+- ``dynamic``: the plan of every ``kind="dynamic"`` table: id i on rank ``mix64(i) % W``, which
+  maps it to one of its ``capacity`` rows (`gmeta_ds.embedding.dynamic`).
 
 `plan_tables` turns per-table requests (or ``auto``: replicate tables below a row count,
 row-wise for the rest) into a validated `ShardingPlan`. Pure torch, no communication.
@@ -17,11 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
 from gmeta_ds.embedding.tables import TableConfig
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.registry import PLANS
 
-KINDS = PLANS.names()  # row_wise, table_wise, replicated (the registry is the source)
+KINDS = (*PLANS.names(), "dynamic")  # row_wise, table_wise, replicated (the registry) + dynamic
 # Optimizer state per row, in floats per embedding dimension (row-wise Adagrad: one per row).
 STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
 
@@ -53,10 +56,13 @@ class TablePlan:
             return torch.full_like(ids, self.owner)
         if self.kind == "replicated":
             raise ValueError("replicated tables have no single owner")
+        if self.kind == "dynamic":
+            return owner_of(ids, self.world_size)
         return ids % self.world_size if self.row_owner == "modulo" else ids // self.block
 
     def local_index(self, ids: Tensor) -> Tensor:
-        """Row of each global id inside its owner's shard."""
+        """Row of each global id inside its owner's shard (dynamic: the id itself, which
+        only the owner's map turns into a row)."""
         if self.kind != "row_wise":
             return ids
         return ids // self.world_size if self.row_owner == "modulo" else ids % self.block
@@ -64,6 +70,8 @@ class TablePlan:
     def global_ids(self, rank: int) -> Tensor:
         """Global ids of the rows rank ``rank`` stores, in local order."""
         rows = self.table.num_rows
+        if self.kind == "dynamic":
+            raise ValueError(f"dynamic table {self.table.name!r} has no fixed ids per rank")
         if self.kind == "replicated":
             return torch.arange(rows)
         if self.kind == "table_wise":
@@ -73,6 +81,8 @@ class TablePlan:
         return torch.arange(rank * self.block, min(rows, (rank + 1) * self.block))
 
     def local_rows(self, rank: int) -> int:
+        if self.kind == "dynamic":
+            return self.table.capacity + 1  # + the default row
         return len(self.global_ids(rank)) if self.kind != "replicated" else self.table.num_rows
 
     def bytes_on(self, rank: int) -> int:
@@ -82,7 +92,11 @@ class TablePlan:
             state = rows
         else:
             state = rows * dim * STATE_FLOATS[self.table.optimizer]
-        return int(4 * (rows * dim + state))
+        index = 0
+        if self.kind == "dynamic":  # id, row, last use, uses (int64) + a flag per row; the sketch
+            index = 33 * rows + (4 * SKETCH_DEPTH * sketch_width(self.table.capacity)
+                                 if self.table.admit_after > 1 else 0)
+        return int(4 * (rows * dim + state) + index)
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,14 @@ class ShardingPlan:
         for name, p in self.tables.items():
             where = {"row_wise": f"row-wise ({p.row_owner}, <= {p.block} rows/rank)",
                      "table_wise": f"table-wise on rank {p.owner}",
-                     "replicated": "replicated on every rank"}[p.kind]
-            lines.append(f"  {name}: {p.table.num_rows} x {p.table.dim}, {where}, "
+                     "replicated": "replicated on every rank",
+                     "dynamic": f"dynamic (owner by hash of id, {p.table.capacity} rows/rank + a "
+                                f"default row, admit after {p.table.admit_after}, {p.table.eviction})"
+                     if p.kind == "dynamic" else ""}[p.kind]
+            if p.table.device != "auto":
+                where += f", on the {p.table.device}"
+            size = f"any int64 ids x {p.table.dim}" if p.kind == "dynamic" else f"{p.table.num_rows} x {p.table.dim}"
+            lines.append(f"  {name}: {size}, {where}, "
                          f"{p.table.optimizer} lr {p.table.lr}")
         per_rank = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(self.bytes_per_rank()))
         return "\n".join(lines + [f"  memory (rows + optimizer state): {per_rank}"])
@@ -119,6 +139,13 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
     chosen = {}
     for t in tables:
         kind = kinds.get(t.name, "auto")
+        if t.kind == "dynamic":
+            if kind not in ("auto", "dynamic"):
+                raise ValueError(f"table {t.name!r} is dynamic: its rows are placed by a hash of the "
+                                 f"id, so its plan must be auto, not {kind!r}")
+            kind = "dynamic"
+        elif kind == "dynamic":
+            raise ValueError(f"table {t.name!r}: plan dynamic needs kind: dynamic and a capacity")
         if kind == "auto":
             kind = "replicated" if t.num_rows < replicate_below_rows else "row_wise"
         chosen[t.name] = kind
@@ -142,5 +169,5 @@ def plan_from_config(tables: list[TableConfig], cfg, world_size: int) -> Shardin
     kinds = {name: o.plan for name, o in cfg.tables.items() if o.plan != "auto"}
     default = cfg.plan
     if default != "auto":
-        kinds = {**{t.name: default for t in tables}, **kinds}
+        kinds = {**{t.name: default for t in tables if t.kind != "dynamic"}, **kinds}
     return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows)

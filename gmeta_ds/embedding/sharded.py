@@ -13,17 +13,26 @@ Backward sends row gradients to their owners (the reverse all-to-all, one call),
 arrive as sparse gradients of the shard. `finish_gradients` divides by the world size so a
 row's gradient is the mean over ranks, exactly as DeepSpeed averages dense gradients, and
 all-reduces the gradients of replicated tables. World size 1 issues no collectives.
+
+Placement (`TableConfig.device`, resolved by `resolve_placement`): ``accelerator`` tables live
+on the rank's device and exchange over the default group (NCCL on CUDA); ``host`` tables live
+in host memory (pinned where CUDA is available) and exchange over a gloo group of their own,
+their rows moved to the device after the exchange (and their gradients back by autograd).
+Dynamic tables (``kind="dynamic"``, `gmeta_ds.embedding.dynamic`) send each id with its number
+of occurrences; the owner maps ids to rows (admitting and evicting) before its lookup.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gmeta_ds.embedding.comm import CommStats, all_to_all
+from gmeta_ds.embedding.dynamic import DynamicIndex, default_row, init_dynamic_rows
 from gmeta_ds.embedding.optim import build_sparse_optimizer
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.tables import (Jagged, TableConfig, check_fields, check_ids, check_width,
@@ -52,6 +61,8 @@ class FieldTables:
         if not fields or any(f not in by_feature for f in fields + bags):
             return None
         tables = tuple(by_feature[f] for f in fields)
+        if any(t.kind == "dynamic" for t in tables):
+            return None
         names = {t.name for t in tables}
         if len(names) < len(fields) or names & {by_feature[b].name for b in bags} or \
                 len({t.dim for t in tables}) > 1:
@@ -72,26 +83,112 @@ def unique_keys(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     return present.nonzero().squeeze(1), present.cumsum(0).sub_(1).index_select(0, flat).view_as(keys)
 
 
+class Request(NamedTuple):
+    """One table's lookup request: the ids to fetch (deduplicated unless ``dedup`` is off),
+    the index of each looked-up value into them, and how often each occurs (dynamic tables:
+    admission counts occurrences)."""
+
+    ids: Tensor
+    inverse: Tensor
+    counts: Tensor | None = None
+
+
+def accelerator_device() -> torch.device | None:
+    """This rank's accelerator (CUDA, by LOCAL_RANK), or None on a machine without one."""
+    if not torch.cuda.is_available():
+        return None
+    import os
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def resolve_placement(plan: ShardingPlan, rank: int, device: torch.device | None = None,
+                      budget_fraction: float = 0.5) -> dict[str, str]:
+    """``accelerator`` or ``host`` for every table. ``auto``: on the accelerator when there is
+    one and the tables placed there fit ``budget_fraction`` of its memory by `TablePlan.bytes_on`
+    (largest first), else on the host. ``accelerator`` without one is an error naming the table."""
+    device = device if device is not None else accelerator_device()
+    on_accelerator = device is not None and device.type != "cpu"
+    placed = {}
+    for name, p in plan.tables.items():
+        if p.table.device == "accelerator" and not on_accelerator:
+            raise ValueError(f"table {name!r}: device accelerator, but this rank has no accelerator "
+                             f"(torch.cuda.is_available() is False); set embedding.tables.{name}.device "
+                             "to host or auto")
+        if p.table.device != "auto":
+            placed[name] = p.table.device
+    budget = 0
+    if on_accelerator:
+        budget = budget_fraction * torch.cuda.get_device_properties(device).total_memory
+        budget -= sum(plan.tables[n].bytes_on(rank) for n, d in placed.items() if d == "accelerator")
+    for name, p in sorted(plan.tables.items(), key=lambda item: -item[1].bytes_on(rank)):
+        if name in placed:
+            continue
+        cost = p.bytes_on(rank)
+        placed[name] = "accelerator" if on_accelerator and cost <= budget else "host"
+        budget -= cost if placed[name] == "accelerator" else 0
+    return {name: placed[name] for name in plan.tables}
+
+
 class ShardedEmbeddingCollection:
     """Each rank's shards of every table (``shards[name]``: (local rows, dim) parameters).
 
     Same forward contract as `EmbeddingCollection`:
-    ``forward({feature: Jagged}) -> {feature: (N, d) pooled | (nnz, d)}``. Collective: every
-    rank must call forward (and later backward) once per micro-batch, with its own ids.
+    ``forward({feature: Jagged}) -> {feature: (N, d) pooled | (nnz, d)}``, rows on ``device``
+    (the dense model's; default: this rank's accelerator if any, else the host). Collective:
+    every rank must call forward (and later backward) once per micro-batch, with its own ids;
+    construction is collective too when a table is placed on the host next to a default
+    group that is not gloo, or explicitly (it creates the host tables' gloo group).
     """
 
     def __init__(self, plan: ShardingPlan, rank: int, seed: int = 0, bad_ids: str = "error",
-                 dedup: bool = True):
+                 dedup: bool = True, device: torch.device | str | None = None):
         self.plan, self.rank, self.world = plan, rank, plan.world_size
-        self.bad_ids, self.dedup = bad_ids, dedup
+        self.bad_ids, self.dedup, self.seed = bad_ids, dedup, seed
+        device = torch.device(device) if device is not None else accelerator_device()
+        self.device = device if device is not None else torch.device("cpu")
+        self.placement = resolve_placement(plan, rank, self.device)
+        self.table_device = {name: self.device if where == "accelerator" else torch.device("cpu")
+                             for name, where in self.placement.items()}
+        self.groups = self._groups()
         tables = [p.table for p in plan.tables.values()]
         self.by_feature = feature_tables(tables)
-        self.shards = {name: nn.Parameter(init_rows(p.table, seed, p.global_ids(rank)))
-                       for name, p in plan.tables.items()}
+        self.dynamic = {name: DynamicIndex(name, p.table.capacity, p.table.admit_after, p.table.eviction,
+                                           self.table_device[name])
+                        for name, p in plan.tables.items() if p.kind == "dynamic"}
+        self.shards = {name: nn.Parameter(self._initial_rows(name)) for name in plan.tables}
         self.optimizers = {name: build_sparse_optimizer(p.table.optimizer, self.shards[name], p.table.lr)
                            for name, p in plan.tables.items()}
         self.stats = CommStats()
         self._field_tables: dict[tuple, FieldTables | None] = {}
+
+    def _groups(self) -> dict[str, object]:
+        """The process group of each table's exchange (None: the default group). Host tables
+        get a gloo group of their own when the default one is not gloo, or when ``host`` was
+        asked for explicitly (so that path runs, and is tested, on CPU machines too)."""
+        groups = {name: None for name in self.plan.tables}
+        if self.world == 1 or not dist.is_initialized():
+            return groups
+        default_gloo = dist.get_backend() == "gloo"
+        own = [name for name, where in self.placement.items() if where == "host" and
+               (not default_gloo or self.plan.tables[name].table.device == "host")]
+        if own:
+            host_group = dist.new_group(backend="gloo")
+            groups.update({name: host_group for name in own})
+        return groups
+
+    def _initial_rows(self, name: str) -> Tensor:
+        p = self.plan.tables[name]
+        if p.kind == "dynamic":
+            t = p.table
+            rows = torch.zeros(t.capacity + 1, t.dim)
+            rows[0] = default_row(t.name, t.dim, t.init_std, self.seed)[0]
+        else:
+            rows = init_rows(p.table, self.seed, p.global_ids(self.rank))
+        rows = rows.to(self.table_device[name])
+        if rows.device.type == "cpu" and torch.cuda.is_available():
+            rows = rows.pin_memory()
+        return rows
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.shards.values())
@@ -101,8 +198,8 @@ class ShardedEmbeddingCollection:
         return self.forward(features)
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
-        requests = self._requests(features)                  # table -> (unique ids, inverse)
-        rows = self._rows({name: ids for name, (ids, _) in requests.items()})
+        requests = self._requests(features)
+        rows = self._rows(requests)
         return self._per_feature(features, requests, rows)
 
     def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
@@ -114,8 +211,8 @@ class ShardedEmbeddingCollection:
         deduplicated by one unique of table-offset keys (`FieldTables`), their rows gathered by
         one index. (With several threads the per-field path's accumulating index is not
         deterministic; this one is, and equals its one-thread result.) Bags keep the
-        per-feature path; fields sharing a table (with each other or a bag), unknown features
-        or tables of different dimensions take `tables.lookup_fields` as a whole.
+        per-feature path; fields sharing a table (with each other or a bag), unknown features,
+        dynamic tables or tables of different dimensions take `tables.lookup_fields` as a whole.
         """
         multi = multi or {}
         check_width(ids, fields)
@@ -139,8 +236,8 @@ class ShardedEmbeddingCollection:
             sizes = [n] * len(fields)
         names = [t.name for t in layout.tables]
         bags = self._requests(multi)
-        rows = self._rows({**dict(zip(names, torch.split(table_ids, sizes))),
-                           **{name: bag_ids for name, (bag_ids, _) in bags.items()}})
+        rows = self._rows({**{n: Request(i, None) for n, i in zip(names, torch.split(table_ids, sizes))},
+                           **bags})
         # index_select, not indexing: as fast again, and its backward sums each row's
         # gradients serially in the order of `inverse`, as the per-field indexing does
         out = torch.cat([rows[name] for name in names]).index_select(0, inverse.reshape(-1))
@@ -150,9 +247,9 @@ class ShardedEmbeddingCollection:
             out = torch.cat([out, torch.stack([pooled[f] for f in multi], dim=1)], dim=1)
         return out.reshape(*ids.shape[:-1], out.shape[1], -1)
 
-    def _requests(self, features: dict[str, Jagged]) -> dict[str, tuple[Tensor, Tensor]]:
-        """Per table: the ids to fetch (deduplicated unless ``dedup`` is off) and, for the
-        concatenated values of its features, the index of each value into those ids."""
+    def _requests(self, features: dict[str, Jagged]) -> dict[str, Request]:
+        """Per table: the ids to fetch, the index of each value of its features (concatenated)
+        into them, and (dynamic tables) each id's number of occurrences."""
         per_table = defaultdict(list)
         for feature, jagged in features.items():
             table = self.by_feature[feature]
@@ -160,99 +257,143 @@ class ShardedEmbeddingCollection:
         out = {}
         for name, parts in per_table.items():
             ids = torch.cat(parts)
+            dynamic = name in self.dynamic
             if self.dedup:
-                out[name] = torch.unique(ids, return_inverse=True)
+                unique = torch.unique(ids, return_inverse=True, return_counts=dynamic)
+                out[name] = Request(*unique)
             else:
-                out[name] = (ids, torch.arange(len(ids)))
+                out[name] = Request(ids, torch.arange(len(ids)), torch.ones_like(ids) if dynamic else None)
         return out
 
-    def _rows(self, ids: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Rows of every table's requested ``ids``: replicated tables looked up locally, sharded
-        ones through one exchange per group of same-dimension tables."""
-        rows = {name: torch.nn.functional.embedding(i, self.shards[name], sparse=True)
-                for name, i in ids.items() if self.plan.tables[name].kind == "replicated"}
-        by_dim = defaultdict(list)
-        for name in ids:
-            if self.plan.tables[name].kind != "replicated":
-                by_dim[self.plan.tables[name].table.dim].append(name)
-        for names in by_dim.values():
-            rows.update(self._sharded_rows(names, {n: ids[n] for n in names}))
-        return rows
+    def _rows(self, requests: dict[str, Request]) -> dict[str, Tensor]:
+        """Rows of every table's requested ids, on ``self.device``: replicated tables looked up
+        locally, sharded ones through one exchange per group of tables of one dimension,
+        placement and process group."""
+        rows = {}
+        by_group = defaultdict(list)
+        for name, request in requests.items():
+            if self.plan.tables[name].kind == "replicated":
+                ids = request.ids.to(self.table_device[name])
+                rows[name] = torch.nn.functional.embedding(ids, self.shards[name], sparse=True)
+            else:
+                key = (self.plan.tables[name].table.dim, str(self.table_device[name]), id(self.groups[name]))
+                by_group[key].append(name)
+        for names in by_group.values():
+            rows.update(self._sharded_rows(names, {n: requests[n] for n in names}))
+        return {name: r.to(self.device) for name, r in rows.items()}
 
-    def _sharded_rows(self, names: list[str], ids: dict[str, Tensor]) -> dict[str, Tensor]:
-        """input_dist -> lookup -> output_dist for tables of one dimension."""
+    def _sharded_rows(self, names: list[str], requests: dict[str, Request]) -> dict[str, Tensor]:
+        """input_dist -> lookup -> output_dist for tables of one dimension and group."""
         n_tables = len(names)
-        table_of = torch.cat([torch.full((len(ids[n]),), t) for t, n in enumerate(names)])
+        device = self.table_device[names[0]]
+        ids = {n: requests[n].ids.to(device) for n in names}
+        table_of = torch.cat([torch.full((len(ids[n]),), t, device=device) for t, n in enumerate(names)])
         owners = torch.cat([self.plan.tables[n].owners(ids[n]) for n in names])
         local = torch.cat([self.plan.tables[n].local_index(ids[n]) for n in names])
+        counts = None
+        if any(n in self.dynamic for n in names):  # occurrences travel with the ids
+            counts = torch.cat([requests[n].counts.to(device) if n in self.dynamic
+                                else torch.ones_like(ids[n]) for n in names])
         order = torch.argsort(owners * n_tables + table_of, stable=True)
-        counts = torch.bincount(owners * n_tables + table_of, minlength=self.world * n_tables)
+        per_owner = torch.bincount(owners * n_tables + table_of, minlength=self.world * n_tables)
+        sent_counts = counts[order] if counts is not None else None
         if self.world == 1:
-            fetched = self._lookup(names, local[order], table_of[order])
+            fetched = self._lookup(names, local[order], table_of[order], sent_counts)
         else:
-            fetched = self._exchange(names, local[order], counts)
+            fetched = self._exchange(names, local[order], sent_counts, per_owner)
         rows = fetched[torch.argsort(order)]  # back to request order
         sizes = [len(ids[n]) for n in names]
         return dict(zip(names, torch.split(rows, sizes)))
 
-    def _exchange(self, names: list[str], send_ids: Tensor, counts: Tensor) -> Tensor:
-        n_tables = len(names)
-        recv_counts = all_to_all(counts, [n_tables] * self.world, [n_tables] * self.world,
-                                 self.stats, self.rank, "input_dist")
-        send_splits = counts.view(self.world, n_tables).sum(1).tolist()
-        recv_splits = recv_counts.view(self.world, n_tables).sum(1).tolist()
-        recv_ids = all_to_all(send_ids, send_splits, recv_splits, self.stats, self.rank, "input_dist")
-        recv_table = torch.repeat_interleave(torch.arange(n_tables).repeat(self.world), recv_counts)
-        rows = self._lookup(names, recv_ids, recv_table)
-        return all_to_all(rows, recv_splits, send_splits, self.stats, self.rank, "output_dist")
+    def _exchange(self, names: list[str], send_ids: Tensor, send_counts: Tensor | None,
+                  per_owner: Tensor) -> Tensor:
+        n_tables, group = len(names), self.groups[names[0]]
+        recv_per_owner = all_to_all(per_owner, [n_tables] * self.world, [n_tables] * self.world,
+                                    self.stats, self.rank, "input_dist", group)
+        send_splits = per_owner.view(self.world, n_tables).sum(1).tolist()
+        recv_splits = recv_per_owner.view(self.world, n_tables).sum(1).tolist()
+        payload = send_ids if send_counts is None else torch.stack([send_ids, send_counts], dim=1)
+        received = all_to_all(payload, send_splits, recv_splits, self.stats, self.rank, "input_dist", group)
+        recv_ids, recv_counts = (received, None) if send_counts is None else received.unbind(1)
+        recv_table = torch.repeat_interleave(torch.arange(n_tables, device=received.device).repeat(self.world),
+                                             recv_per_owner)
+        rows = self._lookup(names, recv_ids, recv_table, recv_counts)
+        return all_to_all(rows, recv_splits, send_splits, self.stats, self.rank, "output_dist", group)
 
-    def _lookup(self, names: list[str], local_ids: Tensor, table_of: Tensor) -> Tensor:
-        """Rows of local shards for (local id, table) pairs, in the given order."""
+    def _lookup(self, names: list[str], local_ids: Tensor, table_of: Tensor,
+                counts: Tensor | None = None) -> Tensor:
+        """Rows of local shards for (local id, table) pairs, in the given order; dynamic
+        tables map their ids to rows first (admitting the ids that qualify)."""
         picks, parts = [], []
         for t, name in enumerate(names):
             where = torch.nonzero(table_of == t).squeeze(1)
             picks.append(where)
-            parts.append(torch.nn.functional.embedding(local_ids[where], self.shards[name], sparse=True))
+            local = local_ids[where]
+            if name in self.dynamic:
+                local = self._admit(name, local, counts[where])
+            parts.append(torch.nn.functional.embedding(local, self.shards[name], sparse=True))
         rows = torch.cat(parts)
         return rows[torch.argsort(torch.cat(picks))]
+
+    def _admit(self, name: str, ids: Tensor, counts: Tensor) -> Tensor:
+        """Rows of a dynamic table's ids on this owner; rows given to new ids start at their
+        initial value with zeroed optimizer state, and lose any gradient pending for the id
+        that held them."""
+        rows, admitted = self.dynamic[name].lookup(ids, counts)
+        if len(admitted.slots):
+            t, shard = self.plan.tables[name].table, self.shards[name]
+            with torch.no_grad():
+                shard[admitted.slots] = init_dynamic_rows(t.name, t.dim, t.init_std, self.seed,
+                                                          admitted.ids.cpu()).to(shard.device)
+            for value in self.optimizers[name].state.get(shard, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == shard.shape[0]:
+                    value[admitted.slots] = 0
+            if shard.grad is not None and admitted.evicted:
+                grad = shard.grad.coalesce()
+                keep = ~torch.isin(grad.indices()[0], admitted.slots)
+                shard.grad = torch.sparse_coo_tensor(grad.indices()[:, keep], grad.values()[keep],
+                                                     shard.shape, check_invariants=False)
+        return rows
 
     def _per_feature(self, features, requests, rows) -> dict[str, Tensor]:
         out, cursor = {}, defaultdict(int)
         for feature, jagged in features.items():
             name = self.by_feature[feature].name
-            inverse = requests[name][1]
+            inverse = requests[name].inverse
             start = cursor[name]
             cursor[name] += len(jagged.values)
-            values = rows[name][inverse[start:cursor[name]]]
+            values = rows[name][inverse[start:cursor[name]].to(self.device)]
             out[feature] = pool(values, jagged, self.plan.tables[name].table.pooling)
         return out
 
     # ------------------------------------------------------------------ training
     def finish_gradients(self) -> None:
         """Average row gradients over ranks: sharded rows arrived summed over ranks (divide by
-        the world size); replicated tables are all-reduced together in one collective."""
+        the world size); replicated tables are all-reduced together, one collective per group."""
         if self.world == 1:
             return
-        replicated = [n for n in self.shards if self.plan.tables[n].kind == "replicated"]
+        replicated = defaultdict(list)
         for name, p in self.shards.items():
-            if name not in replicated and p.grad is not None:
+            if self.plan.tables[name].kind == "replicated":
+                replicated[(str(p.device), id(self.groups[name]))].append(name)
+            elif p.grad is not None:
                 p.grad = p.grad.coalesce() / self.world
-        if replicated:
-            self._all_reduce_replicated(replicated)
+        for names in replicated.values():
+            self._all_reduce_replicated(names)
 
     def _all_reduce_replicated(self, names: list[str]) -> None:
-        """One all-reduce of every replicated table's dense gradient plus a touched-row flag
-        (so lazy optimizers update exactly the rows some rank used)."""
+        """One all-reduce of replicated tables' dense gradients plus a touched-row flag (so
+        lazy optimizers update exactly the rows some rank used)."""
         parts = []
         for name in names:
             p = self.shards[name]
             grad = p.grad.to_dense() if p.grad is not None else torch.zeros_like(p)
-            touched = torch.zeros(p.shape[0], 1)
+            touched = torch.zeros(p.shape[0], 1, device=p.device)
             if p.grad is not None:
                 touched[p.grad.coalesce().indices()[0]] = 1.0
             parts.append(torch.cat([grad, touched], dim=1).reshape(-1))
         flat = torch.cat(parts)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.groups[names[0]])
         ring = int(2 * (self.world - 1) / self.world * flat.numel() * flat.element_size())
         self.stats.record_bytes("replicated_allreduce", ring, ring)
         for name, chunk in zip(names, torch.split(flat, [t.numel() for t in parts])):
@@ -270,36 +411,112 @@ class ShardedEmbeddingCollection:
                 self.optimizers[name].step()
             p.grad = None
 
-    def checksum(self) -> float:
-        """float64 sum of every table's rows, each row counted once over all ranks."""
-        local = sum(p.detach().double().sum().item() for n, p in self.shards.items()
-                    if self.plan.tables[n].kind != "replicated" or self.rank == 0)
-        total = torch.tensor(local, dtype=torch.float64)
+    # ------------------------------------------------------------------ reporting
+    def _sum_on_host(self, values: list[float]) -> list[float]:
+        """float64 sums over ranks of per-rank host numbers: over gloo (the default group or
+        the host tables'), else through the default group on the device."""
+        total = torch.tensor(values, dtype=torch.float64)
         if self.world > 1:
-            dist.all_reduce(total)
-        return total.item()
+            host = next((g for g in self.groups.values() if g is not None), None)
+            if host is not None or dist.get_backend() == "gloo":
+                dist.all_reduce(total, group=host)
+            else:
+                total = total.to(self.device)
+                dist.all_reduce(total)
+        return total.cpu().tolist()
 
+    def checksum(self) -> float:
+        """float64 sum of every table's rows, each row counted once over all ranks (dynamic
+        tables: the rows of admitted ids and every rank's default row)."""
+        local = 0.0
+        for name, p in self.shards.items():
+            kind = self.plan.tables[name].kind
+            if kind == "dynamic":
+                index = self.dynamic[name]
+                local += p.detach()[torch.cat([index.rows.new_zeros(1), index.rows])].double().sum().item()
+            elif kind != "replicated" or self.rank == 0:
+                local += p.detach().double().sum().item()
+        return self._sum_on_host([local])[0]
+
+    def dynamic_counters(self) -> dict[str, dict[str, int]]:
+        """This rank's dynamic-table counters (cumulative) and occupancy, per table."""
+        return {name: {**index.counters, "occupancy": index.occupancy, "capacity": index.capacity}
+                for name, index in self.dynamic.items()}
+
+    # ------------------------------------------------------------------ export
     def gather_tables(self, everywhere: bool = False) -> dict[str, Tensor]:
-        """Full tables on rank 0 (every rank with ``everywhere``; {} elsewhere); collective."""
+        """Full static tables on rank 0 (every rank with ``everywhere``; {} elsewhere);
+        collective. Dynamic tables are in `gather_state`."""
         full = {}
+        receives = everywhere or self.rank == 0
         for name, p in self.shards.items():
             plan = self.plan.tables[name]
+            if plan.kind == "dynamic":
+                continue
             if plan.kind == "replicated" or self.world == 1:
-                full[name] = p.detach().clone()
+                full[name] = p.detach().cpu().clone()
                 continue
             width = max(plan.local_rows(r) for r in range(self.world))
-            padded = torch.zeros(width, plan.table.dim)
+            padded = torch.zeros(width, plan.table.dim, device=p.device)
             padded[: p.shape[0]] = p.detach()
-            receives = everywhere or self.rank == 0
-            bucket = [torch.zeros_like(padded) for _ in range(self.world)] if receives else None
-            if everywhere:
-                dist.all_gather(bucket, padded)
-            else:
-                dist.gather(padded, bucket, dst=0)
+            bucket = self._gather(padded, everywhere, name)
             if receives:
                 table = torch.empty(plan.table.num_rows, plan.table.dim)
                 for r in range(self.world):
                     ids = plan.global_ids(r)
-                    table[ids] = bucket[r][: len(ids)]
+                    table[ids] = bucket[r][: len(ids)].cpu()
                 full[name] = table
-        return full if (everywhere or self.rank == 0) else {}
+        return full if receives else {}
+
+    def _gather(self, x: Tensor, everywhere: bool, name: str) -> list[Tensor] | None:
+        """Every rank's ``x`` (same shape on all) on rank 0, or everywhere; table ``name``'s group."""
+        group = self.groups[name]
+        receives = everywhere or self.rank == 0
+        bucket = [torch.zeros_like(x) for _ in range(self.world)] if receives else None
+        if everywhere:
+            dist.all_gather(bucket, x, group=group)
+        else:
+            dist.gather(x, bucket, dst=0, group=group)
+        return bucket
+
+    def gather_state(self, everywhere: bool = False) -> dict[str, Tensor]:
+        """Every table as `EmbeddingCollection` state-dict entries (``weights.<table>``; dynamic
+        tables: ``dynamic.<table>.ids`` (sorted admitted ids), ``.rows`` and ``.defaults``, every
+        rank's default row), on rank 0 or everywhere; collective."""
+        state = {f"weights.{name}": t for name, t in self.gather_tables(everywhere).items()}
+        receives = everywhere or self.rank == 0
+        for name, index in self.dynamic.items():
+            shard = self.shards[name].detach()
+            ids, rows = index.keys.cpu(), shard[index.rows].cpu()
+            defaults = shard[:1].cpu()
+            if self.world > 1:
+                ids, rows, defaults = self._gather_ragged(name, ids, rows, defaults, everywhere)
+                if not receives:
+                    continue
+            order = torch.argsort(ids)
+            state[f"dynamic.{name}.ids"] = ids[order].clone()
+            state[f"dynamic.{name}.rows"] = rows[order].clone()
+            state[f"dynamic.{name}.defaults"] = defaults.clone()
+        return state if receives else {}
+
+    def _gather_ragged(self, name, ids, rows, defaults, everywhere):
+        """Every rank's admitted (ids, rows) and default row, concatenated in rank order."""
+        sizes = self._gather(torch.tensor([len(ids)], device=self._wire(name)), everywhere, name)
+        width = self.plan.tables[name].table.capacity
+        padded_ids = torch.zeros(width, dtype=torch.long, device=self._wire(name))
+        padded_ids[: len(ids)] = ids
+        padded_rows = torch.zeros(width + 1, rows.shape[1], device=self._wire(name))
+        padded_rows[: len(ids)] = rows
+        padded_rows[width] = defaults[0]
+        all_ids = self._gather(padded_ids, everywhere, name)
+        all_rows = self._gather(padded_rows, everywhere, name)
+        if all_ids is None:
+            return None, None, None
+        n = [int(s) for s in torch.cat(sizes).tolist()]
+        return (torch.cat([i[:k].cpu() for i, k in zip(all_ids, n)]),
+                torch.cat([r[:k].cpu() for r, k in zip(all_rows, n)]),
+                torch.stack([r[width].cpu() for r in all_rows]))
+
+    def _wire(self, name: str) -> torch.device:
+        """Where tensors of table ``name``'s collectives must be (its shard's device)."""
+        return self.shards[name].device

@@ -19,13 +19,20 @@ import torch
 from torch import Tensor, nn
 
 POOLINGS = ("sum", "mean", "none")
+TABLE_KINDS = ("static", "dynamic")
+DEVICES = ("auto", "accelerator", "host")
 INIT_BLOCK_ROWS = 1 << 16
 
 
 @dataclass(frozen=True)
 class TableConfig:
     """One table: ``num_rows`` x ``dim``, used by ``features``; multi-hot features pool by
-    ``pooling``; rows start N(0, init_std); ``optimizer``/``lr`` train its rows (sharded mode)."""
+    ``pooling``; rows start N(0, init_std); ``optimizer``/``lr`` train its rows (sharded mode).
+
+    ``kind="dynamic"`` (sharded mode only; `gmeta_ds.embedding.dynamic`): any int64 id, no
+    vocabulary; each rank holds ``capacity`` rows for the ids it owns (plus a default row),
+    gives an id its own row after ``admit_after`` lookups and evicts by ``eviction`` (lru | lfu)
+    when full. ``num_rows`` is then ignored (set to ``capacity``)."""
 
     name: str
     num_rows: int
@@ -35,8 +42,27 @@ class TableConfig:
     init_std: float = 0.05
     optimizer: str = "adagrad"
     lr: float = 0.05
+    kind: str = "static"
+    capacity: int | None = None
+    admit_after: int = 1
+    eviction: str = "lru"
+    # host | accelerator | auto: where a sharded table's rows live (`gmeta_ds.embedding.placement`)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kind not in TABLE_KINDS:
+            raise ValueError(f"table {self.name!r}: kind {self.kind!r} is not one of {', '.join(TABLE_KINDS)}")
+        if self.kind == "dynamic":
+            if not isinstance(self.capacity, int) or self.capacity < 1:
+                raise ValueError(f"table {self.name!r}: a dynamic table needs capacity (rows per rank) "
+                                 f">= 1, got {self.capacity!r}")
+            if self.admit_after < 1:
+                raise ValueError(f"table {self.name!r}: admit_after must be >= 1, got {self.admit_after}")
+            if self.eviction not in ("lru", "lfu"):
+                raise ValueError(f"table {self.name!r}: eviction {self.eviction!r} is not one of lru, lfu")
+            object.__setattr__(self, "num_rows", self.capacity)
+        if self.device not in DEVICES:
+            raise ValueError(f"table {self.name!r}: device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.num_rows <= 0 or self.dim <= 0:
             raise ValueError(f"table {self.name!r}: num_rows and dim must be positive, got "
                              f"{self.num_rows} x {self.dim}")
@@ -89,7 +115,8 @@ class Jagged:
     @staticmethod
     def single(ids: Tensor) -> "Jagged":
         """One id per sample: ids (N,) -> offsets [0, 1, ..., N]."""
-        ids = ids.reshape(-1).long()
+        ids = ids.reshape(-1)
+        ids = ids if ids.is_floating_point() else ids.long()  # check_ids names float ids
         return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long), one_per_sample=True)
 
     @property
@@ -104,7 +131,13 @@ class Jagged:
 
 def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> Tensor:
     """Ids checked against the table's rows: ``error`` names the feature, table and value;
-    ``hash`` maps every id into range by modulo. Nothing is silently clamped."""
+    ``hash`` maps every id into range by modulo. Nothing is silently clamped. Dynamic
+    tables take any integer id."""
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"feature {feature!r}: ids of table {table.name!r} must be integers, got "
+                         f"{values.dtype}; map strings to ids with gmeta_ds.hash_strings")
+    if table.kind == "dynamic":
+        return values.long()
     if policy == "hash":
         return torch.remainder(values, table.num_rows)
     if len(values):
@@ -161,8 +194,48 @@ def feature_tables(tables: list[TableConfig]) -> dict[str, TableConfig]:
     return owners
 
 
+class DynamicRows(nn.Module):
+    """The unsharded form of a trained dynamic table: ``ids`` (n,) sorted admitted ids, their
+    ``rows`` (n, d), and ``defaults`` (W, d), the default row of each of the W ranks it was
+    trained on. An id not in ``ids`` (not admitted, evicted, or never seen, as a new item at
+    evaluation) reads the default row of the rank that would own it, exactly as in training.
+    Loading a state dict resizes the three to the saved ones."""
+
+    def __init__(self, table: TableConfig, seed: int = 0):
+        super().__init__()
+        from gmeta_ds.embedding.dynamic import default_row
+
+        self.table = table
+        self.register_buffer("ids", torch.zeros(0, dtype=torch.long))
+        self.rows = nn.Parameter(torch.zeros(0, table.dim))
+        self.defaults = nn.Parameter(default_row(table.name, table.dim, table.init_std, seed))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("ids", "rows", "defaults"):
+            saved = state_dict.get(prefix + name)
+            if saved is not None and saved.shape != getattr(self, name).shape:
+                if saved.dim() < 1 or (name != "ids" and saved.shape[-1] != self.table.dim):
+                    break  # torch's own loader reports the mismatch
+                if name == "ids":
+                    self.ids = torch.zeros_like(saved)
+                else:
+                    setattr(self, name, nn.Parameter(torch.zeros_like(saved)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from gmeta_ds.embedding.dynamic import owner_of
+
+        n = len(self.ids)
+        index = owner_of(ids, len(self.defaults)) + n
+        if n:
+            pos = torch.searchsorted(self.ids, ids).clamp_(max=n - 1)
+            index = torch.where(self.ids[pos] == ids, pos, index)
+        return torch.nn.functional.embedding(index, torch.cat([self.rows, self.defaults]))
+
+
 class EmbeddingCollection(nn.Module):
-    """Unsharded tables (``weights.<table>``: (num_rows, dim)), one per `TableConfig`.
+    """Unsharded tables (``weights.<table>``: (num_rows, dim)), one per `TableConfig`; dynamic
+    tables as `DynamicRows` (``dynamic.<table>``).
 
     forward(features: {feature: Jagged}) -> {feature: (N, d) pooled or (nnz, d) for none}.
     `lookup_fields` is the single-hot shortcut the CTR model uses.
@@ -174,15 +247,20 @@ class EmbeddingCollection(nn.Module):
         self.by_feature = feature_tables(tables)
         self.bad_ids = bad_ids
         self.weights = nn.ParameterDict({
-            t.name: nn.Parameter(init_rows(t, seed, torch.arange(t.num_rows))) for t in tables
+            t.name: nn.Parameter(init_rows(t, seed, torch.arange(t.num_rows)))
+            for t in tables if t.kind == "static"
         })
+        self.dynamic = nn.ModuleDict({t.name: DynamicRows(t, seed) for t in tables if t.kind == "dynamic"})
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
         out = {}
         for feature, jagged in features.items():
             table = self.by_feature[feature]
             ids = check_ids(jagged.values, feature, table, self.bad_ids)
-            rows = torch.nn.functional.embedding(ids, self.weights[table.name])
+            if table.kind == "dynamic":
+                rows = self.dynamic[table.name](ids)
+            else:
+                rows = torch.nn.functional.embedding(ids, self.weights[table.name])
             out[feature] = pool(rows, jagged, table.pooling)
         return out
 

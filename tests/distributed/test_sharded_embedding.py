@@ -14,6 +14,18 @@ def test_sharded_equals_unsharded(world):
     assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_placed_tables_exchange_over_their_own_gloo_group_and_equal_unsharded(world):
+    outputs = run_ranks("sharded_equals_unsharded", world, "host", timeout=180)
+    assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs))
+
+
+@pytest.mark.parametrize("world,device", [(1, "auto"), (2, "auto"), (3, "host")])
+def test_dynamic_tables_equal_their_unsharded_twin(world, device):
+    outputs = run_ranks("dynamic_equals_unsharded", world, device, timeout=180)
+    assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs)), outputs
+
+
 @pytest.mark.parametrize("policy", ["skip", "abort"])
 def test_nonfinite_loss_policy_on_two_ranks(policy):
     outputs = run_ranks("nonfinite", 2, policy, timeout=180)

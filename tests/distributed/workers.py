@@ -1,13 +1,14 @@
 """Worker functions run on every rank by `ranks.run_ranks` (``python -m distributed.workers NAME``)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
+from gmeta_ds.embedding.plan import ShardingPlan, TablePlan, plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
 
@@ -20,10 +21,11 @@ TABLES = [
 ]
 
 
-def mixed_plan(world: int) -> ShardingPlan:
+def mixed_plan(world: int, device: str = "auto") -> ShardingPlan:
     kinds = {"a": ("row_wise", "modulo"), "b": ("row_wise", "block"), "c": ("table_wise", "modulo"),
              "d": ("replicated", "modulo"), "e": ("row_wise", "block")}
-    plans = {t.name: TablePlan(t, kinds[t.name][0], world, kinds[t.name][1], owner=world - 1)
+    plans = {t.name: TablePlan(dataclasses.replace(t, device=device), kinds[t.name][0], world,
+                               kinds[t.name][1], owner=world - 1)
              for t in TABLES}
     return ShardingPlan(plans, world)
 
@@ -47,10 +49,14 @@ def loss_of(out: dict, rank: int) -> torch.Tensor:
     return sum((v * torch.randn(v.shape, generator=g)).sum() for _, v in sorted(out.items()))
 
 
-def sharded_equals_unsharded() -> None:
+def sharded_equals_unsharded(device: str = "auto") -> None:
+    """``device: host`` puts every table on the host with an exchange over its own gloo group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = mixed_plan(world)
+    plan = mixed_plan(world, device)
     sharded = ShardedEmbeddingCollection(plan, rank, seed=5)
+    if world > 1:
+        own_group = {g is not None for g in sharded.groups.values()}
+        assert own_group == {device == "host"}, sharded.groups
     twin = EmbeddingCollection(TABLES, seed=5)
     feats = features(rank, world)
     out_s, out_u = sharded(feats), twin(feats)
@@ -83,6 +89,65 @@ def sharded_equals_unsharded() -> None:
         assert stats["output_dist_backward"]["collectives"] == 2, stats
     else:
         assert stats == {}, stats
+    print("ok", rank)
+
+
+DYNAMIC_TABLES = [
+    TableConfig("u", 0, 4, ("u_single", "u_bag"), kind="dynamic", capacity=40, admit_after=2),
+    TableConfig("v", 0, 4, ("v_seq",), pooling="none", kind="dynamic", capacity=6, eviction="lfu",
+                optimizer="sgd"),
+    TableConfig("s", 31, 4, ("s_single",)),
+]
+
+
+def dynamic_equals_unsharded(device: str = "auto") -> None:
+    """Dynamic tables (ids anywhere in int64, admission by count, eviction) next to a static
+    one: every rank's lookups equal the unsharded twin loaded with the gathered state, row
+    gradients arrive averaged at the owners, and three rounds keep occupancy within capacity."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tables = [dataclasses.replace(t, device=device) for t in DYNAMIC_TABLES]
+    plan = plan_tables(tables, world, {"s": "row_wise"})
+    sharded = ShardedEmbeddingCollection(plan, rank, seed=9)
+    g = torch.Generator().manual_seed(50 + rank)
+    common = torch.tensor([2**62 + 1, -5, 77])  # every rank looks these up
+    for round_ in range(3):
+        u_ids = torch.cat([common, torch.randint(-2**63, 2**63 - 1, (5,), generator=g)])
+        feats = {"u_single": Jagged.single(u_ids),
+                 "u_bag": Jagged(torch.cat([common[:2], u_ids[3:5]]), torch.tensor([0, 1, 4])),
+                 "v_seq": Jagged(torch.randint(0, 12, (4,), generator=g) * 1000, torch.tensor([0, 2, 4])),
+                 "s_single": Jagged.single(torch.randint(0, 31, (3,), generator=g))}
+        out_s = sharded(feats)
+        twin = EmbeddingCollection(tables, seed=9)
+        twin.load_state_dict(sharded.gather_state(everywhere=True))
+        out_u = twin(feats)
+        for name in feats:
+            torch.testing.assert_close(out_s[name], out_u[name], msg=f"round {round_} forward {name}")
+        if round_ == 0:  # 77: once per rank (-5 twice): admitted at world >= 2 only
+            admitted = bool(twin.dynamic["u"].ids.eq(77).any())
+            assert admitted == (world >= 2), (world, twin.dynamic["u"].ids)
+        loss_of(out_s, rank).backward()
+        loss_of(out_u, rank).backward()
+        sharded.finish_gradients()
+        for name in ("u", "v"):
+            index, shard = sharded.dynamic[name], sharded.shards[name]
+            ref_rows = twin.dynamic[name].rows.grad.clone()
+            ref_defaults = twin.dynamic[name].defaults.grad.clone()
+            dist.all_reduce(ref_rows)
+            dist.all_reduce(ref_defaults)
+            got = shard.grad.to_dense()
+            position = torch.searchsorted(twin.dynamic[name].ids, index.keys)
+            torch.testing.assert_close(got[index.rows], ref_rows[position] / world, msg=f"gradient {name}")
+            torch.testing.assert_close(got[0], ref_defaults[rank] / world, msg=f"default gradient {name}")
+            assert index.occupancy <= index.capacity
+        sharded.step()
+    rows_here = sum(int(index.occupancy) + 1 for index in sharded.dynamic.values())
+    assert rows_here > 2
+    totals = sharded._sum_on_host([float(sharded.dynamic["v"].counters["evictions"])])
+    if world == 1:
+        assert totals[0] > 0  # 12 distinct ids through 6 rows
+    twin_sum = sum(float(t.double().sum()) for k, t in sharded.gather_state(everywhere=True).items()
+                   if not k.endswith(".ids"))
+    assert abs(sharded.checksum() - twin_sum) < 1e-9
     print("ok", rank)
 
 
