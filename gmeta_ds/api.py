@@ -218,8 +218,8 @@ class MetaEngine:
         ``net.embedding.weights.<table>``; collective."""
         state = ds_engine.full_state_dict(self.learner)
         if self.embeddings is not None:
-            for name, rows in self.embeddings.gather_tables(everywhere=True).items():
-                state[f"net.embedding.weights.{name}"] = rows
+            for key, value in self.embeddings.gather_state(everywhere=True).items():
+                state[f"net.embedding.{key}"] = value
         return state
 
     def save_weights(self, path: str | Path) -> Path | None:
@@ -330,7 +330,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
             raise ConfigError(["model.row_fields: the model must name its single-hot fields in the "
                                "order of the tasks' id columns (e.g. [f.name for f in "
                                "gm.single_fields(data.fields)]) so sharded lookups can find their tables"])
-        kinds = {} if sharding == "auto" else {t.name: sharding for t in tables}
+        kinds = {} if sharding == "auto" else {t.name: sharding for t in tables if t.kind != "dynamic"}
         embeddings = ShardedEmbeddingCollection(plan_tables(tables, world, kinds), rank, seed)
     found = checkpoint.find(resume, output_dir) if resume else None
     universal = manifest = None

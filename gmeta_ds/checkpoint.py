@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from gmeta_ds.engine import ds_engine, ds_internals
+from gmeta_ds.engine.dist import is_collective_timeout, on_wire
 from gmeta_ds.engine.ds_engine import save_weights
-from gmeta_ds.engine.dist import is_collective_timeout
 from gmeta_ds.errors import CheckpointWriteError, ConfigError
 
 FORMAT_VERSION = 1
@@ -303,7 +303,7 @@ def _agree(failure: str | None) -> list[str]:
     empty when every rank's writes succeeded. Also serves as the barrier of that point."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [failure] if failure else []
-    flag = torch.tensor([1 if failure else 0], dtype=torch.int64)
+    flag = on_wire(torch.tensor([1 if failure else 0], dtype=torch.int64))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag[0]):
         return []
@@ -544,7 +544,7 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
             failure = failure[0]
         else:
             os.replace(tmp, target)
-    flag = torch.tensor([1.0 if failure else 0.0])
+    flag = on_wire(torch.tensor([1.0 if failure else 0.0]))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag)
     if flag.item():

@@ -143,6 +143,7 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
         checkpoint.find(cfg.train.resume, cfg.output_dir)
     workload = get_workload(cfg.task)
+    workload.preflight(cfg, world)  # what train checks before its first collective
     lines = workload.describe(cfg, ds_config, plan)
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))

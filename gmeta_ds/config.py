@@ -22,6 +22,7 @@ from gmeta_ds.registry import (ALGORITHMS, DATA_SOURCES, LABEL_KINDS, MODELS, PL
 
 SHARDINGS = ("replicated", "sharded")
 ROW_OWNERS = ("modulo", "block")
+TABLE_DEVICES = ("auto", "accelerator", "host")
 BAD_ID_POLICIES = ("error", "hash")
 SPLITS = ("random", "time")
 TEXT_FORMATS = ("auto", "csv", "json", "parquet")
@@ -90,6 +91,14 @@ class TableOverride:
     plan: str = "auto"
     optimizer: Union[str, None] = None
     lr: Union[float, None] = None
+    # static: a vocabulary of ids 0..V-1 from the task build; dynamic: any int64 id (the
+    # field's raw values, strings hashed), `capacity` rows per rank, an id's own row after
+    # `admit_after` lookups (rarer ids share a default row), `eviction` lru | lfu when full.
+    kind: str = "static"
+    capacity: Union[int, None] = None
+    admit_after: int = 1
+    eviction: str = "lru"
+    device: Union[str, None] = None           # auto | accelerator | host; unset: embedding.device
 
 
 @dataclass
@@ -112,6 +121,10 @@ class EmbeddingConfig:
     init_std: float = 0.05
     bad_ids: str = "error"
     dedup: bool = True
+    # Where sharded tables live: accelerator (the rank's GPU; exchanges over the default group,
+    # NCCL there), host (host memory, its own gloo group, rows moved to the device after the
+    # exchange) or auto (the accelerator when the tables fit half its memory, else the host).
+    device: str = "auto"
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
@@ -171,6 +184,9 @@ class DataConfig:
     max_interactions: int = 100
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     min_count: int = 1                        # rarer categorical values share the OOV id 0
+    # Single-hot columns kept as raw int64 ids, no vocabulary (strings: 63 bits of their MD5,
+    # gmeta_ds.embedding.dynamic.string_id); the CTR workload adds every dynamic table's field.
+    raw_ids: list[str] = field(default_factory=list)
     test_fraction: float = 0.2                # held-out (cold-start) users
     valid_fraction: float = 0.0               # further held-out users for tuning (eval.split: valid, eval.finetune_search)
     # MeLU's four states: items released in or after new_item_year are new; training uses
@@ -476,15 +492,47 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     _one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
     _positive(problems, "embedding.lr", emb.lr)
     _positive(problems, "embedding.init_std", emb.init_std)
+    _one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
     for name, table in emb.tables.items():
-        _one_of(problems, f"embedding.tables.{name}.plan", table.plan, (AUTO, *PLANS.names()))
-        if table.optimizer is not None:
-            _one_of(problems, f"embedding.tables.{name}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
-        if table.lr is not None:
-            _positive(problems, f"embedding.tables.{name}.lr", table.lr)
-    if emb.sharding == "replicated" and (emb.tables or emb.plan != "auto"):
+        _validate_table(name, table, problems)
+    if emb.sharding != "replicated":
+        return
+    if any(t.kind == "dynamic" for t in emb.tables.values()):
+        problems.append("embedding.tables: dynamic tables need embedding.sharding: sharded (they live "
+                        "outside the DeepSpeed engine, on their owner ranks)")
+    elif emb.tables or emb.plan != "auto":
         problems.append("embedding.plan / embedding.tables apply to embedding.sharding: sharded; "
                         "with 'replicated' every table lives inside the DeepSpeed engine")
+    if emb.device != AUTO:
+        problems.append("embedding.device applies to embedding.sharding: sharded; replicated tables "
+                        "live inside the DeepSpeed engine, on its device")
+
+
+def _validate_table(name: str, table: TableOverride, problems: list[str]) -> None:
+    key = f"embedding.tables.{name}"
+    _one_of(problems, f"{key}.kind", table.kind, ("static", "dynamic"))
+    if table.device is not None:
+        _one_of(problems, f"{key}.device", table.device, TABLE_DEVICES)
+    if table.kind == "dynamic":
+        if not isinstance(table.capacity, int) or isinstance(table.capacity, bool) or table.capacity < 1:
+            problems.append(f"{key}.capacity: a dynamic table needs its rows per rank as an integer "
+                            f">= 1, got {table.capacity!r}")
+        if not isinstance(table.admit_after, int) or table.admit_after < 1:
+            problems.append(f"{key}.admit_after: expected an integer >= 1 (lookups before an id gets "
+                            f"its own row), got {table.admit_after!r}")
+        _one_of(problems, f"{key}.eviction", table.eviction, ("lru", "lfu"))
+        if table.plan not in (AUTO, "dynamic"):
+            problems.append(f"{key}.plan: {table.plan!r}, but a dynamic table's rows are placed by a "
+                            "hash of the id; leave plan at auto")
+    elif table.capacity is not None:
+        problems.append(f"{key}.capacity applies to kind: dynamic (a static table has one row per "
+                        "vocabulary id)")
+    if table.kind != "dynamic":
+        _one_of(problems, f"{key}.plan", table.plan, (AUTO, *PLANS.names()))
+    if table.optimizer is not None:
+        _one_of(problems, f"{key}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
+    if table.lr is not None:
+        _positive(problems, f"{key}.lr", table.lr)
 
 
 def _validate_log(data: DataConfig, problems: list[str]) -> None:

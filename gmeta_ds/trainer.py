@@ -32,7 +32,7 @@ from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine import ds_engine, ds_internals
-from gmeta_ds.engine.dist import all_mean, collective_phase
+from gmeta_ds.engine.dist import all_mean, collective_phase, on_wire
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.profiling import PhaseProfiler, phase, write_profile
 
@@ -109,10 +109,31 @@ class NonFiniteLoss(RuntimeError):
     """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
 
 
+DYNAMIC_COUNTERS = ("occupancy", "capacity", "lookups", "hits", "admissions", "evictions")
+
+
+def dynamic_record(counters: dict, means: list[float], world: int, seen: dict) -> dict:
+    """metrics.jsonl's ``dynamic_tables``: per dynamic table, summed over ranks, rows held
+    (``occupancy`` of ``capacity``), admissions and evictions so far, and the hit rate (ids
+    found with a row of their own) of the lookups since the last line. ``seen`` carries the
+    lookups and hits of the last line."""
+    out = {}
+    for i, name in enumerate(counters):
+        total = dict(zip(DYNAMIC_COUNTERS, (round(v * world) for v in
+                                            means[i * len(DYNAMIC_COUNTERS):(i + 1) * len(DYNAMIC_COUNTERS)])))
+        lookups, hits = total["lookups"] - seen.get((name, "lookups"), 0), total["hits"] - seen.get((name, "hits"), 0)
+        seen[(name, "lookups")], seen[(name, "hits")] = total["lookups"], total["hits"]
+        out[name] = {"occupancy": total["occupancy"], "capacity": total["capacity"],
+                     "admissions": total["admissions"], "evictions": total["evictions"],
+                     "hit_rate": hits / lookups if lookups else None}
+    return out
+
+
 def _nonfinite_anywhere(finite_here: bool) -> bool:
     """Whether the loss is NaN/inf on any rank (one small all-reduce when world > 1)."""
     bad = torch.tensor([0.0 if finite_here else 1.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
+        bad = on_wire(bad)
         dist.all_reduce(bad)
     return bad.item() > 0
 
@@ -257,6 +278,7 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
     profiler = PhaseProfiler(cfg.train.profile_steps, cfg.train.profile_warmup,
                              Path(cfg.output_dir) / "profile" if cfg.train.profile_trace else None)
     record, window_start, window_steps, padding = {}, time.perf_counter(), 0, 0.0
+    seen: dict = {}  # dynamic tables' lookups and hits at the last log line
     window_cpu = time.process_time()
     skipped, last_query, last_support = 0, float("nan"), float("nan")
     try:
@@ -289,9 +311,11 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
                 bar.update(1)
                 continue
             cpu = time.process_time() - window_cpu  # this process, all its threads
+            counters = sharded.dynamic_counters() if sharded else {}
             with run_phase(cfg, f"meta-step {step + 1}"):
-                query, support, pad, cpu_mean = all_mean([last_query, last_support,
-                                                          padding / max(1, window_steps), cpu])
+                query, support, pad, cpu_mean, *dynamic = all_mean(
+                    [last_query, last_support, padding / max(1, window_steps), cpu,
+                     *[c[k] for c in counters.values() for k in DYNAMIC_COUNTERS]])
             elapsed = time.perf_counter() - window_start
             tasks = window_steps * plan.tasks_per_meta_step
             record = {"step": step + 1, "tasks": (step + 1) * plan.tasks_per_meta_step,
@@ -304,6 +328,8 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             if sharded:
                 record["embedding_comm"] = sharded.stats.as_dict()
                 sharded.stats.reset()
+            if counters:
+                record["dynamic_tables"] = dynamic_record(counters, dynamic, plan.world_size, seen)
             log.write(record)
             bar.set_postfix(query_loss=f"{query:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
             bar.update(1)

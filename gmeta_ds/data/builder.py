@@ -7,7 +7,8 @@ Steps, all deterministic given the config and seed:
 3. split users into train and test (user cold-start, ``test_fraction``, seeded);
 4. build categorical vocabularies from the **training** users' rows only: id 0 is the
    out-of-vocabulary bucket (values seen fewer than ``min_count`` times, and values only
-   held-out users have, e.g. new items);
+   held-out users have, e.g. new items); columns in ``raw_ids`` keep their own values as
+   int64 ids instead (integers as they are, other values by `raw_ids`), for dynamic tables;
 5. order each task's rows (by `stream.row_order_key`, a seeded hash of the row number, or by
    time) and put the last ``query_size`` rows in the query, the rest in the support.
 `tasks_from_log` runs the steps in memory on a log already read (frames from the Python API,
@@ -29,8 +30,8 @@ import pyarrow.compute as pc
 
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
-from gmeta_ds.data.stream import (build_lock, build_store, file_source, log_source, open_store,
-                                  row_order_key)
+from gmeta_ds.data.stream import (build_lock, build_store, check_raw_ids, file_source, log_source,
+                                  open_store, row_order_key)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
 CACHE_VERSION = 4  # 4: within-task order by `stream.row_order_key`; the store replaces the .npz
@@ -64,6 +65,10 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
     and each log file's name, size and modification time."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
                 if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length")}
+    if not settings["raw_ids"]:  # the key of stores built before raw_ids existed
+        settings.pop("raw_ids")
+    else:
+        settings["raw_ids"] = sorted(settings["raw_ids"])
     path = Path(cfg.path).expanduser()
     if cfg.source == "table":
         files = file_source(cfg.path, cfg.format).files  # a file, a folder of shards or a glob
@@ -83,6 +88,20 @@ def _vocab(values: np.ndarray, train_rows: np.ndarray, min_count: int) -> tuple[
     ids = np.empty(len(uniq), dtype=np.int32)
     ids[np.lexsort((uniq, -counts))] = np.arange(1, len(uniq) + 1, dtype=np.int32)
     return uniq, ids
+
+
+def raw_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A column's values as int64 ids with no vocabulary, by `value_id` of their string form
+    (the form vocabularies use): integers keep their values, other values get their
+    `string_id` -- the ids `stream.py` computes in SQL."""
+    from gmeta_ds.data.readers import MISSING
+    from gmeta_ds.embedding.dynamic import string_id, value_id
+
+    if pa.types.is_integer(column.type):
+        return pc.fill_null(column, string_id(MISSING)).to_numpy(zero_copy_only=False).astype(np.int64)
+    text = np.asarray(column.to_numpy(zero_copy_only=False)).astype(str)
+    uniq, inverse = np.unique(text, return_inverse=True)
+    return np.array([value_id(v) for v in uniq], dtype=np.int64)[inverse.reshape(-1)]
 
 
 def _encode(values: np.ndarray, vocab: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -235,7 +254,13 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
     train_rows = np.nonzero(masks["train"])[0]
     user_cols, item_cols, multi_sides = _fields(log)
     fields, columns, multi = [], [], {}
+    check_raw_ids(cfg, multi_sides, user_cols + item_cols, log.source)
     for name, side in [(c, "user") for c in user_cols] + [(c, "item") for c in item_cols]:
+        if name in cfg.raw_ids:
+            values = raw_ids(table.column(name))[rows]
+            fields.append(FieldSpec(name, len(np.unique(values[train_rows])), side, raw=True))
+            columns.append(values)
+            continue
         values = np.asarray(table.column(name).to_numpy(zero_copy_only=False)).astype(str)[rows]
         vocab = _vocab(values, train_rows, cfg.min_count)
         fields.append(FieldSpec(name, len(vocab[0]) + 1, side))

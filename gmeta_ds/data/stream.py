@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 from gmeta_ds.config import parse_memory
 from gmeta_ds.data.readers import MISSING, DataError, InteractionLog, LogSchema
 from gmeta_ds.data.tasks import FieldSpec, TaskSet
+from gmeta_ds.embedding.dynamic import string_id
 
 STORE_VERSION = 1
 TRAIN, VALID, TEST = 0, 1, 2
@@ -222,6 +223,28 @@ def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> li
 
 
 # ---------------------------------------------------------------- SQL for column types
+def check_raw_ids(cfg: DataConfig, multi: dict | list, single: list[str], what: str) -> None:
+    """``data.raw_ids`` must name single-hot feature columns of the log."""
+    for name in cfg.raw_ids:
+        if name in multi:
+            raise DataError(f"data.raw_ids: {name!r} is a multi-hot column of {what}; raw ids (dynamic "
+                            "tables) apply to single-hot columns")
+        if name not in single:
+            raise DataError(f"data.raw_ids: {name!r} is not a feature column of {what} (its single-hot "
+                            f"feature columns: {', '.join(single) or 'none'})")
+
+
+def raw_id_sql(v: str, integer: bool) -> str:
+    """SQL for the int64 ids of raw-id values ``v`` (an SQL expression): an integer column as
+    it is (NULL: the id of MISSING); other columns, held in their string form, by `value_id`
+    (a canonical decimal int64 is that integer, anything else its `string_id`, whose 63 bits
+    of MD5 are the low bits of DuckDB's md5_number)."""
+    if integer:
+        return f"COALESCE(CAST({v} AS BIGINT), {string_id(MISSING)})"
+    return (f"CASE WHEN regexp_full_match({v}, '0|-?[1-9][0-9]*') AND TRY_CAST({v} AS BIGINT) IS NOT NULL "
+            f"THEN CAST({v} AS BIGINT) ELSE CAST(md5_number({v}) & {(1 << 63) - 1}::UHUGEINT AS BIGINT) END")
+
+
 def _categorical_sql(c: str, t: pa.DataType, integral: bool) -> str:
     """A categorical column as the in-memory reader types it: strings, missing/empty ->
     MISSING, integral floats without ".0", booleans "True"/"False"."""
@@ -442,16 +465,23 @@ class _Build:
         item = [s.item_key] + [c for c in s.item_features if c not in s.multi_hot]
         self.single = [(c, "user") for c in user] + [(c, "item") for c in item]
         self.multi = [(c, "user" if c in s.user_features else "item") for c in s.multi_hot]
+        check_raw_ids(cfg, s.multi_hot, user + item, self.source.what)
         train = self.masks["train"]
         self.fields, self.multi_vocab, self.null_id = [], {}, {}
-        if self.single:  # one scan for every single-hot field: GROUPING SETS
-            cols = ", ".join(f'"{c}"' for c, _ in self.single)
-            sets = ", ".join(f'("{c}")' for c, _ in self.single)
+        coded = [c for c, _ in self.single if c not in cfg.raw_ids]
+        if coded:  # one scan for every single-hot field with a vocabulary: GROUPING SETS
+            cols = ", ".join(f'"{c}"' for c in coded)
+            sets = ", ".join(f'("{c}")' for c in coded)
             counts = _table(self.con, f"SELECT {cols}, GROUPING({cols}) AS g, count(*) AS cnt FROM j "
                                       f"WHERE {train} GROUP BY GROUPING SETS ({sets})")
         for n, (c, side) in enumerate(self.single):
-            bit = 1 << (len(self.single) - 1 - n)  # GROUPING(): 0 bit for the grouped column
-            mine = counts.filter(pc.equal(counts.column("g"), (1 << len(self.single)) - 1 - bit))
+            if c in cfg.raw_ids:  # no vocabulary: the column's own values (`raw_id_sql`)
+                distinct = _table(self.con, f"SELECT count(DISTINCT {self.raw_id_sql(c)}) AS n FROM j AS r "
+                                            f"WHERE {train}").column("n")[0].as_py()
+                self.fields.append(FieldSpec(c, int(distinct), side, raw=True))
+                continue
+            bit = 1 << (len(coded) - 1 - coded.index(c))  # GROUPING(): 0 bit for the grouped column
+            mine = counts.filter(pc.equal(counts.column("g"), (1 << len(coded)) - 1 - bit))
             mine = mine.filter(pc.greater_equal(mine.column("cnt"), int(cfg.min_count)))
             text = mine.column(c)
             if c in self.int_cols:  # the reader's string form: decimal digits, a missing value MISSING
@@ -471,6 +501,10 @@ class _Build:
             self.multi_vocab[c] = vocab.combine_chunks() if vocab.num_chunks else pa.array([], pa.string())
             self.fields.append(FieldSpec(c, len(vocab) + 1, side, multi_hot=True))
         self.stats["vocab"] = {f.name: f.num_ids for f in self.fields}
+
+    def raw_id_sql(self, c: str) -> str:
+        """SQL for the int64 ids of raw column ``c`` of a row ``r`` of view ``j``."""
+        return raw_id_sql(f'r."{c}"', c in self.int_cols)
 
     def _bags(self, c: str) -> str:
         """SQL for the bags (lists of strings) of multi-hot column ``c`` of view ``j``."""
@@ -493,7 +527,8 @@ class _Build:
                   "support_len": (counts - cfg.query_size).astype(np.int64), "task_keys": tasks}
         files = {k: _write_array(out, f"{name}.{k}", v) for k, v in arrays.items()}
         n_single = len(self.single)
-        ids = _Writer(out, f"{name}.ids", np.int32, (n_rows, n_single))
+        raw = [c for c, _ in self.single if c in cfg.raw_ids]
+        ids = _Writer(out, f"{name}.ids", np.int64 if raw else np.int32, (n_rows, n_single))
         labels = _Writer(out, f"{name}.labels", np.float32, (n_rows,))
         multi = {c: (_Appender(out, f"{name}.multi.{c}.values", np.int32),
                      _Writer(out, f"{name}.multi.{c}.offsets", np.int64, (n_rows + 1,))) for c, _ in self.multi}
@@ -507,8 +542,10 @@ class _Build:
             extra, order = "".join(f", {x}" for x in steps) + f", {key} AS k", "r.k, r._row"
         inner = (f'SELECT task, _row, "{s.label}" AS label{picked}{extra} FROM j '
                  f"SEMI JOIN keep_{name} USING (task) WHERE {mask}")
-        joins = " ".join(f'LEFT JOIN v{n} ON r."{c}" = v{n}.v' for n, (c, _) in enumerate(self.single))
-        idcols = "".join(f", COALESCE(v{n}.id, 0) AS f{n}" if not self.null_id[n] else
+        joins = " ".join(f'LEFT JOIN v{n} ON r."{c}" = v{n}.v' for n, (c, _) in enumerate(self.single)
+                         if c not in raw)
+        idcols = "".join(f", {self.raw_id_sql(c)} AS f{n}" if c in raw else
+                         f", COALESCE(v{n}.id, 0) AS f{n}" if not self.null_id[n] else
                          f', COALESCE(v{n}.id, CASE WHEN r."{c}" IS NULL THEN {self.null_id[n]} ELSE 0 END) AS f{n}'
                          for n, (c, _) in enumerate(self.single))
         mcols = "".join(f', r."{c}"' for c, _ in self.multi)

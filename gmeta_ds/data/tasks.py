@@ -23,12 +23,15 @@ from gmeta_ds.embedding.tables import Jagged
 @dataclass(frozen=True)
 class FieldSpec:
     """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item;
-    ``multi_hot`` fields hold a bag of ids per interaction (e.g. a movie's genres)."""
+    ``multi_hot`` fields hold a bag of ids per interaction (e.g. a movie's genres). ``raw``
+    fields (``data.raw_ids``, for dynamic tables) hold the column's own int64 values instead,
+    with no vocabulary; their ``num_ids`` counts the distinct values of the training rows."""
 
     name: str
     num_ids: int
     side: str
     multi_hot: bool = False
+    raw: bool = False
 
 
 def single_fields(fields: list[FieldSpec]) -> list[FieldSpec]:

@@ -17,12 +17,14 @@ shard's *default row*: ids not (yet) admitted share it, as the OOV row of a stat
 - The map is two sorted arrays (admitted ids and their rows): lookups are one
   ``searchsorted``; admissions and evictions rewrite them in one linear pass.
 
-Strings become ids through `hash_strings` (a stable 64-bit BLAKE2b, not Python's ``hash``).
+Strings become ids through `hash_strings` (`string_id`: 63 bits of MD5, stable across
+processes and machines, unlike Python's ``hash``; DuckDB computes the same id in SQL).
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,10 +58,26 @@ def mix64(ids: Tensor, salt: int) -> Tensor:
     return (x ^ _shr(x, 31)) & _MASK63
 
 
+def string_id(value: str) -> int:
+    """The stable non-negative int64 id of a string: the first 8 bytes of the MD5 of its UTF-8
+    bytes, little-endian, top bit cleared (an id, not a security hash). DuckDB computes the
+    same as ``(md5_number(s) & ((1::UHUGEINT << 63) - 1))::BIGINT``, so out-of-core builds and
+    in-memory ones agree."""
+    return int.from_bytes(hashlib.md5(value.encode()).digest()[:8], "little") & _MASK63
+
+
+def value_id(text: str) -> int:
+    """The id of a raw categorical value in its string form: a canonical decimal int64
+    ("42", "-7"; not "042" or "+1") is that integer, anything else its `string_id`. So integer
+    ids keep their values whether a file stores them as integers or as text."""
+    if re.fullmatch(r"0|-?[1-9][0-9]*", text) and -(1 << 63) <= int(text) < (1 << 63):
+        return int(text)
+    return string_id(text)
+
+
 def hash_strings(values: Iterable[str]) -> Tensor:
-    """Stable non-negative int64 ids of strings (BLAKE2b-64 of the UTF-8 bytes, top bit cleared)."""
-    return torch.tensor([int.from_bytes(hashlib.blake2b(str(v).encode(), digest_size=8).digest(), "little")
-                         & _MASK63 for v in values], dtype=torch.long)
+    """`string_id` of every string, as an int64 tensor."""
+    return torch.tensor([string_id(str(v)) for v in values], dtype=torch.long)
 
 
 def owner_of(ids: Tensor, world: int) -> Tensor:
@@ -141,7 +159,7 @@ class DynamicIndex:
         """Row of each id (0 where not admitted); changes nothing."""
         if not len(self.keys):
             return torch.zeros_like(ids)
-        pos = torch.searchsorted(self.keys, ids).clamp_(max=len(self.keys) - 1)
+        pos = torch.searchsorted(self.keys, ids.contiguous()).clamp_(max=len(self.keys) - 1)
         return torch.where(self.keys[pos] == ids, self.rows[pos], 0)
 
     def _counted(self, ids: Tensor, counts: Tensor) -> Tensor:

@@ -124,7 +124,7 @@ class ShardingPlan:
             lines.append(f"  {name}: {size}, {where}, "
                          f"{p.table.optimizer} lr {p.table.lr}")
         per_rank = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(self.bytes_per_rank()))
-        return "\n".join(lines + [f"  memory (rows + optimizer state): {per_rank}"])
+        return "\n".join(lines + [f"  memory (rows, optimizer state, dynamic maps): {per_rank}"])
 
 
 def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],

@@ -228,7 +228,7 @@ class DynamicRows(nn.Module):
         n = len(self.ids)
         index = owner_of(ids, len(self.defaults)) + n
         if n:
-            pos = torch.searchsorted(self.ids, ids).clamp_(max=n - 1)
+            pos = torch.searchsorted(self.ids, ids.contiguous()).clamp_(max=n - 1)
             index = torch.where(self.ids[pos] == ids, pos, index)
         return torch.nn.functional.embedding(index, torch.cat([self.rows, self.defaults]))
 

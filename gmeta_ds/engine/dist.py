@@ -250,10 +250,19 @@ def destroy_process_group(clean_exit: bool = True) -> None:
         del _SET_BY_US[key]
 
 
+def on_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where the default process group can reduce it: on this rank's GPU under NCCL
+    (which refuses host tensors), as it is under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
 def all_mean(values: list[float]) -> list[float]:
     """Mean of each value over all ranks (float64)."""
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        t = on_wire(t)
         dist.all_reduce(t)
         t /= dist.get_world_size()
-    return t.tolist()
+    return t.cpu().tolist()

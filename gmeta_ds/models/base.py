@@ -17,15 +17,22 @@ from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 
 
 def field_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list[TableConfig]:
-    """One table per field (named after it), with the per-table optimizer overrides of ``cfg``."""
+    """One table per field (named after it), with the per-table overrides of ``cfg`` (optimizer,
+    lr, kind and its dynamic settings, device)."""
     tables = []
     for f in fields:
         override = cfg.tables.get(f.name)
+        dynamic = override is not None and override.kind == "dynamic"
         tables.append(TableConfig(
-            f.name, f.num_ids, dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
+            f.name, max(1, f.num_ids), dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
             init_std=cfg.init_std,
             optimizer=(override and override.optimizer) or cfg.optimizer,
-            lr=(override and override.lr) or cfg.lr))
+            lr=(override and override.lr) or cfg.lr,
+            kind="dynamic" if dynamic else "static",
+            capacity=override.capacity if dynamic else None,
+            admit_after=override.admit_after if dynamic else 1,
+            eviction=override.eviction if dynamic else "lru",
+            device=(override and override.device) or cfg.device))
     return tables
 
 

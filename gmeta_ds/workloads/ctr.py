@@ -27,8 +27,9 @@ from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_val
 from gmeta_ds.data.tasks import single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
-from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
 from gmeta_ds.engine import ds_engine
+from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
@@ -61,7 +62,7 @@ class CTRWorkload(Workload):
 
     def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
         with run_phase(cfg, "final gather"):
-            tables = built.sharded.gather_tables(everywhere=cfg.eval.enabled) if built.sharded else {}
+            tables = built.sharded.gather_state(everywhere=cfg.eval.enabled) if built.sharded else {}
             state = full_state(engine.module, tables)
         if rank == 0:
             ds_engine.save_weights(state, Path(cfg.output_dir) / WEIGHTS_FILE)
@@ -130,7 +131,46 @@ def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
     if cfg.data.source == "synthetic":
         data = generate_synthetic(cfg.data.synthetic, cfg.seed)
         return split_valid(data, cfg.data.valid_fraction, cfg.seed)
-    return build_tasks(cfg.data, cfg.seed)
+    return build_tasks(data_config(cfg), cfg.seed)
+
+
+def data_config(cfg: RunConfig):
+    """``data`` with every dynamic table's field in ``raw_ids`` (its raw values flow through)."""
+    dynamic = {n for n, t in cfg.embedding.tables.items() if t.kind == "dynamic"}
+    if cfg.embedding.sharding != "sharded" or dynamic <= set(cfg.data.raw_ids):
+        return cfg.data
+    return dataclasses.replace(cfg.data, raw_ids=sorted(set(cfg.data.raw_ids) | dynamic))
+
+
+def check_dynamic_capacity(cfg: RunConfig, plan: ShardingPlan, tasks_per_micro_batch: int) -> None:
+    """Every dynamic table holds, per rank, the most distinct ids one lookup can bring to one
+    rank (every rank's micro-batch, padded tasks at their longest): checked before any
+    collective, so a lookup never runs out of rows mid-run."""
+    rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
+    problems = []
+    for name, p in plan.tables.items():
+        if p.kind != "dynamic":
+            continue
+        most = tasks_per_micro_batch * rows * plan.world_size * len(p.table.features)
+        if p.table.capacity < most:
+            problems.append(
+                f"embedding.tables.{name}.capacity: {p.table.capacity} rows per rank, but one lookup can "
+                f"bring up to {most} distinct ids to one rank ({tasks_per_micro_batch} tasks per micro-batch "
+                f"x {rows} interactions x {plan.world_size} rank(s) x {len(p.table.features)} feature(s)); "
+                f"raise it to at least {most} or lower meta.tasks_per_micro_batch")
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_raw_fields(cfg: RunConfig, fields) -> None:
+    """A field holding raw ids needs a dynamic table (a static one has rows 0..V-1 only)."""
+    tables = cfg.embedding.tables
+    for f in fields:
+        if f.raw and not (cfg.embedding.sharding == "sharded" and f.name in tables
+                          and tables[f.name].kind == "dynamic"):
+            raise ConfigError([f"data.raw_ids: field {f.name!r} keeps its raw ids, but its table is static; "
+                               f"set embedding.sharding: sharded and embedding.tables.{f.name}.kind: dynamic, "
+                               f"or drop {f.name!r} from data.raw_ids"])
 
 
 def preflight(cfg: RunConfig, world_size: int) -> None:
@@ -140,8 +180,16 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
         fields = synthetic_fields(cfg.data.synthetic)
     else:
         fields = build_data(cfg).fields  # cached after the first build
+        check_raw_fields(cfg, fields)
     if cfg.embedding.sharding == "sharded":
-        embedding_plan(cfg, fields, world_size)
+        from gmeta_ds.ds_config import resolve_ds_config
+
+        plan = embedding_plan(cfg, fields, world_size)
+        check_dynamic_capacity(cfg, plan, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
+        try:
+            resolve_placement(plan, 0)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
     build_learner(cfg, fields, with_tables=False)
 
 
@@ -255,9 +303,9 @@ def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) ->
 
 def full_state(module: torch.nn.Module, tables: dict) -> dict:
     """The learner's state dict (gathered under ZeRO-3; collective then) with sharded tables
-    (gathered) under their unsharded names."""
+    (`ShardedEmbeddingCollection.gather_state`) under their unsharded names."""
     state = ds_engine.full_state_dict(module)
-    state.update({f"{EMBEDDING_PREFIX}weights.{name}": t for name, t in tables.items()})
+    state.update({f"{EMBEDDING_PREFIX}{key}": t for key, t in tables.items()})
     return state
 
 

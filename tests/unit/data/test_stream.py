@@ -295,3 +295,33 @@ def test_disk_full_during_the_build_is_a_clear_error_and_leaves_no_store(tmp_pat
     with pytest.raises(DataError, match=r"data.cache_dir: cannot write the task store .*No space left on device"):
         build_tasks(cfg, seed=0)
     assert [p.name for p in store_path(cfg, 0).parent.iterdir()] == [f"{store_path(cfg, 0).name}.lock"]
+
+
+def test_raw_id_columns_keep_their_values_in_memory_and_out_of_core(tmp_path):
+    """data.raw_ids: an integer column keeps its values, a string column gets `string_id`s
+    (DuckDB's md5_number computes the same), other columns keep their vocabularies."""
+    from gmeta_ds.data.readers import MISSING
+    from gmeta_ds.embedding.dynamic import string_id
+
+    df = frame()
+    df["item"] = df["item"] * 1_000_003 + 2**40  # ids far outside any vocabulary
+    path = tmp_path / "log.parquet"
+    df.to_parquet(path)
+    cfg = table_cfg(path, tmp_path, raw_ids=["item", "age"], min_count=2)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=3)
+    stored = build_tasks(cfg, seed=3)
+    assert_same(reference, stored)
+    names = [f.name for f in stored.fields if not f.multi_hot]
+    raw = {f.name: f.raw for f in stored.fields}
+    assert raw == {"age": True, "item": True, "cat": False, "tags": False}
+    ids = np.asarray(stored.train.ids)
+    assert ids.dtype == np.int64
+    items = set(ids[:, names.index("item")].tolist())
+    assert items <= set(df["item"].tolist()) and min(items) >= 2**40
+    ages = set(ids[:, names.index("age")].tolist())
+    assert ages <= {string_id(v) for v in ["a", "b", "c", "zz", MISSING]}
+    assert set(ids[:, names.index("cat")].tolist()) <= {0, 1, 2, 3, 4}  # vocabulary ids
+    with pytest.raises(DataError, match="data.raw_ids: 'tags' is a multi-hot column"):
+        tasks_from_log(read_log(cfg), table_cfg(path, tmp_path, raw_ids=["tags"]), seed=3)
+    with pytest.raises(DataError, match="data.raw_ids: 'price' is not a feature column"):
+        build_tasks(table_cfg(path, tmp_path, raw_ids=["price"]), seed=3)
