@@ -47,17 +47,23 @@ def item_column(fields: list[FieldSpec]) -> int:
 @dataclass
 class Popularity:
     """Fitted item scores: ``item_score[i]`` (logit for binary, rating for regression) of item
-    id i; ids >= len(item_score) score ``prior_score``."""
+    id i (of item ``item_ids[i]`` for raw ids); other ids score ``prior_score``."""
 
     kind: str
     column: int
     item_score: np.ndarray
     prior_score: float
     offset_prior: float
+    item_ids: np.ndarray | None = None  # sorted raw ids (data.raw_ids), else None: ids 0..len-1
 
     def scores_of(self, ids: np.ndarray) -> np.ndarray:
         items = ids[:, self.column].astype(np.int64)
-        known = (items >= 0) & (items < len(self.item_score))
+        if self.item_ids is not None:
+            pos = np.clip(np.searchsorted(self.item_ids, items), 0, max(0, len(self.item_ids) - 1))
+            known = self.item_ids[pos] == items if len(self.item_ids) else np.zeros(len(items), bool)
+            items = pos
+        else:
+            known = (items >= 0) & (items < len(self.item_score))
         out = np.full(len(items), self.prior_score)
         out[known] = self.item_score[items[known]]
         return out
@@ -72,17 +78,22 @@ def _sigmoid(x):
 
 
 def fit_popularity(train: TaskSet, column: int, kind: str, oov_id: int | None = 0,
-                   prior: float = 10.0, offset_prior: float = 1.0) -> Popularity:
+                   prior: float = 10.0, offset_prior: float = 1.0, raw: bool = False) -> Popularity:
     """Item scores from every interaction of ``train`` (support and query rows).
 
     column: the item id column (`item_column`); oov_id: the id of out-of-vocabulary items
     (log sources: 0), scored with the global prior; None when every id is a real item
     (synthetic data). prior: pseudo-interactions at the global rate added to each item.
     offset_prior: strength of the per-user offset's shrinkage to 0 (see the module docstring).
+    raw: the column holds raw int64 ids (``data.raw_ids``), scored by id, with no OOV id.
     """
     if kind not in POPULARITY_METRICS:
         raise ValueError(f"kind must be one of {tuple(POPULARITY_METRICS)}, got {kind!r}")
     items = train.ids[:, column].astype(np.int64)
+    item_ids = None
+    if raw:
+        item_ids, items = np.unique(items, return_inverse=True)
+        items, oov_id = items.reshape(-1), None
     labels = train.labels.astype(np.float64)
     size = int(items.max()) + 1 if len(items) else 0
     count = np.bincount(items, minlength=size).astype(np.float64)
@@ -97,7 +108,7 @@ def fit_popularity(train: TaskSet, column: int, kind: str, oov_id: int | None = 
         item_score = (total + prior * mean) / (count + prior)
     if oov_id is not None and 0 <= oov_id < size:
         item_score[oov_id] = prior_score
-    return Popularity(kind, column, item_score, prior_score, offset_prior)
+    return Popularity(kind, column, item_score, prior_score, offset_prior, item_ids)
 
 
 def user_offsets(pop: Popularity, tasks: TaskSet, newton_steps: int = 25) -> np.ndarray:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gmeta_ds.embedding.dynamic import PAD_ID
 from gmeta_ds.embedding.tables import Jagged
 
 
@@ -126,7 +127,8 @@ class TaskBatch:
     support_ids: int64 (T, S, F_single); support_y: float32 (T, S); support_mask: float32 (T, S)
     query_ids: int64 (T, Q, F_single);   query_y: float32 (T, Q);   query_mask: float32 (T, Q)
     task_ids: int64 (T,) — indices into the TaskSet, for error messages and logs.
-    Masks are 1.0 on real rows and 0.0 on padding; padded ids are 0 (a valid row).
+    Masks are 1.0 on real rows and 0.0 on padding; padded ids are 0 (a valid row), and
+    `PAD_ID` in raw-id columns (dynamic tables look it up as their default row, uncounted).
     """
 
     support_ids: torch.Tensor
@@ -149,6 +151,8 @@ def _pad(task_set: TaskSet, slices: list[slice]) -> tuple[torch.Tensor, ...]:
     width = max(s.stop - s.start for s in slices)
     n_fields = task_set.ids.shape[1]
     ids = np.zeros((len(slices), width, n_fields), dtype=np.int64)
+    raw = [j for j, f in enumerate(single_fields(task_set.fields)) if f.raw]
+    ids[:, :, raw] = PAD_ID  # raw-id padding: never admitted or counted by a dynamic table
     labels = np.zeros((len(slices), width), dtype=np.float32)
     mask = np.zeros((len(slices), width), dtype=np.float32)
     for i, rows in enumerate(slices):

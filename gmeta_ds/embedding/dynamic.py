@@ -17,7 +17,7 @@ shard's *default row*: ids not (yet) admitted share it, as the OOV row of a stat
 - The map is two sorted arrays (admitted ids and their rows): lookups are one
   ``searchsorted``; admissions and evictions rewrite them in one linear pass.
 
-Strings become ids through `hash_strings` (`string_id`: 63 bits of MD5, stable across
+The id -2^63 (`PAD_ID`) is reserved for padding rows. Strings become ids through `hash_strings` (`string_id`: 63 bits of MD5, stable across
 processes and machines, unlike Python's ``hash``; DuckDB computes the same id in SQL).
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 EVICTIONS = ("lru", "lfu")
+PAD_ID = -(1 << 63)  # reserved: padding rows' id; reads the default row, never counted or admitted
 SKETCH_DEPTH = 2
 OWNER_SALT = 0x5EED  # the hash stream that picks a dynamic id's owner rank
 _MASK63 = (1 << 63) - 1
@@ -180,11 +181,12 @@ class DynamicIndex:
         unique, inverse = torch.unique(ids, return_inverse=True)
         total = torch.zeros(len(unique), dtype=torch.long, device=ids.device).index_add_(0, inverse, counts.long())
         self.clock += 1
+        total[unique == PAD_ID] = 0
         row = self.find(unique)
         missing = row == 0
-        admit = missing.clone()
-        if self.sketch is not None and bool(missing.any()):
-            admit[missing] = self._counted(unique[missing], total[missing]) >= self.admit_after
+        admit = missing & (unique != PAD_ID)
+        if self.sketch is not None and bool(admit.any()):
+            admit[admit.clone()] = self._counted(unique[admit], total[admit]) >= self.admit_after
         new_ids = unique[admit]
         evicted = 0
         new_rows = new_ids.new_empty(0)

@@ -427,13 +427,15 @@ class ShardedEmbeddingCollection:
 
     def checksum(self) -> float:
         """float64 sum of every table's rows, each row counted once over all ranks (dynamic
-        tables: the rows of admitted ids and every rank's default row)."""
+        tables: the rows of admitted ids plus the mean of the ranks' default rows, so a run
+        equals its one-process twin whenever their default rows do)."""
         local = 0.0
         for name, p in self.shards.items():
             kind = self.plan.tables[name].kind
             if kind == "dynamic":
-                index = self.dynamic[name]
-                local += p.detach()[torch.cat([index.rows.new_zeros(1), index.rows])].double().sum().item()
+                rows = p.detach()
+                local += rows[self.dynamic[name].rows].double().sum().item()
+                local += rows[0].double().sum().item() / self.world
             elif kind != "replicated" or self.rank == 0:
                 local += p.detach().double().sum().item()
         return self._sum_on_host([local])[0]

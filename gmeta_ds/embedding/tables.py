@@ -217,7 +217,7 @@ class DynamicRows(nn.Module):
                 if saved.dim() < 1 or (name != "ids" and saved.shape[-1] != self.table.dim):
                     break  # torch's own loader reports the mismatch
                 if name == "ids":
-                    self.ids = torch.zeros_like(saved)
+                    self.ids = torch.zeros(saved.shape, dtype=torch.long)
                 else:
                     setattr(self, name, nn.Parameter(torch.zeros_like(saved)))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -306,12 +306,14 @@ def checksums(module: nn.Module, embedding_prefix: str | None = None) -> tuple[f
 
 
 def save_weights(state: dict, path: str | Path) -> Path:
-    """Write a full state dict as safetensors (float32), atomically (tmp file + rename)."""
+    """Write a full state dict as safetensors (floating tensors as float32; integer ones, such
+    as dynamic tables' ids, as they are), atomically (tmp file + rename)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    state = {k: v.detach().float().contiguous().cpu() for k, v in state.items()}
+    state = {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().cpu()
+             for k, v in state.items()}
     save_file(state, str(tmp))
     os.replace(tmp, path)
     return path
@@ -335,13 +337,22 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
     except (SafetensorError, OSError) as exc:
         raise ConfigError([f"weights file {path}: not a readable safetensors file ({exc}); expected "
                            "the model.safetensors of gmeta-ds train or a gmeta-ds export file"]) from exc
+    from gmeta_ds.embedding.tables import DynamicRows
+
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
+    # a dynamic table holds as many rows as it admitted: only its row width must match
+    sized = {f"{prefix}.{name}" for prefix, m in module.named_modules() if isinstance(m, DynamicRows)
+             for name in ("ids", "rows", "defaults")}
     shapes = [f"{k}: file {tuple(state[k].shape)}, model {tuple(expected[k].shape)}"
-              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+              for k in sorted(set(state) & set(expected))
+              if (state[k].shape[1:] != expected[k].shape[1:] or state[k].dim() != expected[k].dim()
+                  if k in sized else state[k].shape != expected[k].shape)]
+    shapes += [f"{k}: file {state[k].dtype}, model {expected[k].dtype}" for k in sorted(sized & set(state))
+               if k.endswith(".ids") and state[k].dtype != expected[k].dtype]
     differences = [f"{what} {_few(items)}" for what, items in
-                   (("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if items]
+                   (("missing", missing), ("unexpected", unexpected), ("other shapes or types", shapes)) if items]
     if differences:
         raise ConfigError([f"weights file {path} does not match the model built from the config "
                            f"(weights of another model?): {'; '.join(differences)}"])

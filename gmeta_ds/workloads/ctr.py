@@ -258,9 +258,12 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
                 lr, steps = tuned["baseline_finetune_lr"], tuned["baseline_finetune_steps"]
                 scores[name].update(finetune_scores(baseline, tasks, lr, steps, cfg.eval.tasks_per_batch))
     if cfg.eval.popularity_baseline:
-        # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item.
-        popularity = fit_popularity(data.train, item_column(data.fields), kind,
-                                    oov_id=None if cfg.data.source == "synthetic" else 0)
+        # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
+        # raw ids (dynamic tables) have no OOV id.
+        column = item_column(data.fields)
+        popularity = fit_popularity(data.train, column, kind,
+                                    oov_id=None if cfg.data.source == "synthetic" else 0,
+                                    raw=single_fields(data.fields)[column].raw)
         for name, tasks in sets.items():
             scores[name].update(popularity_scores(popularity, tasks))
     result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}

@@ -148,6 +148,20 @@ CASES = [
      ["meta.algorithm: 'protonet' is not one of maml"]),
     ("adapt-matches-nothing", "validate --config {cfg} --set 'meta.adapt=[decoder.*]'",
      ["meta.adapt: ['decoder.*'] matches nothing; candidates are: mlp.0.weight"]),
+    ("dynamic-capacity-below-a-micro-batch", "validate --config {cfg} --set embedding.sharding=sharded "
+     "--set 'embedding.tables={{item_id: {{kind: dynamic, capacity: 5}}}}'",
+     ["embedding.tables.item_id.capacity: 5 rows per rank, but one lookup can bring up to 120 distinct ids",
+      "raise it to at least 120"]),
+    ("dynamic-without-sharding", "validate --config {cfg} --set 'embedding.tables={{item_id: {{kind: dynamic, "
+     "capacity: 500}}}}'", ["dynamic tables need embedding.sharding: sharded"]),
+    ("dynamic-bad-eviction", "validate --config {cfg} --set embedding.sharding=sharded --set "
+     "'embedding.tables={{item_id: {{kind: dynamic, capacity: 500, eviction: fifo}}}}'",
+     ["embedding.tables.item_id.eviction: 'fifo' is not one of lru, lfu"]),
+    ("accelerator-table-without-one", "train --config {cfg} --set embedding.sharding=sharded "
+     "--set 'embedding.tables={{item_id: {{device: accelerator}}}}'",
+     ["table 'item_id': device accelerator, but this rank has no accelerator", "to host or auto"]),
+    ("raw-ids-on-a-static-table", "validate --config {cfg} --set data.source=table --set data.path={ws}/good.csv "
+     "--set 'data.raw_ids=[item_id]'", ["data.raw_ids: field 'item_id' keeps its raw ids, but its table is static"]),
     # ---- DeepSpeed config
     ("ds-not-json", "validate --config {cfg} --set deepspeed={ws}/bad.json", ["bad.json is not valid JSON"]),
     ("ds-json-list", "validate --config {cfg} --set deepspeed={ws}/list.json",
@@ -307,6 +321,9 @@ RANK_CASES = [
      ["DeepSpeed rejects the config", "bogus"]),
     ("resume-tampered-file", "train --config {cfg} --set train.resume={tampered}",
      ["contents differ from the manifest's SHA-256"]),
+    ("dynamic-capacity-below-a-micro-batch", "train --config {cfg} --set embedding.sharding=sharded "
+     "--set 'embedding.tables={{item_id: {{kind: dynamic, capacity: 100}}}}'",
+     ["embedding.tables.item_id.capacity: 100 rows per rank, but one lookup can bring up to 240"]),
 ]
 
 

@@ -269,3 +269,12 @@ def test_value_ids_keep_canonical_integers_and_agree_with_duckdb():
     sql = (f"SELECT {raw_id_sql('v', integer=False)} "
            "FROM (SELECT unnest(?) AS v, generate_subscripts(?, 1) AS i) ORDER BY i")
     assert [r[0] for r in duckdb.execute(sql, [texts, texts]).fetchall()] == got
+
+
+def test_padding_ids_read_the_default_row_and_are_never_counted():
+    from gmeta_ds.embedding.dynamic import PAD_ID
+
+    index = DynamicIndex("t", capacity=4, admit_after=1)
+    rows, admitted = index.lookup(torch.tensor([PAD_ID, 5, PAD_ID]), torch.tensor([3, 1, 2]))
+    assert rows.tolist()[0] == rows.tolist()[2] == 0 and rows.tolist()[1] > 0
+    assert admitted.ids.tolist() == [5] and index.counters["lookups"] == 1 and index.occupancy == 1
