@@ -36,6 +36,7 @@ PAD_ID = -(1 << 63)  # reserved: padding rows' id; reads the default row, never 
 SKETCH_DEPTH = 2
 OWNER_SALT = 0x5EED  # the hash stream that picks a dynamic id's owner rank
 _MASK63 = (1 << 63) - 1
+_KEY_MAX = (1 << 63) - 1  # an eviction key no row can have
 
 
 def _signed(x: int) -> int:
@@ -177,67 +178,77 @@ class DynamicIndex:
     def lookup(self, ids: Tensor, counts: Tensor) -> tuple[Tensor, Admitted]:
         """Rows for ``ids`` (any order, repeats allowed) looked up ``counts`` times each:
         admits the ids that reach ``admit_after``, evicting if full. Returns (row per id, what
-        was admitted)."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        total = torch.zeros(len(unique), dtype=torch.long, device=ids.device).index_add_(0, inverse, counts.long())
+        was admitted). Ids found in the map cost one ``searchsorted``; only the others are
+        deduplicated and counted."""
+        counts = counts.long()
         self.clock += 1
-        total[unique == PAD_ID] = 0
-        row = self.find(unique)
-        missing = row == 0
-        admit = missing & (unique != PAD_ID)
-        if self.sketch is not None and bool(admit.any()):
-            admit[admit.clone()] = self._counted(unique[admit], total[admit]) >= self.admit_after
-        new_ids = unique[admit]
-        evicted = 0
-        new_rows = new_ids.new_empty(0)
-        if len(new_ids):
-            evicted = self._make_room(len(new_ids), row[~missing])
-            new_rows = (~self.taken).nonzero().squeeze(1)[: len(new_ids)]
-            self._insert(new_ids, new_rows)
-            row[admit] = new_rows
+        row = self.find(ids)
+        real = ids != PAD_ID
+        missing = (row == 0) & real
+        evicted, new_ids, new_rows = 0, ids.new_empty(0), ids.new_empty(0)
+        if bool(missing.any()):
+            candidates, inverse = torch.unique(ids[missing], return_inverse=True)
+            total = torch.zeros(len(candidates), dtype=torch.long, device=ids.device)
+            total.index_add_(0, inverse, counts[missing])
+            admit = torch.ones(len(candidates), dtype=torch.bool, device=ids.device)
+            if self.sketch is not None:
+                admit = self._counted(candidates, total) >= self.admit_after
+            new_ids = candidates[admit]
+            if len(new_ids):
+                new_rows, evicted = self._rows_for(len(new_ids), row[row > 0])
+                self._insert(new_ids, new_rows)
+                row_of_candidate = torch.zeros_like(candidates)
+                row_of_candidate[admit] = new_rows
+                row[missing] = row_of_candidate[inverse]
         self.last_used[row] = self.clock
-        self.uses.index_add_(0, row, total)
-        self.counters["lookups"] += int(total.sum())
-        self.counters["hits"] += int(total[~missing].sum())
+        self.uses.index_add_(0, row, torch.where(real, counts, 0))
+        self.counters["lookups"] += int(counts[real].sum())
+        self.counters["hits"] += int(counts[real & ~missing].sum())
         self.counters["admissions"] += len(new_ids)
         self.counters["evictions"] += evicted
-        return row[inverse], Admitted(new_rows, new_ids, evicted)
+        return row, Admitted(new_rows, new_ids, evicted)
 
-    def _make_room(self, needed: int, in_use: Tensor) -> int:
+    def _rows_for(self, needed: int, in_use: Tensor) -> tuple[Tensor, int]:
+        """``needed`` rows for new ids (sorted): free ones first, then rows taken from the
+        least recently (lru) or frequently (lfu) used ids not in ``in_use``, lowest row first
+        among ties; returns (rows, how many were evicted). Linear in the capacity (no sort)."""
         free = self.capacity - len(self.keys)
         if free >= needed:
-            return 0
-        evictable = self.taken.clone()
-        evictable[0] = False
-        evictable[in_use] = False
-        candidates = evictable.nonzero().squeeze(1)
+            return (~self.taken).nonzero().squeeze(1)[:needed], 0
         short = needed - free
-        if len(candidates) < short:
+        width = self.capacity + 1
+        priority = self.last_used if self.eviction == "lru" else self.uses
+        # unique (priority, row) keys: topk's pick is exact and deterministic
+        key = priority.clamp(max=(1 << 62) // width) * width + torch.arange(width, device=priority.device)
+        key.masked_fill_(~self.taken, _KEY_MAX)
+        key[0] = _KEY_MAX
+        key[in_use] = _KEY_MAX
+        picked = torch.topk(key, short, largest=False, sorted=False)
+        if bool((picked.values == _KEY_MAX).any()):
             raise CapacityError(
-                f"table {self.table!r}: one lookup needs rows for {len(in_use) + needed} distinct ids "
+                f"table {self.table!r}: one lookup needs rows for {len(torch.unique(in_use)) + needed} distinct ids "
                 f"on this rank but its capacity is {self.capacity}; raise "
                 f"embedding.tables.{self.table}.capacity or use smaller micro-batches")
-        priority = self.last_used if self.eviction == "lru" else self.uses
-        order = torch.argsort(priority[candidates], stable=True)[:short]
-        self._remove(candidates[order])
-        return short
+        evicted = picked.indices
+        rows = evicted if free == 0 else torch.cat([(~self.taken).nonzero().squeeze(1), evicted])
+        self._remove(evicted)
+        return torch.sort(rows).values, short
 
     def _remove(self, rows: Tensor) -> None:
         gone = torch.zeros_like(self.taken)
         gone[rows] = True
-        keep = ~gone[self.rows]
-        self.keys, self.rows = self.keys[keep], self.rows[keep]
+        keep = (~gone[self.rows]).nonzero().squeeze(1)
+        self.keys, self.rows = self.keys.index_select(0, keep), self.rows.index_select(0, keep)
         self.taken[rows] = False
 
     def _insert(self, ids: Tensor, rows: Tensor) -> None:
         """Merge sorted new ``ids`` (absent from keys) with their ``rows`` into the map."""
-        n = len(self.keys) + len(ids)
-        at = torch.searchsorted(self.keys, ids) + torch.arange(len(ids), device=ids.device)
-        old = torch.ones(n, dtype=torch.bool, device=ids.device)
-        old[at] = False
-        keys, slots = self.keys.new_empty(n), self.rows.new_empty(n)
-        keys[at], slots[at] = ids, rows
-        keys[old], slots[old] = self.keys, self.rows
+        n_old = len(self.keys)
+        at_new = torch.searchsorted(self.keys, ids) + torch.arange(len(ids), device=ids.device)
+        at_old = torch.searchsorted(ids, self.keys) + torch.arange(n_old, device=ids.device)
+        keys, slots = self.keys.new_empty(n_old + len(ids)), self.rows.new_empty(n_old + len(ids))
+        keys[at_new], slots[at_new] = ids, rows
+        keys[at_old], slots[at_old] = self.keys, self.rows
         self.keys, self.rows = keys, slots
         self.taken[rows] = True
         self.last_used[rows] = 0

@@ -57,7 +57,7 @@ class TablePlan:
         if self.kind == "replicated":
             raise ValueError("replicated tables have no single owner")
         if self.kind == "dynamic":
-            return owner_of(ids, self.world_size)
+            return owner_of(ids, self.world_size) if self.world_size > 1 else torch.zeros_like(ids)
         return ids % self.world_size if self.row_owner == "modulo" else ids // self.block
 
     def local_index(self, ids: Tensor) -> Tensor:
