@@ -15,9 +15,13 @@ fixed capacity while the distinct ids grow past it.
    fresh ids until the distinct ids seen reach 10x C: the bytes of every tensor it holds
    (rows, optimizer state, map, sketch) and the process's resident size after each block.
 
+3. ``--placements OUT_JSON`` (a CUDA machine, `gpu_check.sh`): world 1, static and dynamic
+   1M-row tables on the accelerator and on the host, ms per lookup + backward + step.
+
 Writes ``benchmarks/results/dynamic_tables.json``.
 
     python benchmarks/dynamic_tables.py [--capacity 100000] [--rounds 7] [--steps 20]
+    python benchmarks/dynamic_tables.py --placements OUT/placements.json   # CUDA only
 """
 from __future__ import annotations
 
@@ -144,6 +148,45 @@ def memory_run(capacity: int, blocks: int = 20) -> dict:
             "evictions": index.counters["evictions"]}
 
 
+def placement_run(rounds: int, steps: int, out: Path) -> dict:
+    """World 1 on CUDA (gpu_check.sh): a static 1M x 16 table and a dynamic one of the same
+    capacity, each placed on the accelerator and on the host (rows moved to the GPU after the
+    lookup): ms per lookup + backward + Adagrad step, alternated, medians over rounds."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    variants = {}
+    for device in ("accelerator", "host"):
+        static = TableConfig("t", 1_000_000, DIM, ("f",), optimizer="adagrad", device=device)
+        dynamic = TableConfig("t", 0, DIM, ("f",), optimizer="adagrad", kind="dynamic", capacity=1_000_000,
+                              device=device)
+        variants[f"static_{device}"] = ShardedEmbeddingCollection(plan_tables([static], 1, {}), 0, seed=1, device="cuda")
+        variants[f"dynamic_{device}"] = ShardedEmbeddingCollection(plan_tables([dynamic], 1, {}), 0, seed=1,
+                                                                   device="cuda")
+    weight = torch.randn(BATCH, DIM, generator=g).cuda()
+    for emb in variants.values():
+        for _ in range(5):
+            _step(emb, _zipf(BATCH, 900_000, g), weight)
+    per_round = {k: [] for k in variants}
+    for _ in range(rounds):
+        spent = dict.fromkeys(variants, 0.0)
+        for _ in range(steps):
+            batch = _zipf(BATCH, 900_000, g)
+            for kind, emb in variants.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                _step(emb, batch, weight)
+                torch.cuda.synchronize()
+                spent[kind] += time.perf_counter() - start
+        for kind in variants:
+            per_round[kind].append(1e3 * spent[kind] / steps)
+    report = {"device": torch.cuda.get_device_name(0), "batch_ids": BATCH, "rows": 1_000_000, "dim": DIM,
+              "ms_per_step_median": {k: statistics.median(v) for k, v in per_round.items()},
+              "ms_per_step": per_round}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["ms_per_step_median"]))
+    return report
+
+
 def summarise(results: list[dict]) -> dict:
     per_round = results[0]["ms_per_step"]  # rank 0 (every rank waits at the same barriers)
     out = {}
@@ -161,10 +204,15 @@ def main() -> int:
     parser.add_argument("--capacity", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--placements", metavar="OUT_JSON",
+                        help="on a CUDA machine: time accelerator vs host placement at world 1 instead")
     parser.add_argument("--worker")
     args, rest = parser.parse_known_args()
     if args.worker:
         return rank_main({"time": time_worker}, args.worker, rest)
+    if args.placements:
+        placement_run(args.rounds, args.steps, Path(args.placements))
+        return 0
     report = {"machine": machine(), "batch_ids_per_rank": BATCH, "dim": DIM,
               "capacity_per_rank": args.capacity, "rounds": args.rounds, "steps_per_round": args.steps}
     for world in (1, 2):

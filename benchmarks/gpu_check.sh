@@ -2,7 +2,7 @@
 # On a machine with a CUDA GPU: the GPU-marked tests, the inner-loop benchmark on the device
 # (CUDA == CPU checked first) and the real trainer on DeepSpeed's NCCL backend at world 1 vs the
 # same run on the CPU (same model? tasks/s). Every step has its own time limit (the limits add
-# up to 11.3 minutes) and the script goes on after a failing step; exit 1 if any step failed.
+# up to 12.3 minutes) and the script goes on after a failing step; exit 1 if any step failed.
 #
 #   benchmarks/gpu_check.sh OUT_DIR        (PYTHON=... to use another interpreter)
 #
@@ -116,6 +116,11 @@ res["cuda_over_cpu_tasks_per_s"] = res["cuda"]["tasks_per_s"] / res["cpu"]["task
 (out / "demo_compare.json").write_text(json.dumps(res, indent=2) + "\n")
 print(json.dumps(res, indent=2))
 EOF
+
+# 5. issue 19: sharded tables placed on the accelerator vs the host (pinned, rows moved to the
+#    GPU after the lookup), static and dynamic 1M-row tables: ms per lookup + backward + step at
+#    world 1 (the equality with the CPU is in step 1, tests/gpu/test_embedding_placement_cuda.py)
+step placements 60 "$PY" benchmarks/dynamic_tables.py --placements "$OUT/placements.json" --rounds 3 --steps 10
 
 echo "== summary ($OUT/status.txt)"
 cat "$OUT/status.txt"

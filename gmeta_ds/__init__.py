@@ -20,6 +20,7 @@ _PUBLIC = {
     "initialize": "gmeta_ds.api", "MetaEngine": "gmeta_ds.api", "StepResult": "gmeta_ds.api",
     "TableConfig": "gmeta_ds.embedding.tables", "EmbeddingCollection": "gmeta_ds.embedding.tables",
     "Jagged": "gmeta_ds.embedding.tables",
+    "hash_strings": "gmeta_ds.embedding.dynamic", "string_id": "gmeta_ds.embedding.dynamic",
     "ShardedEmbeddingCollection": "gmeta_ds.embedding.sharded",
     "ShardingPlan": "gmeta_ds.embedding.plan", "plan_tables": "gmeta_ds.embedding.plan",
     "MetaLearner": "gmeta_ds.algorithms", "MetaAlgorithm": "gmeta_ds.algorithms",

@@ -104,12 +104,21 @@ def _as_frame(source: Any, schema: LogSchema):
 
 
 def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr: float = 0.05,
-               init_std: float = 0.05) -> list[TableConfig]:
+               init_std: float = 0.05, capacity: int | None = None, admit_after: int = 1,
+               eviction: str = "lru") -> list[TableConfig]:
     """One embedding table per field (named after it): single-hot fields sum their one row,
     multi-hot fields mean-pool their bag; ``optimizer``: the sparse row optimizer (sgd,
-    adagrad, rowwise_adagrad, adam)."""
-    return [TableConfig(f.name, f.num_ids, dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
-                        init_std=init_std, optimizer=optimizer, lr=lr) for f in fields]
+    adagrad, rowwise_adagrad, adam). Fields of raw ids (``raw_ids``) get dynamic tables of
+    ``capacity`` rows per rank (required then), ``admit_after`` and ``eviction``."""
+    raw = [f.name for f in fields if f.raw]
+    if raw and capacity is None:
+        raise ConfigError([f"tables_for: field(s) {', '.join(map(repr, raw))} hold raw ids and need dynamic "
+                           "tables: pass capacity= (rows per rank)"])
+    return [TableConfig(f.name, max(1, f.num_ids), dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
+                        init_std=init_std, optimizer=optimizer, lr=lr,
+                        **(dict(kind="dynamic", capacity=capacity, admit_after=admit_after, eviction=eviction)
+                           if f.raw else {}))
+            for f in fields]
 
 
 # ---------------------------------------------------------------------------- learner

@@ -98,3 +98,23 @@ def test_a_learner_over_own_tables_trains_in_one_process():
     assert out.task_query_loss.shape == (3,)
     assert model.body.weight.grad.abs().sum() > 0
     assert model.embedding.weights["tags"].grad.abs().sum() > 0
+
+
+def test_raw_item_ids_get_dynamic_tables_and_look_up_by_their_hashed_value():
+    data = gm.build_tasks(_log(), **KEYS, raw_ids=["item"])
+    item = next(f for f in data.fields if f.name == "item")
+    assert item.raw and not next(f for f in data.fields if f.name == "age").raw
+    with pytest.raises(gm.ConfigError, match="'item' hold raw ids.*pass capacity="):
+        gm.tables_for(data.fields, 4)
+    tables = gm.tables_for(data.fields, 4, capacity=64)
+    assert {t.name: t.kind for t in tables} == {"age": "static", "item": "dynamic", "tags": "static"}
+    emb = gm.ShardedEmbeddingCollection(gm.plan_tables(tables, 1, {}), 0)
+    batch = gm.collate(data.train, [0, 1])
+    fields = [f.name for f in gm.single_fields(data.fields)]
+    column = fields.index("item")
+    ids = batch.support_ids[..., column][batch.support_mask > 0]
+    assert set(ids.tolist()) <= {gm.string_id(f"i{i}") for i in range(30)}
+    assert (batch.support_ids[..., column][batch.support_mask == 0] == -(2**63)).all()  # padding
+    rows = emb.lookup_fields(batch.support_ids, fields)
+    assert rows.shape[:-1] == (*batch.support_ids.shape[:2], len(fields))
+    assert emb.dynamic["item"].occupancy == len(set(ids.tolist()))
