@@ -71,6 +71,13 @@ class FieldTables:
         bounds = torch.cat([torch.zeros(1, dtype=torch.long), num_rows.cumsum(0)])
         return FieldTables(tables, num_rows, bounds[:-1], bounds, int(bounds[-1]))
 
+    def on(self, device: torch.device) -> FieldTables:
+        """This layout with its tensors on ``device`` (where the ids are)."""
+        if self.num_rows.device == device:
+            return self
+        return FieldTables(self.tables, self.num_rows.to(device), self.base.to(device),
+                           self.bounds.to(device), self.total)
+
 
 def unique_keys(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     """``torch.unique(keys, return_inverse=True)`` (sorted) of keys in [0, bound): by marking
@@ -79,7 +86,7 @@ def unique_keys(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
     if bound > keys.numel():
         return torch.unique(keys, return_inverse=True)
     flat = keys.reshape(-1)
-    present = torch.zeros(bound, dtype=torch.bool).index_fill_(0, flat, True)
+    present = torch.zeros(bound, dtype=torch.bool, device=keys.device).index_fill_(0, flat, True)
     return present.nonzero().squeeze(1), present.cumsum(0).sub_(1).index_select(0, flat).view_as(keys)
 
 
@@ -222,6 +229,8 @@ class ShardedEmbeddingCollection:
         layout = self._field_tables[signature]
         if layout is None:
             return lookup_fields(self, ids, fields, multi)
+        if layout.num_rows.device != ids.device:  # the ids' device from now on (one copy)
+            layout = self._field_tables[signature] = layout.on(ids.device)
         flat = check_fields(ids.reshape(-1, len(fields)).long(), fields, layout.tables, layout.num_rows,
                             self.bad_ids)
         if self.dedup:
@@ -232,7 +241,7 @@ class ShardedEmbeddingCollection:
         else:
             n = len(flat)
             table_ids = flat.t().reshape(-1)
-            inverse = torch.arange(n * len(fields)).view(len(fields), n).t()
+            inverse = torch.arange(n * len(fields), device=flat.device).view(len(fields), n).t()
             sizes = [n] * len(fields)
         names = [t.name for t in layout.tables]
         bags = self._requests(multi)
@@ -262,7 +271,8 @@ class ShardedEmbeddingCollection:
                 unique = torch.unique(ids, return_inverse=True, return_counts=dynamic)
                 out[name] = Request(*unique)
             else:
-                out[name] = Request(ids, torch.arange(len(ids)), torch.ones_like(ids) if dynamic else None)
+                out[name] = Request(ids, torch.arange(len(ids), device=ids.device),
+                                    torch.ones_like(ids) if dynamic else None)
         return out
 
     def _rows(self, requests: dict[str, Request]) -> dict[str, Tensor]:

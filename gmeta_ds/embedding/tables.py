@@ -117,7 +117,7 @@ class Jagged:
         """One id per sample: ids (N,) -> offsets [0, 1, ..., N]."""
         ids = ids.reshape(-1)
         ids = ids if ids.is_floating_point() else ids.long()  # check_ids names float ids
-        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long), one_per_sample=True)
+        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long, device=ids.device), one_per_sample=True)
 
     @property
     def num_samples(self) -> int:
@@ -126,7 +126,7 @@ class Jagged:
     def segment_ids(self) -> Tensor:
         """Sample index of every value: (nnz,)."""
         lengths = self.offsets[1:] - self.offsets[:-1]
-        return torch.repeat_interleave(torch.arange(self.num_samples), lengths)
+        return torch.repeat_interleave(torch.arange(self.num_samples, device=self.offsets.device), lengths)
 
 
 def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> Tensor:
