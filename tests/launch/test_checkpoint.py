@@ -93,7 +93,7 @@ def test_resume_at_another_world_size_reshards_tables(tmp_path, uninterrupted, b
         assert resumed[key] == pytest.approx(full[key], rel=1e-5), key
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=SLOW)])
 def test_zero_partitions_at_another_world_size_go_through_universal_checkpoint(tmp_path, uninterrupted, stage):
     """ZeRO-2/3 partitions written by 2 ranks: resuming on 1 converts with DeepSpeed's
     ds_to_universal and restores Adam in full, giving the uninterrupted run's model."""

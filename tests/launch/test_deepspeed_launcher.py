@@ -10,7 +10,11 @@ from conftest import (BIN, REPO, assert_same_model, deepspeed_cmd, leaked_shm, r
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
 
-@pytest.mark.parametrize("ds_file", ["zero0", "zero1", "zero2", "zero2_offload", "zero3"])
+# the same paths as cases kept in the default run (zero2_offload: also tests/launch/test_op_builds.py); CI runs these too
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("ds_file", ["zero0", "zero1", "zero2", pytest.param("zero2_offload", marks=SLOW), "zero3"])
 def test_two_ranks_equal_one_process(tmp_path, reference_run, ds_file):
     """Every shipped fp32 DeepSpeed config (CPU optimizer offload included) trains the same
     model on 2 ranks as one process, and leaves no shared-memory buffer behind."""
@@ -25,7 +29,7 @@ def test_two_ranks_equal_one_process(tmp_path, reference_run, ds_file):
     assert leaked_shm(int(cmd[cmd.index("--master_port") + 1])) == []
 
 
-@pytest.mark.parametrize("ds_file", ["zero0_bf16", "zero2_bf16"])
+@pytest.mark.parametrize("ds_file", [pytest.param("zero0_bf16", marks=SLOW), "zero2_bf16"])
 def test_bf16_configs_train_close_to_fp32(tmp_path, reference_run, ds_file):
     """bf16 (DeepSpeed on CPU supports it) trains on 2 ranks; bf16 rounding moves the result a
     little, not far, from the fp32 run."""
@@ -64,7 +68,7 @@ def single_process_sharded(tmp_path_factory):
     return summary(path)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])
 def test_sharded_tables_two_ranks_equal_one_process(tmp_path, single_process_sharded, stage):
     """Row-wise/table-wise/replicated tables outside DeepSpeed + ZeRO for the dense part,
     with item rows adapted in the inner loop."""

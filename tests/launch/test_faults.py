@@ -43,7 +43,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sharding, point", [("replicated", ""), ("sharded", ":start")])
+@pytest.mark.parametrize("sharding, point", [("replicated", ""), pytest.param("sharded", ":start", marks=pytest.mark.slow)])
 def test_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, sharding, point):
     """replicated tables, rank 1 stopped before its backward: the survivor waits in DeepSpeed's
     gradient all-reduce (``engine.allreduce_bucket``, on the data-parallel group DeepSpeed built
