@@ -249,7 +249,7 @@ class MetaEngine:
             learner = learner.to_empty(device="cpu")
         if self.embeddings is not None:
             learner.net.embedding = EmbeddingCollection(self.tables, self.seed)
-        learner.load_state_dict({k: v.float() for k, v in state.items()})
+        learner.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return learner
 
     def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64) -> dict:
