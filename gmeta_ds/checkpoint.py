@@ -114,12 +114,23 @@ def shard_state(sharded) -> dict[str, torch.Tensor]:
             continue
         out[f"table.{name}.ids"] = plan.global_ids(sharded.rank).to(torch.int64)
         out[f"table.{name}.rows"] = param.detach().cpu().clone()
-        for key, value in sharded.optimizers[name].state.get(param, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
-                out[f"table.{name}.row_state.{key}"] = value.detach().cpu().clone()
-            elif value is not None:
-                out[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
+        per_row, scalars = _optimizer_state(sharded, name)
+        out.update({f"table.{name}.row_state.{k}": v.cpu().clone() for k, v in per_row.items()})
+        out.update(scalars)
     return out
+
+
+def _optimizer_state(sharded, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A table's sparse-optimizer state: ({key: per-row tensor}, {``table.<name>.scalar_state.<key>``:
+    its value as a float64 tensor})."""
+    param = sharded.shards[name]
+    per_row, scalars = {}, {}
+    for key, value in sharded.optimizers[name].state.get(param, {}).items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
+            per_row[key] = value.detach()
+        elif value is not None:
+            scalars[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
+    return per_row, scalars
 
 
 def _dynamic_state(sharded, name: str) -> dict[str, torch.Tensor]:
@@ -131,12 +142,11 @@ def _dynamic_state(sharded, name: str) -> dict[str, torch.Tensor]:
     out = {f"table.{name}.ids": index.keys.cpu().clone(),
            f"table.{name}.rows": param.detach()[slots].cpu(),
            f"dynamic.{name}.default": param.detach()[:1].cpu()}
-    for key, value in sharded.optimizers[name].state.get(param, {}).items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == param.shape[0]:
-            out[f"table.{name}.row_state.{key}"] = value.detach()[slots].cpu()
-            out[f"dynamic.{name}.default_state.{key}"] = value.detach()[:1].cpu()
-        elif value is not None:
-            out[f"table.{name}.scalar_state.{key}"] = torch.tensor([float(value)], dtype=torch.float64)
+    per_row, scalars = _optimizer_state(sharded, name)
+    for key, value in per_row.items():
+        out[f"table.{name}.row_state.{key}"] = value[slots].cpu()
+        out[f"dynamic.{name}.default_state.{key}"] = value[:1].cpu()
+    out.update(scalars)
     out.update({f"dynamic.{name}.{k}": v.cpu() for k, v in index.state().items() if k != "ids"})
     out[f"dynamic.{name}.capacity"] = torch.tensor([index.capacity])
     return out

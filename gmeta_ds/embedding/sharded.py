@@ -35,6 +35,7 @@ from gmeta_ds.embedding.comm import CommStats, all_to_all
 from gmeta_ds.embedding.dynamic import DynamicIndex, default_row, init_dynamic_rows
 from gmeta_ds.embedding.optim import build_sparse_optimizer
 from gmeta_ds.embedding.plan import ShardingPlan
+from gmeta_ds.engine.dist import on_wire
 from gmeta_ds.embedding.tables import (Jagged, TableConfig, check_fields, check_ids, check_width,
                                        feature_tables, init_rows, lookup_fields, pool)
 
@@ -428,11 +429,9 @@ class ShardedEmbeddingCollection:
         total = torch.tensor(values, dtype=torch.float64)
         if self.world > 1:
             host = next((g for g in self.groups.values() if g is not None), None)
-            if host is not None or dist.get_backend() == "gloo":
-                dist.all_reduce(total, group=host)
-            else:
-                total = total.to(self.device)
-                dist.all_reduce(total)
+            if host is None:
+                total = on_wire(total)  # the default group (NCCL takes device tensors only)
+            dist.all_reduce(total, group=host)
         return total.cpu().tolist()
 
     def checksum(self) -> float:

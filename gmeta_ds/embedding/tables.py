@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gmeta_ds.embedding.dynamic import default_row, owner_of
+
 POOLINGS = ("sum", "mean", "none")
 TABLE_KINDS = ("static", "dynamic")
 DEVICES = ("auto", "accelerator", "host")
@@ -203,8 +205,6 @@ class DynamicRows(nn.Module):
 
     def __init__(self, table: TableConfig, seed: int = 0):
         super().__init__()
-        from gmeta_ds.embedding.dynamic import default_row
-
         self.table = table
         self.register_buffer("ids", torch.zeros(0, dtype=torch.long))
         self.rows = nn.Parameter(torch.zeros(0, table.dim))
@@ -223,8 +223,6 @@ class DynamicRows(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
-        from gmeta_ds.embedding.dynamic import owner_of
-
         n = len(self.ids)
         index = owner_of(ids, len(self.defaults)) + n
         if n:
