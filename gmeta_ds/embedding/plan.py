@@ -10,9 +10,17 @@
 
 `plan_tables` turns per-table requests (or ``auto``: replicate tables below a row count,
 row-wise for the rest) into a validated `ShardingPlan`. Pure torch, no communication.
+
+Each sharded static table with sum/mean pooling also gets an exchange (`choose_exchange`):
+``rows`` (the requester deduplicates its ids, owners send each distinct row back, the requester
+pools) or ``pooled`` (owners pool their part of every bag and send one partial sum per (bag,
+owner); the requester adds them up). ``auto`` picks the one with fewer expected bytes from the
+table's `BagStats` (mean bag length, distinct ids per id looked up); without statistics it
+keeps ``rows``, which single-hot features always use.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,14 +38,54 @@ STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
 
 
 @dataclass(frozen=True)
+class BagStats:
+    """What a table's lookups look like, for `choose_exchange`: ``mean_length`` ids per bag,
+    ``distinct_ratio`` distinct ids per id looked up in one micro-batch (1: no repeats)."""
+
+    mean_length: float
+    distinct_ratio: float = 1.0
+
+
+def exchange_bytes(kind: str, world_size: int, dim: int, stats: BagStats) -> tuple[float, float]:
+    """Expected bytes per bag and micro-batch (ids out, rows back, row gradients out again) of
+    the ``rows`` and the ``pooled`` exchange. rows: the distinct ids (8 B) and their rows and
+    gradients (2 x 4d B); pooled: every (id, bag) pair (16 B) and one partial sum and its
+    gradient per owner holding part of the bag (table-wise 1; row-wise, ids spread evenly over
+    W owners, W(1 - (1 - 1/W)^L))."""
+    length = stats.mean_length
+    rows = length * stats.distinct_ratio * (8 + 8 * dim)
+    owners = 1.0 if kind == "table_wise" else world_size * (1 - (1 - 1 / world_size) ** length)
+    return rows, 16 * length + owners * 8 * dim
+
+
+def choose_exchange(table: TableConfig, kind: str, world_size: int,
+                    stats: BagStats | None) -> tuple[str, tuple[float, float] | None]:
+    """``rows`` or ``pooled`` for one table (see the module docstring), and the byte estimate
+    it was chosen by (None when nothing was estimated)."""
+    poolable = kind in ("row_wise", "table_wise") and table.kind == "static" and table.pooling != "none"
+    if table.exchange == "pooled" and not poolable:
+        raise ValueError(f"table {table.name!r}: exchange pooled needs a row_wise or table_wise static "
+                         f"table with sum or mean pooling, and this one is {kind}, {table.kind}, pooling "
+                         f"{table.pooling}; set its exchange to rows or auto")
+    estimate = exchange_bytes(kind, world_size, table.dim, stats) if poolable and stats else None
+    if table.exchange != "auto":
+        return table.exchange, estimate
+    return ("pooled" if estimate and estimate[1] < estimate[0] else "rows"), estimate
+
+
+@dataclass(frozen=True)
 class TablePlan:
-    """Where one table's rows live; ``owner`` is set for table-wise tables."""
+    """Where one table's rows live; ``owner`` is set for table-wise tables; ``exchange``: what
+    its pooled lookups send back (`choose_exchange`), ``estimate`` the bytes per bag it was
+    chosen by (rows, pooled), if any."""
 
     table: TableConfig
     kind: str
     world_size: int
     row_owner: str = "modulo"
     owner: int = 0
+    exchange: str = "rows"
+    estimate: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -45,6 +93,10 @@ class TablePlan:
         if not 0 <= self.owner < self.world_size:
             raise ValueError(f"table {self.table.name!r}: owner rank {self.owner} outside world size "
                              f"{self.world_size}")
+        if self.exchange not in ("rows", "pooled"):
+            raise ValueError(f"table {self.table.name!r}: exchange {self.exchange!r} is not one of rows, pooled")
+        if self.exchange == "pooled":
+            choose_exchange(dataclasses.replace(self.table, exchange="pooled"), self.kind, self.world_size, None)
 
     @property
     def block(self) -> int:
@@ -120,6 +172,10 @@ class ShardingPlan:
                      if p.kind == "dynamic" else ""}[p.kind]
             if p.table.device != "auto":
                 where += f", on the {p.table.device}"
+            if p.exchange == "pooled" or p.estimate:
+                where += ", pooled on the owner" if p.exchange == "pooled" else ", rows to the requester"
+                if p.estimate:
+                    where += f" (est. {p.estimate[0]:,.0f} B per bag as rows, {p.estimate[1]:,.0f} B pooled)"
             size = f"any int64 ids x {p.table.dim}" if p.kind == "dynamic" else f"{p.table.num_rows} x {p.table.dim}"
             lines.append(f"  {name}: {size}, {where}, "
                          f"{p.table.optimizer} lr {p.table.lr}")
@@ -128,8 +184,10 @@ class ShardingPlan:
 
 
 def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],
-                row_owner: str = "modulo", replicate_below_rows: int = 1024) -> ShardingPlan:
-    """Plan every table. ``kinds`` maps table name -> plan kind or ``auto``; missing = auto."""
+                row_owner: str = "modulo", replicate_below_rows: int = 1024,
+                bag_stats: dict[str, BagStats] | None = None) -> ShardingPlan:
+    """Plan every table. ``kinds`` maps table name -> plan kind or ``auto``; missing = auto.
+    ``bag_stats`` (table name -> `BagStats`) lets ``exchange: auto`` tables choose by bytes."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     unknown = set(kinds) - {t.name for t in tables}
@@ -156,11 +214,13 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
         if chosen[t.name] == "table_wise":
             owner = min(range(world_size), key=lambda r: load[r])
             load[owner] += t.num_rows * t.dim
-        plans[t.name] = TablePlan(t, chosen[t.name], world_size, row_owner, owner)
+        exchange, estimate = choose_exchange(t, chosen[t.name], world_size, (bag_stats or {}).get(t.name))
+        plans[t.name] = TablePlan(t, chosen[t.name], world_size, row_owner, owner, exchange, estimate)
     return ShardingPlan({t.name: plans[t.name] for t in tables}, world_size)
 
 
-def plan_from_config(tables: list[TableConfig], cfg, world_size: int) -> ShardingPlan:
+def plan_from_config(tables: list[TableConfig], cfg, world_size: int,
+                     bag_stats: dict[str, BagStats] | None = None) -> ShardingPlan:
     """The plan an `EmbeddingConfig` asks for: ``tables.<name>.plan``, else ``plan``."""
     unknown = sorted(set(cfg.tables) - {t.name for t in tables})
     if unknown:
@@ -170,4 +230,4 @@ def plan_from_config(tables: list[TableConfig], cfg, world_size: int) -> Shardin
     default = cfg.plan
     if default != "auto":
         kinds = {**{t.name: default for t in tables if t.kind != "dynamic"}, **kinds}
-    return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows)
+    return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows, bag_stats)

@@ -20,6 +20,13 @@ in host memory (pinned where CUDA is available) and exchange over a gloo group o
 their rows moved to the device after the exchange (and their gradients back by autograd).
 Dynamic tables (``kind="dynamic"``, `gmeta_ds.embedding.dynamic`) send each id with its number
 of occurrences; the owner maps ids to rows (admitting and evicting) before its lookup.
+
+Tables planned with ``exchange: pooled`` (`gmeta_ds.embedding.plan.choose_exchange`) pool on
+the owner instead: input_dist sends every (id, bag) pair to the id's owner, the owner adds up
+its rows of each bag into one partial sum per (requesting rank, bag), and output_dist returns
+those; the requester adds the partial sums of each bag (and divides by the bag's length for
+mean pooling). Long bags then move one vector per bag and owner instead of every distinct row.
+Its backward is the same reverse all-to-all, of one gradient per partial sum.
 """
 from __future__ import annotations
 
@@ -55,14 +62,15 @@ class FieldTables:
 
     @staticmethod
     def of(by_feature: dict[str, TableConfig], fields: tuple[str, ...],
-           bags: tuple[str, ...]) -> FieldTables | None:
+           bags: tuple[str, ...], pooled: frozenset = frozenset()) -> FieldTables | None:
         """The layout of single-hot ``fields`` next to multi-hot ``bags``, or None where the
         fused lookup does not apply: no fields, an unknown feature, a table serving two of them,
-        or tables of different dimensions."""
+        a dynamic table, a table pooled on its owner (in ``pooled``), or tables of different
+        dimensions."""
         if not fields or any(f not in by_feature for f in fields + bags):
             return None
         tables = tuple(by_feature[f] for f in fields)
-        if any(t.kind == "dynamic" for t in tables):
+        if any(t.kind == "dynamic" for t in tables) or pooled & {t.name for t in tables}:
             return None
         names = {t.name for t in tables}
         if len(names) < len(fields) or names & {by_feature[b].name for b in bags} or \
@@ -169,6 +177,7 @@ class ShardedEmbeddingCollection:
                            for name, p in plan.tables.items()}
         self.stats = CommStats()
         self._field_tables: dict[tuple, FieldTables | None] = {}
+        self.pooled = frozenset(name for name, p in plan.tables.items() if p.exchange == "pooled")
 
     def _groups(self) -> dict[str, object]:
         """The process group of each table's exchange (None: the default group). Host tables
@@ -206,9 +215,18 @@ class ShardedEmbeddingCollection:
         return self.forward(features)
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
-        requests = self._requests(features)
-        rows = self._rows(requests)
-        return self._per_feature(features, requests, rows)
+        by_rows, by_owner = self._split_pooled(features)
+        requests = self._requests(by_rows)
+        out = self._per_feature(by_rows, requests, self._rows(requests))
+        out.update(self._owner_pooled(by_owner))
+        return {feature: out[feature] for feature in features}
+
+    def _split_pooled(self, features: dict[str, Jagged]) -> tuple[dict, dict]:
+        """``features`` split into those looked up by rows and those pooled on their owners."""
+        if not self.pooled:
+            return features, {}
+        by_owner = {f: j for f, j in features.items() if self.by_feature[f].name in self.pooled}
+        return {f: j for f, j in features.items() if f not in by_owner}, by_owner
 
     def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
         """Single-hot ids (..., F) (+ multi-hot bags) -> rows (..., F + M, d) in one fused lookup.
@@ -226,7 +244,7 @@ class ShardedEmbeddingCollection:
         check_width(ids, fields)
         signature = (tuple(fields), tuple(multi))
         if signature not in self._field_tables:
-            self._field_tables[signature] = FieldTables.of(self.by_feature, *signature)
+            self._field_tables[signature] = FieldTables.of(self.by_feature, *signature, self.pooled)
         layout = self._field_tables[signature]
         if layout is None:
             return lookup_fields(self, ids, fields, multi)
@@ -245,7 +263,8 @@ class ShardedEmbeddingCollection:
             inverse = torch.arange(n * len(fields), device=flat.device).view(len(fields), n).t()
             sizes = [n] * len(fields)
         names = [t.name for t in layout.tables]
-        bags = self._requests(multi)
+        by_rows, by_owner = self._split_pooled(multi)
+        bags = self._requests(by_rows)
         rows = self._rows({**{n: Request(i, None) for n, i in zip(names, torch.split(table_ids, sizes))},
                            **bags})
         # index_select, not indexing: as fast again, and its backward sums each row's
@@ -253,7 +272,7 @@ class ShardedEmbeddingCollection:
         out = torch.cat([rows[name] for name in names]).index_select(0, inverse.reshape(-1))
         out = out.view(*inverse.shape, -1)  # (N, F, d)
         if multi:
-            pooled = self._per_feature(multi, bags, rows)
+            pooled = self._per_feature(by_rows, bags, rows) | self._owner_pooled(by_owner)
             out = torch.cat([out, torch.stack([pooled[f] for f in multi], dim=1)], dim=1)
         return out.reshape(*ids.shape[:-1], out.shape[1], -1)
 
@@ -365,6 +384,83 @@ class ShardedEmbeddingCollection:
                 shard.grad = torch.sparse_coo_tensor(grad.indices()[:, keep], grad.values()[keep],
                                                      shard.shape, check_invariants=False)
         return rows
+
+    # ------------------------------------------------------------------ pooled on the owner
+    def _owner_pooled(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
+        """Pooled rows (N, d) of features whose tables pool on their owners: one exchange per
+        group of tables of one dimension, placement and process group."""
+        by_group = defaultdict(list)
+        for feature in features:
+            name = self.by_feature[feature].name
+            by_group[(self.plan.tables[name].table.dim, str(self.table_device[name]),
+                      id(self.groups[name]))].append(feature)
+        out = {}
+        for group in by_group.values():
+            out.update(self._pooled_group({f: features[f] for f in group}))
+        return out
+
+    def _pooled_group(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
+        """input_dist of (id, bag) pairs -> owners' partial sums -> output_dist, for one group.
+
+        Bags of all features are numbered one after another (``n_bags``); a pair travels as
+        (local row, bag x n_tables + table). The requester knows what comes back without being
+        told: per owner, its distinct (bag, table) codes in sorted order, which is the order in
+        which the owner (sorting by sender, then code) sends the partial sums."""
+        names = sorted({self.by_feature[f].name for f in features})
+        device = self.table_device[names[0]]
+        local, codes, owners, first = [], [], [], [0]
+        for feature, jagged in features.items():
+            table = self.by_feature[feature]
+            t, plan = names.index(table.name), self.plan.tables[table.name]
+            ids = check_ids(jagged.values, feature, table, self.bad_ids).to(device)
+            owners.append(plan.owners(ids))
+            local.append(plan.local_index(ids))
+            bags = jagged.segment_ids().to(device) + first[-1]
+            codes.append(bags * len(names) + t)
+            first.append(first[-1] + jagged.num_samples)
+        local, codes, owners = torch.cat(local), torch.cat(codes), torch.cat(owners)
+        span = first[-1] * len(names)  # codes are < span
+        pairs, order = torch.unique(owners * span + codes), torch.argsort(owners * span + codes, stable=True)
+        if self.world == 1:
+            partial = self._pool_on_owner(names, local[order], codes[order], torch.zeros_like(codes))[0]
+        else:
+            partial = self._pooled_exchange(names, local[order], codes[order], owners, pairs // span)
+        bag_of = torch.div(pairs % span, len(names), rounding_mode="floor").to(partial.device)
+        summed = partial.new_zeros(first[-1], partial.shape[1]).index_add(0, bag_of, partial)
+        out = {}
+        for (feature, jagged), start, end in zip(features.items(), first, first[1:]):
+            pooled = summed[start:end]
+            if self.by_feature[feature].pooling == "mean":
+                lengths = (jagged.offsets[1:] - jagged.offsets[:-1]).clamp(min=1).to(pooled)
+                pooled = pooled / lengths.unsqueeze(1)
+            out[feature] = pooled.to(self.device)
+        return out
+
+    def _pooled_exchange(self, names: list[str], local: Tensor, codes: Tensor, owners: Tensor,
+                         pair_owners: Tensor) -> Tensor:
+        """Send (local row, code) pairs to their owners (sorted by owner), pool there, and get
+        back one partial sum per distinct (owner, code), in the requester's sorted order."""
+        group = self.groups[names[0]]
+        per_owner = torch.bincount(owners, minlength=self.world)
+        recv_per_owner = all_to_all(per_owner, [1] * self.world, [1] * self.world, self.stats,
+                                    self.rank, "input_dist", group)
+        send, recv = per_owner.tolist(), recv_per_owner.tolist()
+        received = all_to_all(torch.stack([local, codes], dim=1), send, recv, self.stats, self.rank,
+                              "input_dist", group)
+        sender = torch.repeat_interleave(torch.arange(self.world, device=received.device), recv_per_owner)
+        partial, per_sender = self._pool_on_owner(names, received[:, 0], received[:, 1], sender)
+        expected = torch.bincount(pair_owners, minlength=self.world).tolist()
+        return all_to_all(partial, per_sender.tolist(), expected, self.stats, self.rank, "output_dist", group)
+
+    def _pool_on_owner(self, names: list[str], local: Tensor, codes: Tensor,
+                       sender: Tensor) -> tuple[Tensor, Tensor]:
+        """Partial sums of this owner's rows per distinct (sender, code), sorted by sender then
+        code, and how many go to each sender."""
+        rows = self._lookup(names, local, codes % len(names))
+        span = int(codes.max()) + 1 if len(codes) else 1
+        keys, inverse = torch.unique(sender * span + codes, return_inverse=True)
+        partial = rows.new_zeros(len(keys), rows.shape[1]).index_add(0, inverse, rows)
+        return partial, torch.bincount(torch.div(keys, span, rounding_mode="floor"), minlength=self.world)
 
     def _per_feature(self, features, requests, rows) -> dict[str, Tensor]:
         out, cursor = {}, defaultdict(int)

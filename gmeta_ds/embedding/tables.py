@@ -23,6 +23,7 @@ from gmeta_ds.embedding.dynamic import default_row, owner_of
 POOLINGS = ("sum", "mean", "none")
 TABLE_KINDS = ("static", "dynamic")
 DEVICES = ("auto", "accelerator", "host")
+EXCHANGES = ("auto", "rows", "pooled")
 INIT_BLOCK_ROWS = 1 << 16
 
 
@@ -50,6 +51,11 @@ class TableConfig:
     eviction: str = "lru"
     # host | accelerator | auto: where a sharded table's rows live (`gmeta_ds.embedding.placement`)
     device: str = "auto"
+    # What a sharded lookup sends back for pooled (multi-hot) features: ``rows`` (each distinct
+    # row, pooled by the requester), ``pooled`` (each owner pools its part of every bag and
+    # sends one partial sum per bag), or ``auto`` (the planner picks by expected bytes,
+    # `gmeta_ds.embedding.plan.choose_exchange`).
+    exchange: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in TABLE_KINDS:
@@ -65,6 +71,9 @@ class TableConfig:
             object.__setattr__(self, "num_rows", self.capacity)
         if self.device not in DEVICES:
             raise ValueError(f"table {self.name!r}: device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"table {self.name!r}: exchange {self.exchange!r} is not one of "
+                             f"{', '.join(EXCHANGES)}")
         if self.num_rows <= 0 or self.dim <= 0:
             raise ValueError(f"table {self.name!r}: num_rows and dim must be positive, got "
                              f"{self.num_rows} x {self.dim}")

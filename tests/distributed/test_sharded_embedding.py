@@ -20,6 +20,12 @@ def test_host_placed_tables_exchange_over_their_own_gloo_group_and_equal_unshard
     assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_tables_pooled_on_their_owners_equal_unsharded(world):
+    outputs = run_ranks("pooled_equals_unsharded", world, timeout=180)
+    assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs)), outputs
+
+
 @pytest.mark.parametrize("world,device", [(1, "auto"), (2, "auto"), (3, "host")])
 def test_dynamic_tables_equal_their_unsharded_twin(world, device):
     outputs = run_ranks("dynamic_equals_unsharded", world, device, timeout=180)

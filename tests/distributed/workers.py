@@ -49,16 +49,11 @@ def loss_of(out: dict, rank: int) -> torch.Tensor:
     return sum((v * torch.randn(v.shape, generator=g)).sum() for _, v in sorted(out.items()))
 
 
-def sharded_equals_unsharded(device: str = "auto") -> None:
-    """``device: host`` puts every table on the host with an exchange over its own gloo group."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    plan = mixed_plan(world, device)
-    sharded = ShardedEmbeddingCollection(plan, rank, seed=5)
-    if world > 1:
-        own_group = {g is not None for g in sharded.groups.values()}
-        assert own_group == {device == "host"}, sharded.groups
-    twin = EmbeddingCollection(TABLES, seed=5)
-    feats = features(rank, world)
+def compare_with_twin(sharded: ShardedEmbeddingCollection, twin: EmbeddingCollection,
+                      feats: dict[str, Jagged]) -> None:
+    """Forward of every feature, then row gradients averaged over ranks at their owners, and
+    the initial rows, equal the unsharded twin's."""
+    rank, world, plan = sharded.rank, sharded.world, sharded.plan
     out_s, out_u = sharded(feats), twin(feats)
     for name in feats:
         torch.testing.assert_close(out_s[name], out_u[name], msg=f"forward {name}")
@@ -75,6 +70,18 @@ def sharded_equals_unsharded(device: str = "auto") -> None:
         got = shard.grad.to_dense() if shard.grad is not None else torch.zeros_like(shard)
         torch.testing.assert_close(got, ref[ids], msg=f"gradient {name}")
         torch.testing.assert_close(shard.detach(), weight.detach()[ids], msg=f"init {name}")
+
+
+def sharded_equals_unsharded(device: str = "auto") -> None:
+    """``device: host`` puts every table on the host with an exchange over its own gloo group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = mixed_plan(world, device)
+    sharded = ShardedEmbeddingCollection(plan, rank, seed=5)
+    if world > 1:
+        own_group = {g is not None for g in sharded.groups.values()}
+        assert own_group == {device == "host"}, sharded.groups
+    twin = EmbeddingCollection(TABLES, seed=5)
+    compare_with_twin(sharded, twin, features(rank, world))
     assert abs(sharded.checksum() - sum(w.double().sum().item() for w in twin.weights.values())) < 1e-9
     full = sharded.gather_tables()
     assert (full == {}) == (rank != 0)
@@ -89,6 +96,52 @@ def sharded_equals_unsharded(device: str = "auto") -> None:
         assert stats["output_dist_backward"]["collectives"] == 2, stats
     else:
         assert stats == {}, stats
+    print("ok", rank)
+
+
+POOLED_TABLES = [
+    TableConfig("a", 37, 4, ("a_multi", "a_single"), pooling="sum", exchange="pooled"),
+    TableConfig("b", 23, 4, ("b_mean",), pooling="mean", exchange="pooled"),
+    TableConfig("c", 11, 4, ("c_seq",), pooling="none"),
+    TableConfig("d", 7, 4, ("d_rep",), pooling="sum"),
+    TableConfig("e", 29, 3, ("e_dim3",), pooling="sum", exchange="pooled"),
+    TableConfig("f", 41, 4, ("f_rows",), pooling="mean", exchange="rows"),
+]
+
+
+def pooled_equals_unsharded() -> None:
+    """Tables pooled on their owners (row-wise modulo and block, table-wise, sum and mean,
+    a single-hot feature, empty bags) next to tables exchanged as rows: forward, averaged row
+    gradients and the fused single-hot + bags lookup equal the unsharded twin, and the pooled
+    tables' output_dist carries one partial sum per (remote owner, bag) holding part of it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kinds = {"a": "row_wise", "b": "row_wise", "c": "table_wise", "d": "replicated", "e": "table_wise",
+             "f": "row_wise"}
+    plan = plan_tables(POOLED_TABLES, world, kinds, row_owner="block" if world == 3 else "modulo")
+    assert {n for n, p in plan.tables.items() if p.exchange == "pooled"} == {"a", "b", "e"}
+    sharded, twin = ShardedEmbeddingCollection(plan, rank, seed=5), EmbeddingCollection(POOLED_TABLES, seed=5)
+    feats = features(rank, world)
+    feats["f_rows"] = feats["b_mean"]
+    compare_with_twin(sharded, twin, feats)
+    # output_dist: one partial sum (d floats) per (bag, remote owner holding part of the bag)
+    pooled_only = {n: j for n, j in feats.items() if sharded.by_feature[n].name in sharded.pooled}
+    expected = 0
+    for feature, jagged in pooled_only.items():
+        table = sharded.by_feature[feature]
+        pairs = torch.unique(jagged.segment_ids() * world + plan.tables[table.name].owners(jagged.values))
+        expected += 4 * table.dim * int((pairs % world != rank).sum())
+    sharded.stats.reset()
+    sharded(pooled_only)
+    received = sharded.stats.as_dict().get("output_dist", {}).get("bytes_received", 0)
+    assert received == expected, (sharded.stats.as_dict(), expected)
+    # a model's fused lookup: single-hot fields of row-exchanged tables next to a pooled bag,
+    # and (falling back to the per-feature path) a single-hot field of a pooled table
+    bags = {"b_mean": feats["b_mean"]}
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 7, (bags["b_mean"].num_samples, 2), generator=g)
+    for fields in (["d_rep", "f_rows"], ["a_single", "f_rows"]):
+        torch.testing.assert_close(sharded.lookup_fields(ids, fields, bags), twin.lookup_fields(ids, fields, bags),
+                                   msg=f"lookup_fields {fields}")
     print("ok", rank)
 
 

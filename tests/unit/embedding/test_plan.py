@@ -1,6 +1,7 @@
 """Sharding plans: every row has exactly one owner, shard sizes, placement, memory."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -58,3 +59,36 @@ def test_plan_errors_name_the_problem():
         TablePlan(TABLE, "diagonal", 2)
     with pytest.raises(ValueError, match="owner rank 3 outside world size 2"):
         TablePlan(TABLE, "table_wise", 2, owner=3)
+
+
+def test_exchange_auto_pools_long_bags_and_keeps_rows_for_short_ones():
+    from gmeta_ds.embedding.plan import BagStats, exchange_bytes
+
+    table = TableConfig("t", 10_000, 16, ("t",))
+    long_bags, short_bags = BagStats(50, 0.4), BagStats(1.5, 0.4)
+    # rows: 50 x 0.4 distinct ids x (8 + 8 x 16) B; pooled table-wise: 50 x 16 B + one 16-float sum and gradient
+    assert exchange_bytes("table_wise", 2, 16, long_bags) == (50 * 0.4 * 136, 50 * 16 + 128)
+    rows, pooled = exchange_bytes("row_wise", 4, 16, short_bags)
+    assert pooled == pytest.approx(16 * 1.5 + 4 * (1 - 0.75 ** 1.5) * 128)
+    for kind in ("row_wise", "table_wise"):
+        plan = plan_tables([table], 4, {"t": kind}, bag_stats={"t": long_bags})
+        assert plan.tables["t"].exchange == "pooled" and plan.tables["t"].estimate is not None
+        assert "pooled on the owner (est." in plan.describe()
+        assert plan_tables([table], 4, {"t": kind}, bag_stats={"t": short_bags}).tables["t"].exchange == "rows"
+    # no statistics: rows; a forced choice wins over the estimate
+    assert plan_tables([table], 4, {"t": "row_wise"}).tables["t"].exchange == "rows"
+    forced = plan_tables([dataclasses.replace(table, exchange="rows")], 4, {"t": "row_wise"},
+                         bag_stats={"t": long_bags})
+    assert forced.tables["t"].exchange == "rows"
+
+
+@pytest.mark.parametrize("kind,changes,what", [
+    ("replicated", {}, "replicated, static, pooling sum"),
+    ("row_wise", {"pooling": "none"}, "pooling none"),
+])
+def test_exchange_pooled_on_a_table_that_cannot_pool_names_the_table(kind, changes, what):
+    table = TableConfig("tags", 5000, 8, ("tags",), exchange="pooled", **changes)
+    with pytest.raises(ValueError, match=f"table 'tags': exchange pooled needs .*{what}"):
+        plan_tables([table], 2, {"tags": kind})
+    with pytest.raises(ValueError, match="exchange 'bag' is not one of auto, rows, pooled"):
+        TableConfig("tags", 5000, 8, ("tags",), exchange="bag")
