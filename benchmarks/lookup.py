@@ -73,7 +73,7 @@ def setup():
     cfg = load_config(ROOT / "examples/synthetic/config.yaml", [])
     ds, plan = resolve_ds_config(cfg, 1)
     data = build_data(cfg)
-    sharded = build_sharded(cfg, data.fields, 0, 1)
+    sharded = build_sharded(cfg, data, 0, 1)
     engine = ds_engine.initialize(build_learner(cfg, data.fields, with_tables=False), ds)
     loader = TaskLoader(data.train, MetaBatchSampler(len(data.train), plan.tasks_per_micro_batch,
                                                      plan.grad_accum_steps, 1, 0, cfg.seed), prefetch=False)

@@ -105,17 +105,22 @@ def _as_frame(source: Any, schema: LogSchema):
 
 def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr: float = 0.05,
                init_std: float = 0.05, capacity: int | None = None, admit_after: int = 1,
-               eviction: str = "lru") -> list[TableConfig]:
+               eviction: str = "lru", exchange: str = "auto") -> list[TableConfig]:
     """One embedding table per field (named after it): single-hot fields sum their one row,
     multi-hot fields mean-pool their bag; ``optimizer``: the sparse row optimizer (sgd,
     adagrad, rowwise_adagrad, adam). Fields of raw ids (``raw_ids``) get dynamic tables of
-    ``capacity`` rows per rank (required then), ``admit_after`` and ``eviction``."""
+    ``capacity`` rows per rank (required then), ``admit_after`` and ``eviction``.
+    ``exchange`` (sharded, multi-hot static fields): ``pooled`` pools each bag on the rows'
+    owners and sends one partial sum per bag back, ``rows`` sends every distinct row, ``auto``
+    keeps rows here (``gmeta-ds train`` picks by the expected bytes of the data's bags,
+    `gmeta_ds.embedding.plan.choose_exchange`); single-hot fields always exchange rows."""
     raw = [f.name for f in fields if f.raw]
     if raw and capacity is None:
         raise ConfigError([f"tables_for: field(s) {', '.join(map(repr, raw))} hold raw ids and need dynamic "
                            "tables: pass capacity= (rows per rank)"])
     return [TableConfig(f.name, max(1, f.num_ids), dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
                         init_std=init_std, optimizer=optimizer, lr=lr,
+                        exchange=exchange if f.multi_hot and not f.raw else "rows",
                         **(dict(kind="dynamic", capacity=capacity, admit_after=admit_after, eviction=eviction)
                            if f.raw else {}))
             for f in fields]

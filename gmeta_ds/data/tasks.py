@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gmeta_ds.embedding.dynamic import PAD_ID
+from gmeta_ds.embedding.plan import BagStats
 from gmeta_ds.embedding.tables import Jagged
 
 
@@ -194,3 +195,29 @@ def collate(task_set: TaskSet, tasks: np.ndarray | list[int]) -> TaskBatch:
                      torch.as_tensor(np.asarray(tasks, dtype=np.int64)),
                      _pad_multi(task_set, [s for s, _ in splits], s_ids.shape[1]),
                      _pad_multi(task_set, [q for _, q in splits], q_ids.shape[1]))
+
+
+BAG_SAMPLE = 1 << 20  # values read per multi-hot field to estimate its id frequencies
+
+
+def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int) -> dict[str, BagStats]:
+    """Per multi-hot field: its mean bag length, and the distinct ids per id looked up that one
+    micro-batch of ``tasks_per_micro_batch`` average tasks can expect, E[distinct] / n over n
+    draws from the field's id frequencies (estimated on up to `BAG_SAMPLE` values, read in 16
+    evenly spaced runs so a task store reads little). What ``exchange: auto`` chooses by; the
+    same on every rank (it reads only the training tasks)."""
+    out = {}
+    rows = max(1, task_set.num_interactions)
+    per_batch = tasks_per_micro_batch * rows / max(1, len(task_set))
+    for name, (values, offsets) in task_set.multi.items():
+        nnz = int(offsets[-1]) if len(offsets) else 0
+        if nnz == 0:
+            continue
+        run = max(1, min(nnz, BAG_SAMPLE) // 16)
+        starts = np.linspace(0, nnz - run, 16).astype(np.int64)
+        sample = np.concatenate([np.asarray(values[int(a):int(a) + run]) for a in np.unique(starts)])
+        p = np.unique(sample, return_counts=True)[1] / len(sample)
+        draws = per_batch * nnz / rows
+        distinct = float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-12)))))
+        out[name] = BagStats(nnz / rows, min(1.0, distinct / max(draws, 1.0)))
+    return out

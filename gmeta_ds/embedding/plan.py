@@ -58,11 +58,16 @@ def exchange_bytes(kind: str, world_size: int, dim: int, stats: BagStats) -> tup
     return rows, 16 * length + owners * 8 * dim
 
 
+def can_pool(table: TableConfig, kind: str) -> bool:
+    """Whether a table planned as ``kind`` can pool on its owners: sharded, static, pooled."""
+    return kind in ("row_wise", "table_wise") and table.kind == "static" and table.pooling != "none"
+
+
 def choose_exchange(table: TableConfig, kind: str, world_size: int,
                     stats: BagStats | None) -> tuple[str, tuple[float, float] | None]:
     """``rows`` or ``pooled`` for one table (see the module docstring), and the byte estimate
     it was chosen by (None when nothing was estimated)."""
-    poolable = kind in ("row_wise", "table_wise") and table.kind == "static" and table.pooling != "none"
+    poolable = can_pool(table, kind)
     if table.exchange == "pooled" and not poolable:
         raise ValueError(f"table {table.name!r}: exchange pooled needs a row_wise or table_wise static "
                          f"table with sum or mean pooling, and this one is {kind}, {table.kind}, pooling "
@@ -185,9 +190,11 @@ class ShardingPlan:
 
 def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],
                 row_owner: str = "modulo", replicate_below_rows: int = 1024,
-                bag_stats: dict[str, BagStats] | None = None) -> ShardingPlan:
+                bag_stats: dict[str, BagStats] | None = None,
+                default_exchange: str = "auto") -> ShardingPlan:
     """Plan every table. ``kinds`` maps table name -> plan kind or ``auto``; missing = auto.
-    ``bag_stats`` (table name -> `BagStats`) lets ``exchange: auto`` tables choose by bytes."""
+    ``bag_stats`` (table name -> `BagStats`) lets ``exchange: auto`` tables choose by bytes;
+    ``default_exchange`` applies to tables left at ``auto`` (``pooled``: those that can pool)."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     unknown = set(kinds) - {t.name for t in tables}
@@ -214,6 +221,9 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
         if chosen[t.name] == "table_wise":
             owner = min(range(world_size), key=lambda r: load[r])
             load[owner] += t.num_rows * t.dim
+        if t.exchange == "auto" and (default_exchange == "rows" or
+                                     (default_exchange == "pooled" and can_pool(t, chosen[t.name]))):
+            t = dataclasses.replace(t, exchange=default_exchange)
         exchange, estimate = choose_exchange(t, chosen[t.name], world_size, (bag_stats or {}).get(t.name))
         plans[t.name] = TablePlan(t, chosen[t.name], world_size, row_owner, owner, exchange, estimate)
     return ShardingPlan({t.name: plans[t.name] for t in tables}, world_size)
@@ -230,4 +240,5 @@ def plan_from_config(tables: list[TableConfig], cfg, world_size: int,
     default = cfg.plan
     if default != "auto":
         kinds = {**{t.name: default for t in tables if t.kind != "dynamic"}, **kinds}
-    return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows, bag_stats)
+    return plan_tables(tables, world_size, kinds, cfg.row_owner, cfg.replicate_below_rows, bag_stats,
+                       cfg.exchange)

@@ -42,9 +42,10 @@ from gmeta_ds.embedding.comm import CommStats, all_to_all
 from gmeta_ds.embedding.dynamic import DynamicIndex, default_row, init_dynamic_rows
 from gmeta_ds.embedding.optim import build_sparse_optimizer
 from gmeta_ds.embedding.plan import ShardingPlan
+from gmeta_ds.embedding.pooled import owner_pooled
 from gmeta_ds.engine.dist import on_wire
 from gmeta_ds.embedding.tables import (Jagged, TableConfig, check_fields, check_ids, check_width,
-                                       feature_tables, init_rows, lookup_fields, pool)
+                                       feature_tables, init_rows, lookup_fields, pool, unique_keys)
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,6 @@ class FieldTables:
             return self
         return FieldTables(self.tables, self.num_rows.to(device), self.base.to(device),
                            self.bounds.to(device), self.total)
-
-
-def unique_keys(keys: Tensor, bound: int) -> tuple[Tensor, Tensor]:
-    """``torch.unique(keys, return_inverse=True)`` (sorted) of keys in [0, bound): by marking
-    the keys present in a table of ``bound`` flags when that is no larger than ``keys`` (linear
-    time, no sort), else by torch's sort."""
-    if bound > keys.numel():
-        return torch.unique(keys, return_inverse=True)
-    flat = keys.reshape(-1)
-    present = torch.zeros(bound, dtype=torch.bool, device=keys.device).index_fill_(0, flat, True)
-    return present.nonzero().squeeze(1), present.cumsum(0).sub_(1).index_select(0, flat).view_as(keys)
 
 
 class Request(NamedTuple):
@@ -385,82 +375,9 @@ class ShardedEmbeddingCollection:
                                                      shard.shape, check_invariants=False)
         return rows
 
-    # ------------------------------------------------------------------ pooled on the owner
     def _owner_pooled(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
-        """Pooled rows (N, d) of features whose tables pool on their owners: one exchange per
-        group of tables of one dimension, placement and process group."""
-        by_group = defaultdict(list)
-        for feature in features:
-            name = self.by_feature[feature].name
-            by_group[(self.plan.tables[name].table.dim, str(self.table_device[name]),
-                      id(self.groups[name]))].append(feature)
-        out = {}
-        for group in by_group.values():
-            out.update(self._pooled_group({f: features[f] for f in group}))
-        return out
-
-    def _pooled_group(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
-        """input_dist of (id, bag) pairs -> owners' partial sums -> output_dist, for one group.
-
-        Bags of all features are numbered one after another (``n_bags``); a pair travels as
-        (local row, bag x n_tables + table). The requester knows what comes back without being
-        told: per owner, its distinct (bag, table) codes in sorted order, which is the order in
-        which the owner (sorting by sender, then code) sends the partial sums."""
-        names = sorted({self.by_feature[f].name for f in features})
-        device = self.table_device[names[0]]
-        local, codes, owners, first = [], [], [], [0]
-        for feature, jagged in features.items():
-            table = self.by_feature[feature]
-            t, plan = names.index(table.name), self.plan.tables[table.name]
-            ids = check_ids(jagged.values, feature, table, self.bad_ids).to(device)
-            owners.append(plan.owners(ids))
-            local.append(plan.local_index(ids))
-            bags = jagged.segment_ids().to(device) + first[-1]
-            codes.append(bags * len(names) + t)
-            first.append(first[-1] + jagged.num_samples)
-        local, codes, owners = torch.cat(local), torch.cat(codes), torch.cat(owners)
-        span = first[-1] * len(names)  # codes are < span
-        pairs, order = torch.unique(owners * span + codes), torch.argsort(owners * span + codes, stable=True)
-        if self.world == 1:
-            partial = self._pool_on_owner(names, local[order], codes[order], torch.zeros_like(codes))[0]
-        else:
-            partial = self._pooled_exchange(names, local[order], codes[order], owners, pairs // span)
-        bag_of = torch.div(pairs % span, len(names), rounding_mode="floor").to(partial.device)
-        summed = partial.new_zeros(first[-1], partial.shape[1]).index_add(0, bag_of, partial)
-        out = {}
-        for (feature, jagged), start, end in zip(features.items(), first, first[1:]):
-            pooled = summed[start:end]
-            if self.by_feature[feature].pooling == "mean":
-                lengths = (jagged.offsets[1:] - jagged.offsets[:-1]).clamp(min=1).to(pooled)
-                pooled = pooled / lengths.unsqueeze(1)
-            out[feature] = pooled.to(self.device)
-        return out
-
-    def _pooled_exchange(self, names: list[str], local: Tensor, codes: Tensor, owners: Tensor,
-                         pair_owners: Tensor) -> Tensor:
-        """Send (local row, code) pairs to their owners (sorted by owner), pool there, and get
-        back one partial sum per distinct (owner, code), in the requester's sorted order."""
-        group = self.groups[names[0]]
-        per_owner = torch.bincount(owners, minlength=self.world)
-        recv_per_owner = all_to_all(per_owner, [1] * self.world, [1] * self.world, self.stats,
-                                    self.rank, "input_dist", group)
-        send, recv = per_owner.tolist(), recv_per_owner.tolist()
-        received = all_to_all(torch.stack([local, codes], dim=1), send, recv, self.stats, self.rank,
-                              "input_dist", group)
-        sender = torch.repeat_interleave(torch.arange(self.world, device=received.device), recv_per_owner)
-        partial, per_sender = self._pool_on_owner(names, received[:, 0], received[:, 1], sender)
-        expected = torch.bincount(pair_owners, minlength=self.world).tolist()
-        return all_to_all(partial, per_sender.tolist(), expected, self.stats, self.rank, "output_dist", group)
-
-    def _pool_on_owner(self, names: list[str], local: Tensor, codes: Tensor,
-                       sender: Tensor) -> tuple[Tensor, Tensor]:
-        """Partial sums of this owner's rows per distinct (sender, code), sorted by sender then
-        code, and how many go to each sender."""
-        rows = self._lookup(names, local, codes % len(names))
-        span = int(codes.max()) + 1 if len(codes) else 1
-        keys, inverse = torch.unique(sender * span + codes, return_inverse=True)
-        partial = rows.new_zeros(len(keys), rows.shape[1]).index_add(0, inverse, rows)
-        return partial, torch.bincount(torch.div(keys, span, rounding_mode="floor"), minlength=self.world)
+        """Pooled rows (N, d) of features whose tables pool on their owners (`pooled.owner_pooled`)."""
+        return owner_pooled(self, features) if features else {}
 
     def _per_feature(self, features, requests, rows) -> dict[str, Tensor]:
         out, cursor = {}, defaultdict(int)

@@ -193,6 +193,37 @@ def pool(rows: Tensor, jagged: Jagged, pooling: str) -> Tensor:
     return out
 
 
+def unique_keys(keys: Tensor, bound: int, ratio: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``torch.unique(keys, return_inverse=True)`` (sorted) of keys in [0, bound): by marking
+    the keys present in a table of ``bound`` flags when that is no larger than ``ratio`` times
+    ``keys`` (linear time, no sort), else by torch's sort."""
+    if bound > ratio * keys.numel():
+        return torch.unique(keys, return_inverse=True)
+    flat = keys.reshape(-1)
+    present = torch.zeros(bound, dtype=torch.bool, device=keys.device).index_fill_(0, flat, True)
+    return present.nonzero().squeeze(1), present.cumsum(0).sub_(1).index_select(0, flat).view_as(keys)
+
+
+class _DistinctRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: Tensor, ids: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.shape = weight.shape
+        return weight.index_select(0, ids)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,) = ctx.saved_tensors
+        return torch.sparse_coo_tensor(ids.unsqueeze(0), grad, ctx.shape, is_coalesced=True), None
+
+
+def distinct_rows(weight: Tensor, ids: Tensor) -> Tensor:
+    """``weight[ids]`` for sorted, distinct ``ids`` (e.g. from ``torch.unique``), whose gradient
+    reaches ``weight`` as a sparse tensor already coalesced: the optimizer's coalesce, a sort
+    of every gradient entry, costs nothing."""
+    return _DistinctRows.apply(weight, ids)
+
+
 def feature_tables(tables: list[TableConfig]) -> dict[str, TableConfig]:
     """feature name -> its table; a feature used by two tables is an error."""
     owners: dict[str, TableConfig] = {}

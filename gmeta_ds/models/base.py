@@ -18,7 +18,7 @@ from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 
 def field_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list[TableConfig]:
     """One table per field (named after it), with the per-table overrides of ``cfg`` (optimizer,
-    lr, kind and its dynamic settings, device)."""
+    lr, kind and its dynamic settings, device, exchange)."""
     tables = []
     for f in fields:
         override = cfg.tables.get(f.name)
@@ -32,7 +32,9 @@ def field_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> lis
             capacity=override.capacity if dynamic else None,
             admit_after=override.admit_after if dynamic else 1,
             eviction=override.eviction if dynamic else "lru",
-            device=(override and override.device) or cfg.device))
+            device=(override and override.device) or cfg.device,
+            # unset: single-hot fields exchange rows (deduplicated); bags embedding.exchange, by the plan
+            exchange=(override and override.exchange) or ("auto" if f.multi_hot else "rows")))
     return tables
 
 

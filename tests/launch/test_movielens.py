@@ -73,13 +73,17 @@ def test_four_state_evaluation_reports_every_state(tmp_path):
 
 
 SHARDED = {"sharding": "sharded", "plan": "row_wise", "tables": {"gender": {"plan": "replicated"}}}
+# genres pooled on their owners (table-wise), the other bags' tables too (embedding.exchange)
+POOLED = {**SHARDED, "exchange": "pooled", "tables": {"gender": {"plan": "replicated"},
+                                                       "genres": {"plan": "table_wise", "exchange": "pooled"}}}
 
 
-def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path):
+@pytest.mark.parametrize("embedding", [SHARDED, POOLED], ids=["rows", "pooled"])
+def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
     """Training and the distributed evaluation (held-out tasks split over the ranks)."""
-    one = ml_config(tmp_path / "one", embedding=SHARDED)
+    one = ml_config(tmp_path / "one", embedding=embedding)
     run([str(BIN / "gmeta-ds"), "train", "--config", str(one)])
-    two = ml_config(tmp_path / "two", embedding=SHARDED)
+    two = ml_config(tmp_path / "two", embedding=embedding)
     run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(two)))
     a, b = summary(one), summary(two)
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
