@@ -51,6 +51,7 @@ from common import LaunchFailure, machine, rank_main, run_ranks  # first: OMP_WA
 # isort: split
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -86,11 +87,14 @@ class Variant:
     plan: str
     build: dict = field(default_factory=dict)
     call: dict = field(default_factory=dict)
+    exchange: str = "rows"  # every table's `TableConfig.exchange`: rows | pooled
 
 
 GMETA_VARIANTS = (
     Variant("gmeta_ds row-wise", "row_wise"),
     Variant("gmeta_ds table-wise", "table_wise"),
+    Variant("gmeta_ds row-wise pooled", "row_wise", exchange="pooled"),
+    Variant("gmeta_ds table-wise pooled", "table_wise", exchange="pooled"),
 )
 TORCHREC_VARIANTS = (("TorchRec table-wise", "table_wise"), ("TorchRec data-parallel", "data_parallel"))
 
@@ -137,6 +141,7 @@ def wchar() -> int:
 class GmetaImpl:
     def __init__(self, variant: Variant, tables: list[TableConfig], rank: int):
         self.name, self.call = variant.name, variant.call
+        tables = [dataclasses.replace(t, exchange=variant.exchange) for t in tables]
         plan = plan_tables(tables, WORLD, {t.name: variant.plan for t in tables})
         self.coll = ShardedEmbeddingCollection(plan, rank, seed=SEED, **variant.build)
 

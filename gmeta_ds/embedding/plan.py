@@ -211,8 +211,9 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
             kind = "dynamic"
         elif kind == "dynamic":
             raise ValueError(f"table {t.name!r}: plan dynamic needs kind: dynamic and a capacity")
-        if kind == "auto":
-            kind = "replicated" if t.num_rows < replicate_below_rows else "row_wise"
+        if kind == "auto":  # a table asked to pool on its owners is sharded, however small
+            small = t.num_rows < replicate_below_rows and t.exchange != "pooled"
+            kind = "replicated" if small else "row_wise"
         chosen[t.name] = kind
     load = [0] * world_size
     plans = {}

@@ -6,16 +6,16 @@ For every group of such tables (one dimension, placement and process group), per
    and groups its ids by owner (keeping feature and bag order). Each owner gets, in one all-to-all, its ids (as
    local rows) followed by one (code, length) pair per bag it holds part of, where code = bag x
    n_tables + table; the sizes go first in a small all-to-all of (ids, bags) per owner.
-2. lookup — the owner gathers each distinct row it was asked for once per table, then adds
-   every id's row into its (sender, bag) partial sum in one ``index_add``, in the order the
-   pairs arrived.
+2. lookup — the owner finds the distinct rows it was asked for (one unique over the group),
+   gathers each once, and sums every pair's rows with one fused ``embedding_bag``, in the order
+   the pairs arrived.
 3. output_dist — the partial sums go back (one all-to-all); the requester knows their order
    (its own sorted pairs per owner) and adds the partial sums of each bag, then divides by the
    bag's length for mean pooling.
 
 Backward is the reverse all-to-all of one gradient per partial sum; the owner's shard gets
-one sparse gradient entry per distinct row (`tables.distinct_rows`), already coalesced. Ids and codes travel as int32 when
-every table of the group has fewer than 2^31 rows (the sizes decide it, so every rank agrees).
+one sparse gradient entry per distinct row (`tables.distinct_rows`). Ids and codes travel as
+int32 when every table of the group has fewer than 2^31 rows (the sizes decide it, so every rank agrees).
 Long bags move 4-8 B per id plus one vector per (bag, owner) instead of every distinct row.
 
 Example (world 2, one table, row i on rank i % 2 as local row i // 2): rank 0's bags
@@ -26,6 +26,7 @@ rank 1 returns two vectors (row 9, row 9), and bag 0 = (row 4 + row 6) + row 9, 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,7 +36,42 @@ from gmeta_ds.embedding.tables import Jagged, check_ids, distinct_rows, unique_k
 
 INT32_LIMIT = 2**31 - 1
 # Distinct rows by flags over the shard (linear) up to this many rows per id, else by a sort.
-FLAGS_RATIO = 3.0
+FLAGS_RATIO = 4.0
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One group's tables (sorted names) and features, as small tensors so that the whole
+    group's ids are checked, owned and keyed by tensor ops (no per-feature loop over ids).
+    Per table t: ``num_rows`` (global), how it is sharded (``mode``: 0 row-wise modulo, 1
+    row-wise block, 2 table-wise; ``block``, ``owner``), and ``base``: where this rank's shard
+    starts in one key space of all the group's local rows (``base[-1]`` keys in all)."""
+
+    names: tuple[str, ...]
+    features: tuple[str, ...]
+    table_of_feature: Tensor
+    num_rows: Tensor
+    mode: Tensor
+    block: Tensor
+    owner: Tensor
+    base: Tensor
+    mean: Tensor  # (F,) bool: the feature's table pools by mean
+
+    @staticmethod
+    def of(coll, features: tuple[str, ...], device: torch.device) -> GroupLayout:
+        names = tuple(sorted({coll.by_feature[f].name for f in features}))
+        plans = [coll.plan.tables[n] for n in names]
+        modes = [2 if p.kind == "table_wise" else int(p.row_owner != "modulo") for p in plans]
+        shard_rows = torch.tensor([0] + [coll.shards[n].shape[0] for n in names])
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return GroupLayout(names, features, tensor([names.index(coll.by_feature[f].name) for f in features]),
+                           tensor([p.table.num_rows for p in plans]), tensor(modes),
+                           tensor([p.block for p in plans]), tensor([p.owner for p in plans]),
+                           shard_rows.cumsum(0).to(device),
+                           tensor([coll.by_feature[f].pooling == "mean" for f in features], torch.bool))
 
 
 def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
@@ -48,72 +84,98 @@ def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
                   id(coll.groups[name]))].append(feature)
     out = {}
     for group in by_group.values():
-        out.update(_pooled_group(coll, {f: features[f] for f in group}))
+        device = coll.table_device[coll.by_feature[group[0]].name]
+        key = ("pooled", tuple(group), str(device))
+        if key not in coll._field_tables:
+            coll._field_tables[key] = GroupLayout.of(coll, tuple(group), device)
+        out.update(_pooled_group(coll, coll._field_tables[key], [features[f] for f in group]))
     return out
 
 
-def _pooled_group(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
-    names = sorted({coll.by_feature[f].name for f in features})
-    n_tables = len(names)
-    device = coll.table_device[names[0]]
-    local, codes, owners, first = [], [], [], [0]
-    for feature, jagged in features.items():
-        table = coll.by_feature[feature]
-        plan = coll.plan.tables[table.name]
-        ids = check_ids(jagged.values, feature, table, coll.bad_ids).to(device)
-        owners.append(plan.owners(ids))
-        local.append(plan.local_index(ids))
-        bags = jagged.segment_ids().to(device) + first[-1]
-        codes.append(bags * n_tables + names.index(table.name))
-        first.append(first[-1] + jagged.num_samples)
-    span = max(1, first[-1] * n_tables)  # codes are < span
+def _checked(coll, layout: GroupLayout, values: Tensor, table: Tensor, feature_of) -> Tensor:
+    """`tables.check_ids` of every feature's ids at once (the same errors and ``hash``)."""
+    values = values.long()
+    bound = layout.num_rows[table]
+    if coll.bad_ids == "hash":
+        return torch.remainder(values, bound)
+    bad = (values < 0) | (values >= bound)
+    if len(values) and bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        f = layout.features[feature_of(i)]
+        check_ids(values[i:i + 1], f, coll.by_feature[f], coll.bad_ids)  # raises, naming it
+    return values
+
+
+def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str, Tensor]:
+    n_tables, world = len(layout.names), coll.world
+    device = layout.base.device
+    sizes = [len(j.values) for j in jaggeds]
+    bags_per = [j.num_samples for j in jaggeds]
+    n_bags = sum(bags_per)
+    span = max(1, n_bags * n_tables)  # codes are < span
     if span > INT32_LIMIT:
-        raise ValueError(f"tables {', '.join(names)}: {first[-1]} bags in one lookup; at most "
+        raise ValueError(f"tables {', '.join(layout.names)}: {n_bags} bags in one lookup; at most "
                          f"{INT32_LIMIT // n_tables} can be pooled on their owners (exchange: rows)")
+    for feature, jagged in zip(layout.features, jaggeds):
+        if not torch.is_tensor(jagged.values) or jagged.values.is_floating_point() or \
+                jagged.values.is_complex() or jagged.values.dtype == torch.bool:
+            check_ids(jagged.values, feature, coll.by_feature[feature], coll.bad_ids)  # raises, naming it
+    values = torch.cat([j.values for j in jaggeds]).to(device)
+    bag_len = torch.cat([j.offsets.diff() for j in jaggeds]).to(device)
+    table = torch.repeat_interleave(layout.table_of_feature, torch.tensor(sizes, device=device),
+                                    output_size=len(values))
+    bounds = torch.tensor(sizes).cumsum(0)
+    values = _checked(coll, layout, values, table, lambda i: int(torch.searchsorted(bounds, i, right=True)))
+    bag = torch.repeat_interleave(torch.arange(n_bags, device=device), bag_len, output_size=len(values))
+    codes = bag * n_tables + table
+    if world == 1:
+        owners, local = torch.zeros_like(values), values
+    else:
+        mode, block = layout.mode[table], layout.block[table]
+        owners = torch.where(mode == 0, values % world, torch.where(mode == 1, values // block, layout.owner[table]))
+        local = torch.where(mode == 0, values // world, torch.where(mode == 1, values % block, values))
     # Grouped by owner (stable: each bag's ids for one owner stay together, in feature and bag
     # order), so the (owner, code) pairs are runs: no sort by code needed.
-    owners = torch.cat(owners)
-    order = torch.argsort(owners, stable=True)
-    pairs, lengths = torch.unique_consecutive((owners * span + torch.cat(codes))[order], return_counts=True)
-    local = torch.cat(local)[order]
+    order = torch.argsort(owners, stable=True) if world > 1 else None
+    keys = owners * span + codes
+    pairs, lengths = torch.unique_consecutive(keys[order] if order is not None else keys, return_counts=True)
+    local = local[order] if order is not None else local
     pair_owner = torch.div(pairs, span, rounding_mode="floor")
     pair_code = pairs - pair_owner * span
-    if coll.world == 1:
-        partial = _pool(coll, names, local, pair_code, lengths)
+    if world == 1:
+        partial = _pool(coll, layout, local, pair_code, lengths)
     else:
-        partial = _exchange(coll, names, local, pair_code, lengths, owners, pair_owner)
+        partial = _exchange(coll, layout, local, pair_code, lengths, owners, pair_owner)
     bag_of = torch.div(pair_code, n_tables, rounding_mode="floor").to(partial.device)
-    summed = partial.new_zeros(first[-1], partial.shape[1]).index_add(0, bag_of, partial)
-    out = {}
-    for (feature, jagged), start, end in zip(features.items(), first, first[1:]):
-        pooled = summed[start:end]
-        if coll.by_feature[feature].pooling == "mean":
-            sizes = (jagged.offsets[1:] - jagged.offsets[:-1]).clamp(min=1).to(pooled)
-            pooled = pooled / sizes.unsqueeze(1)
-        out[feature] = pooled.to(coll.device)
-    return out
+    summed = partial.new_zeros(n_bags, partial.shape[1]).index_add(0, bag_of, partial)
+    if bool(layout.mean.any()):
+        divide = torch.repeat_interleave(layout.mean.to(summed.device), torch.tensor(bags_per, device=summed.device),
+                                         output_size=n_bags)
+        scale = torch.where(divide, bag_len.clamp(min=1).to(summed), torch.ones_like(bag_len, dtype=summed.dtype))
+        summed = summed / scale.unsqueeze(1)
+    summed = summed.to(coll.device)
+    return dict(zip(layout.features, torch.split(summed, bags_per)))
 
 
-def _wire_dtype(coll, names: list[str]) -> torch.dtype:
-    rows = max(coll.plan.tables[n].table.num_rows for n in names)
-    return torch.int32 if rows <= INT32_LIMIT else torch.int64
+def _wire_dtype(layout: GroupLayout) -> torch.dtype:
+    return torch.int32 if int(layout.num_rows.max()) <= INT32_LIMIT else torch.int64
 
 
-def _exchange(coll, names, local: Tensor, pair_code: Tensor, lengths: Tensor, owners: Tensor,
+def _exchange(coll, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, owners: Tensor,
               pair_owner: Tensor) -> Tensor:
     """input_dist of [ids | codes | lengths] per owner, the owners' pooling, output_dist."""
-    world, group = coll.world, coll.groups[names[0]]
+    world, group = coll.world, coll.groups[layout.names[0]]
     n_ids = torch.bincount(owners, minlength=world)
     n_pairs = torch.bincount(pair_owner, minlength=world)
     sizes = torch.stack([n_ids, n_pairs], dim=1)  # (W, 2)
     recv_sizes = all_to_all(sizes, [1] * world, [1] * world, coll.stats, coll.rank, "input_dist", group)
-    dtype = _wire_dtype(coll, names)
+    dtype = _wire_dtype(layout)
     send = _pack(local, pair_code, lengths, n_ids, n_pairs, dtype)
     send_splits = (n_ids + 2 * n_pairs).tolist()
     recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).tolist()
     received = all_to_all(send, send_splits, recv_splits, coll.stats, coll.rank, "input_dist", group)
     ids, codes, counts = _unpack(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
-    partial = _pool(coll, names, ids, codes, counts)
+    partial = _pool(coll, layout, ids, codes, counts)
     return all_to_all(partial, recv_sizes[:, 1].tolist(), n_pairs.tolist(), coll.stats, coll.rank,
                       "output_dist", group)
 
@@ -144,30 +206,42 @@ def _unpack(buffer, n_ids, n_pairs) -> tuple[Tensor, Tensor, Tensor]:
             buffer[_segments(start + n_ids + n_pairs, n_pairs)])
 
 
-def _pool(coll, names: list[str], ids: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+def _pool(coll, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
     """Sums of this owner's rows per (sender, bag) pair, in the pairs' order: ``ids`` are the
     local rows of every pair back to back (``lengths`` of them per pair), ``codes`` say each
-    pair's table (code % n_tables). Per table one gather of its distinct rows (whose gradient
-    reaches the shard already coalesced, `tables.distinct_rows`), then one ``index_add`` of
-    every id's row into its pair for all tables together (with its gather, faster on CPU in
-    both directions than ``embedding_bag``'s dense backward, which sorts)."""
-    n_tables = len(names)
-    pair_of = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths,
-                                      output_size=len(ids))
-    table_of = (codes % n_tables)[pair_of] if n_tables > 1 else None
-    rows, index = [], torch.empty_like(ids)
-    base = 0
-    for t, name in enumerate(names):
-        shard = coll.shards[name]
-        where = torch.nonzero(table_of == t).squeeze(1) if n_tables > 1 else None
-        mine = ids[where] if where is not None else ids
-        distinct, inverse = unique_keys(mine, shard.shape[0], FLAGS_RATIO)
-        rows.append(distinct_rows(shard, distinct.to(shard.device)))
-        if where is None:
-            index = inverse
-        else:
-            index[where] = inverse + base
-        base += len(distinct)
-    rows = torch.cat(rows) if len(rows) > 1 else rows[0]
-    out = rows.new_zeros(len(lengths), rows.shape[1])
-    return out.index_add(0, pair_of.to(rows.device), rows.index_select(0, index.to(rows.device)))
+    pair's table (code % n_tables). One unique over the group's keys (local row + the table's
+    ``base``: linear flags when the shards are small next to the ids, else one sort), one
+    gather of each table's distinct rows (their gradient reaches the shard with one entry per
+    distinct row, `tables.distinct_rows`), one fused sum per pair (`_BagSum`)."""
+    n_tables = len(layout.names)
+    table = torch.repeat_interleave(codes % n_tables, lengths, output_size=len(ids)) if n_tables > 1 else 0
+    keys = ids + layout.base[table] if n_tables > 1 else ids
+    distinct, inverse = unique_keys(keys, int(layout.base[-1]), FLAGS_RATIO)
+    counts = torch.searchsorted(distinct, layout.base).diff().tolist() if n_tables > 1 else [len(distinct)]
+    rows = [distinct_rows(coll.shards[name], part - layout.base[t])
+            for t, (name, part) in enumerate(zip(layout.names, torch.split(distinct, counts)))]
+    rows = torch.cat(rows) if n_tables > 1 else rows[0]
+    return _BagSum.apply(rows, inverse, lengths)
+
+
+class _BagSum(torch.autograd.Function):
+    """out[p] = sum of ``rows[inverse[i]]`` over pair p's run of ``lengths[p]`` entries: one
+    fused ``embedding_bag`` forward; backward gathers each entry's pair gradient and adds it
+    into its row (`index_add`; ``embedding_bag``'s own dense backward sorts, slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, inverse: Tensor, lengths: Tensor) -> Tensor:
+        offsets = torch.cumsum(lengths, 0) - lengths
+        ctx.save_for_backward(inverse, lengths)
+        ctx.n_rows = rows.shape[0]
+        if len(lengths) == 0:
+            return rows.new_zeros(0, rows.shape[1])
+        return torch.nn.functional.embedding_bag(inverse, rows, offsets.to(rows.device), mode="sum")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inverse, lengths = ctx.saved_tensors
+        pair_of = torch.repeat_interleave(torch.arange(len(lengths), device=grad.device), lengths.to(grad.device),
+                                          output_size=len(inverse))
+        out = grad.new_zeros(ctx.n_rows, grad.shape[1])
+        return out.index_add_(0, inverse.to(grad.device), grad.index_select(0, pair_of)), None, None

@@ -219,8 +219,8 @@ class _DistinctRows(torch.autograd.Function):
 
 def distinct_rows(weight: Tensor, ids: Tensor) -> Tensor:
     """``weight[ids]`` for sorted, distinct ``ids`` (e.g. from ``torch.unique``), whose gradient
-    reaches ``weight`` as a sparse tensor already coalesced: the optimizer's coalesce, a sort
-    of every gradient entry, costs nothing."""
+    reaches ``weight`` as a sparse tensor of one entry per distinct row (``embedding(...,
+    sparse=True)`` makes one per occurrence, which the optimizer's coalesce must then sort)."""
     return _DistinctRows.apply(weight, ids)
 
 
