@@ -56,6 +56,7 @@ class GroupLayout:
     owner: Tensor
     base: Tensor
     mean: Tensor  # (F,) bool: the feature's table pools by mean
+    modes: frozenset = frozenset()  # the distinct values of ``mode``
 
     @staticmethod
     def of(coll, features: tuple[str, ...], device: torch.device) -> GroupLayout:
@@ -71,7 +72,8 @@ class GroupLayout:
                            tensor([p.table.num_rows for p in plans]), tensor(modes),
                            tensor([p.block for p in plans]), tensor([p.owner for p in plans]),
                            shard_rows.cumsum(0).to(device),
-                           tensor([coll.by_feature[f].pooling == "mean" for f in features], torch.bool))
+                           tensor([coll.by_feature[f].pooling == "mean" for f in features], torch.bool),
+                           frozenset(modes))
 
 
 def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
@@ -95,7 +97,7 @@ def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
 def _checked(coll, layout: GroupLayout, values: Tensor, table: Tensor, feature_of) -> Tensor:
     """`tables.check_ids` of every feature's ids at once (the same errors and ``hash``)."""
     values = values.long()
-    bound = layout.num_rows[table]
+    bound = layout.num_rows.index_select(0, table)
     if coll.bad_ids == "hash":
         return torch.remainder(values, bound)
     bad = (values < 0) | (values >= bound)
@@ -104,6 +106,24 @@ def _checked(coll, layout: GroupLayout, values: Tensor, table: Tensor, feature_o
         f = layout.features[feature_of(i)]
         check_ids(values[i:i + 1], f, coll.by_feature[f], coll.bad_ids)  # raises, naming it
     return values
+
+
+def _owners(layout: GroupLayout, values: Tensor, table: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """Owner rank and local row of every id (`plan.TablePlan.owners` / ``local_index`` of its
+    table), by the group's one sharding mode when it has one (the usual case), else per id."""
+    modes = layout.modes
+    if modes == {0}:
+        return values % world, torch.div(values, world, rounding_mode="floor")
+    if modes == {2}:
+        return layout.owner.index_select(0, table), values
+    block = layout.block.index_select(0, table)
+    if modes == {1}:
+        return torch.div(values, block, rounding_mode="floor"), values % block
+    mode = layout.mode.index_select(0, table)
+    owners = torch.where(mode == 0, values % world, torch.where(mode == 1, values // block,
+                                                                    layout.owner.index_select(0, table)))
+    local = torch.where(mode == 0, values // world, torch.where(mode == 1, values % block, values))
+    return owners, local
 
 
 def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str, Tensor]:
@@ -131,9 +151,7 @@ def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str,
     if world == 1:
         owners, local = torch.zeros_like(values), values
     else:
-        mode, block = layout.mode[table], layout.block[table]
-        owners = torch.where(mode == 0, values % world, torch.where(mode == 1, values // block, layout.owner[table]))
-        local = torch.where(mode == 0, values // world, torch.where(mode == 1, values % block, values))
+        owners, local = _owners(layout, values, table, world)
     # Grouped by owner (stable: each bag's ids for one owner stay together, in feature and bag
     # order), so the (owner, code) pairs are runs: no sort by code needed.
     order = torch.argsort(owners, stable=True) if world > 1 else None
@@ -214,8 +232,8 @@ def _pool(coll, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor
     gather of each table's distinct rows (their gradient reaches the shard with one entry per
     distinct row, `tables.distinct_rows`), one fused sum per pair (`_BagSum`)."""
     n_tables = len(layout.names)
-    table = torch.repeat_interleave(codes % n_tables, lengths, output_size=len(ids)) if n_tables > 1 else 0
-    keys = ids + layout.base[table] if n_tables > 1 else ids
+    table = torch.repeat_interleave(codes % n_tables, lengths, output_size=len(ids)) if n_tables > 1 else None
+    keys = ids + layout.base.index_select(0, table) if n_tables > 1 else ids
     distinct, inverse = unique_keys(keys, int(layout.base[-1]), FLAGS_RATIO)
     counts = torch.searchsorted(distinct, layout.base).diff().tolist() if n_tables > 1 else [len(distinct)]
     rows = [distinct_rows(coll.shards[name], part - layout.base[t])

@@ -89,6 +89,14 @@ class FieldTables:
                            self.bounds.to(device), self.total)
 
 
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's SGD with no momentum, weight decay or maximize: p -= lr * g."""
+    if type(optimizer) is not torch.optim.SGD:
+        return False
+    group = optimizer.param_groups[0]
+    return not (group["momentum"] or group["weight_decay"] or group.get("maximize"))
+
+
 class Request(NamedTuple):
     """One table's lookup request: the ids to fetch (deduplicated unless ``dedup`` is off),
     the index of each looked-up value into them, and how often each occurs (dynamic tables:
@@ -391,16 +399,17 @@ class ShardedEmbeddingCollection:
         return out
 
     # ------------------------------------------------------------------ training
-    def finish_gradients(self) -> None:
+    def finish_gradients(self, leave: frozenset = frozenset()) -> None:
         """Average row gradients over ranks: sharded rows arrived summed over ranks (divide by
-        the world size); replicated tables are all-reduced together, one collective per group."""
+        the world size); replicated tables are all-reduced together, one collective per group.
+        Sharded tables in ``leave`` keep their summed, uncoalesced gradient (`step` scales it)."""
         if self.world == 1:
             return
         replicated = defaultdict(list)
         for name, p in self.shards.items():
             if self.plan.tables[name].kind == "replicated":
                 replicated[(str(p.device), id(self.groups[name]))].append(name)
-            elif p.grad is not None:
+            elif p.grad is not None and name not in leave:
                 p.grad = p.grad.coalesce() / self.world
         for names in replicated.values():
             self._all_reduce_replicated(names)
@@ -428,10 +437,20 @@ class ShardedEmbeddingCollection:
                 rows.unsqueeze(0), chunk[rows, :-1] / self.world, p.shape, check_invariants=False)
 
     def step(self) -> None:
-        """Average gradients, apply each table's sparse optimizer, clear gradients."""
-        self.finish_gradients()
+        """Average gradients, apply each table's sparse optimizer, clear gradients. Plain SGD
+        (no momentum, weight decay or maximize) on a sparse gradient is applied as one
+        ``index_add`` of the uncoalesced gradient, scaled by lr / W: adding the entries of a row
+        one by one is the same update, without coalescing (a sort of every entry)."""
+        direct = frozenset(name for name, p in self.shards.items()
+                           if p.grad is not None and p.grad.is_sparse and _plain_sgd(self.optimizers[name])
+                           and self.plan.tables[name].kind != "replicated")
+        self.finish_gradients(leave=direct)
         for name, p in self.shards.items():
-            if p.grad is not None:
+            if name in direct:
+                grad, lr = p.grad, self.optimizers[name].param_groups[0]["lr"]
+                with torch.no_grad():
+                    p.index_add_(0, grad._indices()[0], grad._values(), alpha=-lr / self.world)
+            elif p.grad is not None:
                 self.optimizers[name].step()
             p.grad = None
 

@@ -106,22 +106,26 @@ POOLED_TABLES = [
     TableConfig("d", 7, 4, ("d_rep",), pooling="sum"),
     TableConfig("e", 29, 3, ("e_dim3",), pooling="sum", exchange="pooled"),
     TableConfig("f", 41, 4, ("f_rows",), pooling="mean", exchange="rows"),
+    TableConfig("g", 19, 5, ("g_alone",), pooling="sum", exchange="pooled"),
 ]
 
 
 def pooled_equals_unsharded() -> None:
     """Tables pooled on their owners (row-wise modulo and block, table-wise, sum and mean,
-    a single-hot feature, empty bags) next to tables exchanged as rows: forward, averaged row
-    gradients and the fused single-hot + bags lookup equal the unsharded twin, and the pooled
-    tables' output_dist carries one partial sum per (remote owner, bag) holding part of it."""
+    a single-hot feature, empty bags; groups of one sharding mode and a mixed one) next to
+    tables exchanged as rows: forward, averaged row gradients and the fused single-hot + bags
+    lookup equal the unsharded twin, and the pooled tables' output_dist carries one partial
+    sum per (remote owner, bag) holding part of it."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    kinds = {"a": "row_wise", "b": "row_wise", "c": "table_wise", "d": "replicated", "e": "table_wise",
-             "f": "row_wise"}
+    kinds = {"a": "row_wise", "b": "table_wise", "c": "table_wise", "d": "replicated", "e": "table_wise",
+             "f": "row_wise", "g": "row_wise"}
     plan = plan_tables(POOLED_TABLES, world, kinds, row_owner="block" if world == 3 else "modulo")
-    assert {n for n, p in plan.tables.items() if p.exchange == "pooled"} == {"a", "b", "e"}
+    assert {n for n, p in plan.tables.items() if p.exchange == "pooled"} == {"a", "b", "e", "g"}
     sharded, twin = ShardedEmbeddingCollection(plan, rank, seed=5), EmbeddingCollection(POOLED_TABLES, seed=5)
     feats = features(rank, world)
     feats["f_rows"] = feats["b_mean"]
+    feats["g_alone"] = Jagged(torch.tensor([18, 3, 3, 7, 0]) if rank == 0 else torch.tensor([5, 6]),
+                              torch.tensor([0, 2, 2, 5]) if rank == 0 else torch.tensor([0, 2]))
     compare_with_twin(sharded, twin, feats)
     # output_dist: one partial sum (d floats) per (bag, remote owner holding part of the bag)
     pooled_only = {n: j for n, j in feats.items() if sharded.by_feature[n].name in sharded.pooled}
