@@ -93,6 +93,19 @@ def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
     assert b["eval"]["query_rows"] == a["eval"]["query_rows"] > 0
 
 
+def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_pool(tmp_path):
+    config = ml_config(tmp_path, embedding={**SHARDED, "exchange": "pooled"})
+    out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(config), "--world-size", "2"]).stdout
+    genres = next(line for line in out.splitlines() if line.strip().startswith("genres:"))
+    assert "pooled on the owner (est." in genres and "B per bag as rows" in genres, out
+    assert "pooled" not in next(line for line in out.splitlines() if line.strip().startswith("item_id:"))
+    bad = ml_config(tmp_path / "bad", embedding={**SHARDED, "tables": {"gender": {"plan": "replicated",
+                                                                                   "exchange": "pooled"}}})
+    proc = run([str(BIN / "gmeta-ds"), "validate", "--config", str(bad)], expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "table 'gender': exchange pooled needs a row_wise or table_wise static table" in proc.stderr
+
+
 def test_missing_file_is_reported_with_its_name(tmp_path):
     path = ml_config(tmp_path)
     (tmp_path / "ml-100k" / "u.user").unlink()

@@ -56,3 +56,19 @@ def test_multi_hot_rows_are_mean_pooled_and_train():
     learner(batch).loss.backward()
     # every genre id occurs in some bag: the pooled rows carry gradient to each of them
     assert torch.all(table.grad.abs().sum(1) > 0)
+
+
+def test_bag_statistics_mean_length_and_expected_distinct_ids():
+    from gmeta_ds.data.tasks import bag_statistics
+
+    stats = bag_statistics(task_set(), tasks_per_micro_batch=2)["genres"]
+    values = task_set().multi["genres"][0]
+    assert stats.mean_length == len(values) / 7  # 9 ids over 7 rows
+    # one micro-batch of 2 average tasks (7 rows) draws 9 ids from the genres' frequencies
+    p = np.bincount(values) / len(values)
+    p = p[p > 0]
+    expected = np.sum(1 - (1 - p) ** 9) / 9
+    assert abs(stats.distinct_ratio - expected) < 1e-9
+    rng = np.random.default_rng(0)  # the same by simulation
+    simulated = np.mean([len(np.unique(rng.choice(values, 9))) / 9 for _ in range(20000)])
+    assert abs(stats.distinct_ratio - simulated) < 0.01
