@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from gmeta_ds.algorithms.base import MetaLearner
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, single_fields
+from gmeta_ds.data.popularity import (
+    EPS,
+    item_column,  # noqa: F401  (re-exported: callers import it from here)
+    item_statistics,
+    shrunk_score,
+)
+from gmeta_ds.data.tasks import TaskSet
 from gmeta_ds.evaluation import predict, score
 from gmeta_ds.metrics import score_tasks
 
@@ -32,16 +38,6 @@ POPULARITY_METRICS = {"binary": ("auc", "auc_per_task", "logloss"), "regression"
 # eval.finetune_search's grid: inner learning rate x fine-tuning steps.
 SEARCH_LRS = (0.01, 0.03, 0.1, 0.3, 1.0)
 SEARCH_STEPS = (1, 2, 5, 10)
-
-
-def item_column(fields: list[FieldSpec]) -> int:
-    """Column of the item id in ``TaskSet.ids``: the first item-side single-hot field (the
-    builder puts the schema's item key first among the item fields; synthetic data's
-    ``item_id`` comes first too)."""
-    for j, f in enumerate(single_fields(fields)):
-        if f.side == "item":
-            return j
-    raise ValueError("no item-side single-hot field: the popularity baseline needs an item id column")
 
 
 @dataclass
@@ -89,25 +85,17 @@ def fit_popularity(train: TaskSet, column: int, kind: str, oov_id: int | None = 
     """
     if kind not in POPULARITY_METRICS:
         raise ValueError(f"kind must be one of {tuple(POPULARITY_METRICS)}, got {kind!r}")
-    items = train.ids[:, column].astype(np.int64)
-    item_ids = None
+    items, item_ids = None, None
     if raw:
-        item_ids, items = np.unique(items, return_inverse=True)
+        item_ids, items = np.unique(train.ids[:, column].astype(np.int64), return_inverse=True)
         items, oov_id = items.reshape(-1), None
-    labels = train.labels.astype(np.float64)
-    size = int(items.max()) + 1 if len(items) else 0
-    count = np.bincount(items, minlength=size).astype(np.float64)
-    total = np.bincount(items, labels, minlength=size)
-    mean = float(labels.mean())
+    shown, total, mean = item_statistics(train, column, oov_id, items)
     if kind == "binary":
-        rate = np.clip(mean, 1e-6, 1.0 - 1e-6)
-        prior_score = float(_logit(rate))
-        item_score = _logit(np.clip((total + prior * rate) / (count + prior), 1e-6, 1.0 - 1e-6))
+        mean = float(np.clip(mean, EPS, 1.0 - EPS))
+        prior_score = float(_logit(mean))
     else:
         prior_score = mean
-        item_score = (total + prior * mean) / (count + prior)
-    if oov_id is not None and 0 <= oov_id < size:
-        item_score[oov_id] = prior_score
+    item_score = shrunk_score(total, shown, prior, mean, kind)
     return Popularity(kind, column, item_score, prior_score, offset_prior, item_ids)
 
 

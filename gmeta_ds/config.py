@@ -58,6 +58,10 @@ class ModelConfig:
     cross_layers: int = 2                     # dcn_v2: cross layers
     bottom_hidden: list[int] = field(default_factory=list)  # dlrm: hidden widths of the bottom projection (d -> ... -> d)
     tower_hidden: list[int] = field(default_factory=lambda: [64, 32])  # two_tower: each tower; the last = dot-product dim
+    # Every model: add the training users' item popularity (shrunk click log-odds / mean rating)
+    # as a logit offset, weight * popularity + bias (models/popularity.py; popularity.* in meta.adapt).
+    item_popularity: bool = False
+    popularity_prior: float = 10.0            # pseudo-interactions at the global rate per item
 
 
 @dataclass
@@ -453,6 +457,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if not cfg.model.tower_hidden:
         problems.append("model.tower_hidden: empty; the last width is the two towers' dot-product dimension")
     _positive(problems, "model.cross_layers", cfg.model.cross_layers)
+    _positive(problems, "model.popularity_prior", cfg.model.popularity_prior)
     if cfg.data.source == "synthetic":
         _validate_synthetic(cfg.data.synthetic, problems)
     else:

@@ -16,6 +16,7 @@ from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
 from gmeta_ds.metrics import score_tasks
+from gmeta_ds.models.popularity import with_offset
 
 
 def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple, xq) -> Tensor:
@@ -45,7 +46,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
         batch = collate(tasks, which[start:start + tasks_per_batch])
         with torch.no_grad():
             rows_s, rows_q = embed_batch(embedder(net), batch)
-            plain = net(rows_q)
+            plain = with_offset(net, net(rows_q), batch.query_ids)
             theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
         theta = {n: v.detach() for n, v in theta.items()}
         adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
@@ -97,7 +98,9 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
             rows = order[start:start + batch_size]
             multi = {name: Jagged(*(torch.from_numpy(a.astype(np.int64)) for a in take_rows(v, o, rows.numpy())))
                      for name, (v, o) in tasks.multi.items()}
-            loss = loss_fn(net(embedder(net)(ids[rows], multi)), labels[rows], ones[: len(rows)])
+            # A training row is left out of its own item's popularity counts (models/popularity.py).
+            logits = with_offset(net, net(embedder(net)(ids[rows], multi)), ids[rows], labels[rows])
+            loss = loss_fn(logits, labels[rows], ones[: len(rows)])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

@@ -19,7 +19,7 @@ from torch.func import functional_call
 from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import LOSSES, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
+from gmeta_ds.functional.inner import LOSSES, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features, check_split
 
@@ -90,7 +90,8 @@ class MetaAlgorithm:
         module, prefix = (learner.net, "") if split is None else (HeadModule(learner.net, split), HeadModule.PREFIX)
         return InnerLoop(module, steps or self.inner_steps,
                          self.first_order if first_order is None else first_order,
-                         loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields, prefix=prefix)
+                         loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields, prefix=prefix,
+                         offset=getattr(learner.net, "popularity", None))
 
     def run(self, learner: "MetaLearner", theta: Params, support: tuple, query: tuple,
             query_fast=lambda f: f) -> TaskOutputs:
@@ -158,8 +159,12 @@ class MetaLearner(nn.Module):
         """Names of everything the inner loop adapts: dense parameters, then field rows."""
         return self.adapted + [row_param_name(f) for f in self.adapted_fields.values()]
 
-    def task_inputs(self, batch: TaskBatch, rows_s: Tensor, rows_q: Tensor) -> tuple[Params, tuple, tuple]:
-        """theta (adapted meta-parameters), support and query tuples for the inner loop."""
+    def task_inputs(self, batch: TaskBatch, rows_s: Tensor, rows_q: Tensor,
+                    training: bool = False) -> tuple[Params, tuple, tuple]:
+        """theta (adapted meta-parameters), support and query tuples for the inner loop. With
+        an item-popularity offset (``net.popularity``) each input is (x, statistic);
+        ``training``: the batch's users are in the popularity counts, so each row is left out
+        of its own item's counts (models/popularity.py)."""
         params = dict(self.net.named_parameters())
         theta = {n: params[n] for n in self.adapted}
         xs, xq = rows_s, rows_q
@@ -168,6 +173,10 @@ class MetaLearner(nn.Module):
                                                        rows_q, self.adapted_fields)
             theta.update(table_rows)
             xs, xq = (rows_s, index_s), (rows_q, index_q)
+        popularity = getattr(self.net, "popularity", None)
+        if popularity is not None:
+            xs = (xs, popularity.statistic(batch.support_ids, batch.support_y if training else None))
+            xq = (xq, popularity.statistic(batch.query_ids, batch.query_y if training else None))
         return theta, (xs, batch.support_y, batch.support_mask), (xq, batch.query_y, batch.query_mask)
 
     def body_split(self) -> tuple[BodySplit | None, str]:
@@ -178,11 +187,13 @@ class MetaLearner(nn.Module):
         offer = getattr(self.net, "split_body", None)
         if offer is None:
             return None, f"{type(self.net).__name__} defines no split_body"
-        split = offer(list(self.adapted))
+        # The popularity offset is added after the model's forward: never in its body.
+        adapted = [n for n in self.adapted if not n.startswith(OFFSET_PREFIX)]
+        split = offer(adapted)
         if split is None:
             return None, (f"{type(self.net).__name__}.split_body has no body for meta.adapt "
                           f"{self.algorithm.adapt} (everything, or its first layers, adapt)")
-        why = check_split(self.net, split, self.adapted)
+        why = check_split(self.net, split, adapted)
         return (None, why) if why else (split, "")
 
     @property
@@ -248,7 +259,7 @@ class MetaLearner(nn.Module):
     def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:
         """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows)."""
         rows_s, rows_q = rows if rows is not None else embed_batch(embedder(self.net), batch)
-        theta, support, query = self.task_inputs(batch, rows_s, rows_q)
+        theta, support, query = self.task_inputs(batch, rows_s, rows_q, training=True)
         return self.outer_loss(theta, support, query)
 
     def outer_loss(self, theta: Params, support: tuple, query: tuple) -> MetaOutput:
@@ -269,5 +280,9 @@ class MetaLearner(nn.Module):
         split = self.active_split
         if split is None:
             return support, query
-        fs, fq = body_features(split.body, support[0], query[0])
-        return (fs, *support[1:]), (fq, *query[1:])
+        if getattr(self.net, "popularity", None) is None:
+            fs, fq = body_features(split.body, support[0], query[0])
+            return (fs, *support[1:]), (fq, *query[1:])
+        (xs, stat_s), (xq, stat_q) = support[0], query[0]  # the statistic bypasses the body
+        fs, fq = body_features(split.body, xs, xq)
+        return ((fs, stat_s), *support[1:]), ((fq, stat_q), *query[1:])

@@ -26,6 +26,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
+OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
 # A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
 LearningRates = Mapping[str, "float | Tensor"]
 
@@ -77,6 +78,10 @@ class InnerLoop:
     row_fields: dict[int, str] = field(default_factory=dict)
     # Prepended to parameter names for functional_call (``net.`` for a `split.HeadModule`).
     prefix: str = ""
+    # The net's item-popularity offset (models/popularity.py), or None. When set, one task's
+    # inputs are (x, statistic (N,)) and the logits get ``offset(statistic)`` added, with the
+    # offset's parameters (``popularity.*``) taken from the adapted ones when they adapt.
+    offset: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         # functional_call re-checks weight tying on every call by walking every parameter
@@ -87,10 +92,18 @@ class InnerLoop:
 
     def logits(self, fast: Params, x) -> Tensor:
         """Model output of one task with the adapted ("fast") parameters ``fast``; ``x`` is
-        rows, or (rows, index) when embedding rows adapt too."""
+        rows, or (rows, index) when embedding rows adapt too; with an ``offset``, (that,
+        statistic)."""
         params = {self.prefix + n: v for n, v in fast.items() if not n.startswith(ROW_PREFIX)}
+        statistic = None
+        if self.offset is not None:
+            x, statistic = x
         inputs = compose_rows(fast, x, self.row_fields)
-        return functional_call(self.module, params, (inputs,), tie_weights=self.tied)
+        out = functional_call(self.module, params, (inputs,), tie_weights=self.tied)
+        if statistic is None:
+            return out
+        own = {n[len(OFFSET_PREFIX):]: v for n, v in fast.items() if n.startswith(OFFSET_PREFIX)}
+        return out + functional_call(self.offset, own, (statistic.to(out.dtype),))
 
     def task_loss(self, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
         """Loss of one task with the adapted parameters ``fast``."""

@@ -59,5 +59,5 @@ def compose_rows(fast: dict[str, Tensor], x, fields: dict[int, str]) -> Tensor:
 
 
 def select_task(x, i: int):
-    """Task ``i`` of a batched input (a tensor or a tuple of tensors)."""
-    return tuple(a[i] for a in x) if isinstance(x, tuple) else x[i]
+    """Task ``i`` of a batched input (a tensor or nested tuples of tensors)."""
+    return tuple(select_task(a, i) for a in x) if isinstance(x, tuple) else x[i]

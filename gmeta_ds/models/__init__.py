@@ -22,18 +22,26 @@ from gmeta_ds.registry import MODELS
 DEFAULT_ADAPT = tuple(MetaConfig().adapt)
 
 
-def build_model(cfg: ModelConfig, fields, emb, seed: int, with_tables: bool = True):
+def build_model(cfg: ModelConfig, fields, emb, seed: int, with_tables: bool = True,
+                kind: str = "binary", oov_id: int | None = 0):
     """The model ``cfg.name`` (a name in `registry.MODELS`) over ``fields``, with its own
     unsharded tables initialised from ``seed`` (``with_tables``: the tables are replicated)
     or without tables (their rows come from a sharded collection). The caller seeds torch for
-    the dense weights; the tables' rows depend on ``seed`` only."""
+    the dense weights; the tables' rows depend on ``seed`` only. With ``cfg.item_popularity``
+    the model gets a `popularity.PopularityOffset` (``net.popularity``) for labels ``kind``
+    whose item id ``oov_id`` is the OOV id (None: none); fit its counts with
+    `popularity.fit`."""
     from gmeta_ds.embedding.tables import EmbeddingCollection
     from gmeta_ds.models.base import field_tables
+    from gmeta_ds.models.popularity import PopularityOffset
 
     cls = MODELS[cfg.name]
     embedding = (EmbeddingCollection(field_tables(fields, cfg.embed_dim, emb), seed, emb.bad_ids)
                  if with_tables else None)
-    return cls.from_config(fields, cfg, embedding)
+    net = cls.from_config(fields, cfg, embedding)
+    if cfg.item_popularity:
+        net.popularity = PopularityOffset(fields, kind, cfg.popularity_prior, oov_id)
+    return net
 
 
 def resolve_adapt(net, adapt) -> list[str]:

@@ -34,6 +34,7 @@ from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseli
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
+from gmeta_ds.models.popularity import fit as fit_popularity_offset
 from gmeta_ds.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
@@ -48,7 +49,7 @@ class CTRWorkload(Workload):
     def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
         data = build_data(cfg)
         sharded = build_sharded(cfg, data.fields, rank, world_size)
-        learner = build_learner(cfg, data.fields, with_tables=sharded is None)
+        learner = build_learner(cfg, data.fields, with_tables=sharded is None, train=data.train)
         tables = [p.table for p in sharded.plan.tables.values()] if sharded is not None else []
         return Built(learner, data, sharded, tables, [f.name for f in data.fields],
                      {"lookup_fields": [f.name for f in single_fields(data.fields)]})
@@ -75,7 +76,7 @@ class CTRWorkload(Workload):
 
     def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
         data = build_data(cfg)
-        learner = build_learner(cfg, data.fields)
+        learner = build_learner(cfg, data.fields)  # the popularity counts come with the weights
         ds_engine.load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
         return run_evaluation(cfg, learner, data)
 
@@ -193,11 +194,15 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
     build_learner(cfg, fields, with_tables=False)
 
 
-def build_learner(cfg: RunConfig, fields, with_tables: bool = True) -> MetaLearner:
+def build_learner(cfg: RunConfig, fields, with_tables: bool = True, train=None) -> MetaLearner:
     """Model + algorithm, initialised from the run seed (identical on every rank). Without
-    tables when they are sharded outside the engine."""
+    tables when they are sharded outside the engine. ``train``: the training tasks, which
+    ``model.item_popularity``'s counts are fitted on (the same on every rank)."""
     torch.manual_seed(cfg.seed)
-    net = build_model(cfg.model, fields, cfg.embedding, cfg.seed, with_tables)
+    net = build_model(cfg.model, fields, cfg.embedding, cfg.seed, with_tables, kind=label_kind(cfg),
+                      oov_id=None if cfg.data.source == "synthetic" else 0)
+    if train is not None:
+        fit_popularity_offset(net, train)
     # meta.vectorize: auto -- activations of one task's padded rows through the model (its
     # rough floats per row), kept for every inner step and the outer pass (x3: values,
     # gradients, second-order terms).
@@ -245,7 +250,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
         return {}
     tuned = {}
     if cfg.eval.baseline:
-        baseline = build_learner(cfg, data.fields)
+        baseline = build_learner(cfg, data.fields, train=data.train)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
         if cfg.eval.finetune_search:  # chosen on validation users only; test users scored once

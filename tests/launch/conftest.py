@@ -90,6 +90,18 @@ def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
 
 
+def one_and_two_ranks(tmp_path: Path, **sections) -> tuple[dict, dict]:
+    """The summaries of `tiny_config` with ``sections`` trained by one process (``one/``) and
+    by two ranks under the deepspeed launcher (``two/``)."""
+    single = tiny_config(tmp_path / "one", **sections)
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(single)])
+    double = tiny_config(tmp_path / "two", **sections)
+    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(double)))
+    one, two = summary(single), summary(double)
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    return one, two
+
+
 def assert_same_model(a: dict, b: dict) -> None:
     """Two runs over the same global tasks per meta-step trained the same model."""
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):

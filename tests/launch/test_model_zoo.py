@@ -4,7 +4,7 @@ Each model runs a different algorithm so all four are covered; two_tower also ad
 from __future__ import annotations
 
 import pytest
-from conftest import BIN, assert_same_model, deepspeed_cmd, run, summary, tiny_config
+from conftest import assert_same_model, one_and_two_ranks
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -23,11 +23,6 @@ def test_zoo_model_two_ranks_equal_one_process(tmp_path, name):
     model, meta = CASES[name]
     sections = {"model": {"name": name, **model}, "meta": meta, "embedding": SHARDED,
                 "train": {"meta_steps": 3, "tensorboard": False}}
-    single = tiny_config(tmp_path / "one", **sections)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(single)])
-    double = tiny_config(tmp_path / "two", **sections)
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(double)))
-    one, two = summary(single), summary(double)
-    assert one["world_size"] == 1 and two["world_size"] == 2
+    one, two = one_and_two_ranks(tmp_path, **sections)
     assert one["config"]["model"]["name"] == two["config"]["model"]["name"] == name
     assert_same_model(two, one)

@@ -1,0 +1,214 @@
+"""Item popularity as a logit offset of every model (``model.item_popularity``,
+gmeta_ds/models/popularity.py): the statistic by hand, no leakage from held-out users or a
+training row's own label, config errors, vmap == loop, the body split, sharded rows, and the
+counts saved and loaded with the model."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gmeta_ds.algorithms import ALGORITHMS, MetaLearner
+from gmeta_ds.algorithms.base import embed_batch, embedder
+from gmeta_ds.baselines import fit_popularity
+from gmeta_ds.config import EmbeddingConfig, config_from_dict
+from gmeta_ds.data.tasks import FieldSpec, TaskSet, collate
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.evaluation import predict
+from gmeta_ds.models import build_model
+from gmeta_ds.models.popularity import PopularityOffset
+from gmeta_ds.registry import MODELS
+from tests.unit.models.test_zoo import FIELDS, TINY, batch, make_net, meta_grads, task_set
+
+LOG_FIELDS = [FieldSpec("age", 3, "user"), FieldSpec("item_id", 5, "item")]
+
+
+def _log(rows: list[list[tuple[int, float]]], support: list[int]) -> TaskSet:
+    """Tasks of (item, label) rows; the age column is 0."""
+    flat = [r for task in rows for r in task]
+    ids = np.zeros((len(flat), 2), dtype=np.int32)
+    ids[:, 1] = [item for item, _ in flat]
+    offsets = np.concatenate([[0], np.cumsum([len(t) for t in rows])]).astype(np.int64)
+    return TaskSet(LOG_FIELDS, ids, np.array([y for _, y in flat], dtype=np.float32), offsets,
+                   np.array(support, dtype=np.int64), np.arange(len(rows), dtype=np.int64))
+
+
+# Item 1: 2 clicks / 3 shown, item 2: 0 / 2, item 3: 1 / 1; global click rate 1/2; item 0 is
+# the OOV id, item 4 is never seen.
+TRAIN = _log([[(1, 1), (1, 1), (1, 0)], [(2, 0), (2, 0), (3, 1)]], [1, 1])
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_the_statistic_is_the_shrunk_click_log_odds_by_hand():
+    pop = PopularityOffset(LOG_FIELDS, "binary", prior=2.0, oov_id=0).fit(TRAIN)
+    items = torch.tensor([[0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 7]])
+    expected = [0.0, logit(3 / 5), logit(1 / 4), logit(2 / 3), 0.0, 0.0]  # (clicks + 2 * 1/2) / (shown + 2)
+    torch.testing.assert_close(pop.statistic(items), torch.tensor(expected), atol=1e-6, rtol=0)
+    # ... the popularity baseline's own item scores (the same statistic, one code path).
+    baseline = fit_popularity(TRAIN, 1, "binary", oov_id=0, prior=2.0)
+    torch.testing.assert_close(pop.statistic(items[:4]).double(), torch.from_numpy(baseline.item_score),
+                               atol=1e-6, rtol=0)
+    # Leave-one-out for training rows, from the counts and the global rate (3/6) without the
+    # row: item 1 clicked -> (1 + 2 * 2/5) / (2 + 2); item 2 not clicked -> (0 + 2 * 3/5) / (1 + 2);
+    # item 3's only row -> its prior 2/5; the OOV id is never counted (global 1/2).
+    loo = pop.statistic(items[:4], labels=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    torch.testing.assert_close(loo, torch.tensor([0.0, logit(0.45), logit(0.4), logit(0.4)]), atol=1e-6, rtol=0)
+    loo = pop.statistic(items[1:2], labels=torch.tensor([0.0]))  # item 1 not clicked: (2 + 2 * 3/5) / 4
+    torch.testing.assert_close(loo, torch.tensor([logit(0.8)]), atol=1e-6, rtol=0)
+    # The offset: weight (1) * statistic + bias (0).
+    torch.testing.assert_close(pop(pop.statistic(items)), pop.statistic(items))
+
+
+def test_ratings_shrink_the_mean_rating():
+    train = _log([[(1, 5.0), (1, 3.0), (2, 1.0)]], [1])
+    pop = PopularityOffset(LOG_FIELDS, "regression", prior=1.0).fit(train)
+    mean = 3.0
+    got = pop.statistic(torch.tensor([[0, 1], [0, 2], [0, 4]]))
+    torch.testing.assert_close(got, torch.tensor([(8 + mean) / 3, (1 + mean) / 2, mean]))
+    loo = pop.statistic(torch.tensor([[0, 1]]), labels=torch.tensor([5.0]))  # mean without it: 2
+    torch.testing.assert_close(loo, torch.tensor([(3 + 2.0) / 2]))
+
+
+def test_no_leakage_from_held_out_users_or_a_rows_own_label():
+    """The counts come from the training tasks of the CTR workload only: changing every
+    validation and test label changes nothing; a training row's leave-one-out statistic does
+    not move with its own label."""
+    from gmeta_ds.workloads.ctr import CTRWorkload
+
+    cfg = config_from_dict({"model": {"embed_dim": 4, "hidden": [8], "item_popularity": True},
+                            "data": {"synthetic": {"num_users": 40, "num_items": 30, "max_interactions": 20}}})
+    built = CTRWorkload().build(cfg, 0, 1)
+    data, learner = built.data, built.learner
+    pop = learner.net.popularity
+    assert len(data.test) and len(data.train)
+    assert [f.name for f in data.fields][pop.column] == "item_id"
+    items = data.train.ids[:, pop.column].astype(np.int64)
+    np.testing.assert_array_equal(pop.shown.numpy(), np.bincount(items, minlength=len(pop.shown)))
+    np.testing.assert_allclose(pop.total.numpy(), np.bincount(items, data.train.labels, minlength=len(pop.shown)),
+                               rtol=1e-6)
+    assert pop.rows.item() == data.train.num_interactions  # no validation or test row counted
+    # Leave-one-out: refit with one training label flipped; that row's statistic is unchanged.
+    train = copy.copy(data.train)
+    train.labels = data.train.labels.copy()
+    ids = torch.from_numpy(data.train.ids[:1].astype(np.int64))
+    before = pop.statistic(ids, torch.from_numpy(train.labels[:1]))
+    train.labels[0] = 1.0 - train.labels[0]
+    moved = PopularityOffset(data.fields, "binary", 10.0, None).fit(train)
+    assert moved.mean.item() != pop.mean.item()
+    torch.testing.assert_close(moved.statistic(ids, torch.from_numpy(train.labels[:1])), before)
+    assert not torch.allclose(moved.statistic(ids), pop.statistic(ids))  # the full counts moved
+    # Meta-training batches use the leave-one-out statistic, evaluation the full one.
+    b = collate(data.train, [0, 1])
+    rows = embed_batch(embedder(learner.net), b)
+    _, support, _ = learner.task_inputs(b, *rows, training=True)
+    torch.testing.assert_close(support[0][1], pop.statistic(b.support_ids, b.support_y))
+    _, support, _ = learner.task_inputs(b, *rows)
+    torch.testing.assert_close(support[0][1], pop.statistic(b.support_ids))
+
+
+def test_bad_values_name_the_key():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"item_popularity": "yes", "popularity_prior": 0}})
+    text = str(err.value)
+    assert "model.item_popularity: expected bool, got 'yes'" in text
+    assert "model.popularity_prior: 0.0 is not a positive number" in text
+    with pytest.raises(ConfigError, match="model.popularity_prior: -1.0 is not a positive number"):
+        config_from_dict({"model": {"item_popularity": True, "popularity_prior": -1.0}})
+    raw = [FieldSpec("age", 3, "user"), FieldSpec("item_id", 5, "item", raw=True)]
+    with pytest.raises(ConfigError, match="model.item_popularity: the item field 'item_id' keeps raw ids"):
+        PopularityOffset(raw)
+
+
+def pop_net(name: str, with_tables: bool = True):
+    """`make_net` with a popularity offset fitted on the zoo's tasks, weight 0.7, bias 0.2."""
+    net = make_net(name, with_tables)
+    ref = build_model(dataclasses.replace(TINY, name=name, item_popularity=True, popularity_prior=3.0),
+                      FIELDS, EmbeddingConfig(), 0, with_tables)
+    net.popularity = ref.popularity.fit(task_set(6, seed=1)).double()
+    with torch.no_grad():
+        net.popularity.weight.fill_(0.7)
+        net.popularity.bias.fill_(0.2)
+    return net
+
+
+def pop_learner(name, algorithm, vectorize, adapt=None, with_tables=True):
+    net = pop_net(name, with_tables)
+    adapt = adapt or [*net.default_adapt, "popularity.*", "embedding.item_id"]
+    return MetaLearner(net, ALGORITHMS[algorithm](2, 0.3, adapt, vectorize, "binary")).double()
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("name", MODELS.names())
+def test_vmap_and_loop_agree_with_the_offset(name, algorithm):
+    """Every model and algorithm with the offset adapted (``popularity.*``) next to the
+    model's default and the item rows: vmap == loop, and the offset's weight learns."""
+    b = batch()
+    gv, ov = meta_grads(pop_learner(name, algorithm, True), b)
+    gl, ol = meta_grads(pop_learner(name, algorithm, False), b)
+    torch.testing.assert_close(ov.task_query_loss, ol.task_query_loss, rtol=1e-10, atol=1e-12)
+    assert gv.keys() == gl.keys() and "net.popularity.weight" in gv
+    for n in gv:
+        torch.testing.assert_close(gv[n], gl[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert gv["net.popularity.weight"].abs().sum() > 0
+    # The offset is in the loss: without it the query losses differ.
+    plain = pop_learner(name, algorithm, True)
+    del plain.net.popularity
+    plain = MetaLearner(plain.net, ALGORITHMS[algorithm](2, 0.3, [*plain.net.default_adapt], True, "binary")).double()
+    assert not torch.allclose(plain(b).task_query_loss, ov.task_query_loss)
+
+
+@pytest.mark.parametrize("name", MODELS.names())
+def test_handed_in_rows_equal_own_tables_with_the_offset(name):
+    """Sharded tables (rows handed in, a net without tables) give the same loss and dense
+    meta-gradients as the net looking its rows up, offset included."""
+    b = batch()
+    owner = pop_learner(name, "maml", True)
+    bare = pop_learner(name, "maml", True, with_tables=False)
+    rows_s, rows_q = embed_batch(embedder(owner.net), b)
+    g_own, o_own = meta_grads(owner, b)
+    g_bare, o_bare = meta_grads(bare, b, (rows_s.detach(), rows_q.detach()))
+    torch.testing.assert_close(o_bare.task_query_loss, o_own.task_query_loss, rtol=1e-12, atol=1e-14)
+    for n, g in g_bare.items():
+        torch.testing.assert_close(g, g_own[n], rtol=1e-10, atol=1e-13, msg=n)
+
+
+@pytest.mark.parametrize("algorithm", ["maml", "reptile"])
+def test_body_split_with_the_offset(algorithm):
+    """MeLU's body split (adapting its last layer and the offset) equals the whole model."""
+    whole = pop_learner("melu", algorithm, True, adapt=["mlp.2.*", "popularity.*"])
+    whole.algorithm.split_body = True
+    split = copy.deepcopy(whole)
+    split.prepare_engine(0)
+    assert split.active_split is not None
+    b = batch()
+    g_whole, o_whole = meta_grads(whole, b)
+    g_split, o_split = meta_grads(split, b)
+    assert o_split.loss.item() == pytest.approx(o_whole.loss.item(), rel=1e-12, abs=1e-14)
+    assert g_split.keys() == g_whole.keys()
+    for n in g_whole:
+        torch.testing.assert_close(g_split[n], g_whole[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_counts_are_saved_and_loaded_with_the_model():
+    """The counts are buffers of the state dict: a fresh, unfitted learner loading it predicts
+    exactly as the fitted one (``gmeta-ds eval``), and differs before loading."""
+    tasks = task_set(6, seed=2)
+    fitted = pop_learner("melu", "reptile", True)
+    fresh = pop_learner("melu", "reptile", True)
+    fresh.net.popularity.shown.zero_()
+    fresh.net.popularity.total.zero_()
+    assert {"net.popularity.shown", "net.popularity.total", "net.popularity.mean"} <= set(fitted.state_dict())
+    lrs = {n: 0.3 for n in fitted.adapted_names()}
+    want = predict(fitted, lrs, tasks, 2)
+    assert not np.allclose(predict(fresh, lrs, tasks, 2)["plain"], want["plain"])
+    fresh.load_state_dict(fitted.state_dict())
+    got = predict(fresh, lrs, tasks, 2)
+    np.testing.assert_allclose(got["adapted"], want["adapted"], rtol=1e-12)
+    np.testing.assert_allclose(got["plain"], want["plain"], rtol=1e-12)
