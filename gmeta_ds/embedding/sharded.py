@@ -97,6 +97,33 @@ def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     return not (group["momentum"] or group["weight_decay"] or group.get("maximize"))
 
 
+def _plain_adagrad(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's Adagrad with no lr decay, weight decay or maximize."""
+    if type(optimizer) is not torch.optim.Adagrad:
+        return False
+    group = optimizer.param_groups[0]
+    return not (group["lr_decay"] or group["weight_decay"] or group["maximize"])
+
+
+@torch.no_grad()
+def adagrad_rows(optimizer: torch.optim.Adagrad, p: nn.Parameter) -> None:
+    """`torch.optim.Adagrad`'s sparse step for ``p`` (its state ``sum`` and ``step`` kept, so
+    checkpoints and torch's own step stay interchangeable), on the touched rows by index
+    ops: ``s_i += g_i^2``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``. The same arithmetic as
+    torch's, without its sparse-tensor temporaries (sparse_mask, sparse adds)."""
+    group = optimizer.param_groups[0]
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+    state["step"] += 1
+    grad = p.grad.coalesce()
+    rows, values = grad._indices()[0], grad._values()
+    total = state["sum"].index_select(0, rows).add_(values * values)
+    state["sum"].index_copy_(0, rows, total)
+    p.index_add_(0, rows, values.div(total.sqrt_().add_(group["eps"])).mul_(-group["lr"]))
+
+
 class Request(NamedTuple):
     """One table's lookup request: the ids to fetch (deduplicated unless ``dedup`` is off),
     the index of each looked-up value into them, and how often each occurs (dynamic tables:
@@ -440,18 +467,22 @@ class ShardedEmbeddingCollection:
         """Average gradients, apply each table's sparse optimizer, clear gradients. Plain SGD
         (no momentum, weight decay or maximize) on a sparse gradient is applied as one
         ``index_add`` of the uncoalesced gradient, scaled by lr / W: adding the entries of a row
-        one by one is the same update, without coalescing (a sort of every entry)."""
+        one by one is the same update, without coalescing (a sort of every entry). Plain
+        Adagrad takes `adagrad_rows`, torch's arithmetic by index ops."""
         direct = frozenset(name for name, p in self.shards.items()
                            if p.grad is not None and p.grad.is_sparse and _plain_sgd(self.optimizers[name])
                            and self.plan.tables[name].kind != "replicated")
         self.finish_gradients(leave=direct)
         for name, p in self.shards.items():
+            optimizer = self.optimizers[name]
             if name in direct:
-                grad, lr = p.grad, self.optimizers[name].param_groups[0]["lr"]
-                with torch.no_grad():
-                    p.index_add_(0, grad._indices()[0], grad._values(), alpha=-lr / self.world)
+                grad, lr = p.grad, optimizer.param_groups[0]["lr"]
+                with torch.no_grad():  # (index_add_'s alpha path is several times slower on CPU)
+                    p.index_add_(0, grad._indices()[0], grad._values() * (-lr / self.world))
+            elif p.grad is not None and p.grad.is_sparse and _plain_adagrad(optimizer):
+                adagrad_rows(optimizer, p)
             elif p.grad is not None:
-                self.optimizers[name].step()
+                optimizer.step()
             p.grad = None
 
     # ------------------------------------------------------------------ reporting

@@ -60,3 +60,21 @@ def test_rowwise_adagrad_rejects_dense_gradients_and_unknown_names():
         RowWiseAdagrad([w]).step()
     with pytest.raises(ValueError, match="'lamb' is not one of sgd, adagrad, rowwise_adagrad, adam"):
         build_sparse_optimizer("lamb", w, 0.1)
+
+
+def test_adagrad_rows_is_torchs_sparse_adagrad():
+    from gmeta_ds.embedding.sharded import adagrad_rows
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(50, 4))
+    b = torch.nn.Parameter(a.detach().clone())
+    torch_adagrad, ours = torch.optim.Adagrad([a], lr=0.05), torch.optim.Adagrad([b], lr=0.05)
+    for _ in range(4):  # repeated rows in one gradient, rows touched again later
+        grad = torch.sparse_coo_tensor(torch.randint(0, 50, (1, 30)), torch.randn(30, 4), (50, 4))
+        a.grad, b.grad = grad.clone(), grad.clone()
+        torch_adagrad.step()
+        adagrad_rows(ours, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # (x * -lr then add vs torch's fused alpha)
+        assert torch.equal(torch_adagrad.state[a]["sum"], ours.state[b]["sum"])
+        assert torch.equal(torch_adagrad.state[a]["step"], ours.state[b]["step"])
+    ours.load_state_dict(torch_adagrad.state_dict())  # the same state layout both ways
