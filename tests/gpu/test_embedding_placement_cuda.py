@@ -1,6 +1,6 @@
 """On a CUDA GPU, one process on NCCL (world 1): sharded tables placed on the accelerator and on
 the host (pinned, rows moved to the GPU after the lookup) give the CPU's rows, gradients and
-updated rows, static and dynamic; and `gmeta-ds train` with sharded tables on each placement
+updated rows, static, dynamic and pooled on the owner (issue 20); and `gmeta-ds train` with sharded tables on each placement
 trains the CPU's model. World 1 issues no all-to-all (one GPU cannot hold two NCCL ranks): the
 exchange over NCCL and the host gloo group at W >= 2 are covered on CPU only. Skipped without
 CUDA; run by benchmarks/gpu_check.sh (``pytest -m gpu``)."""
@@ -20,13 +20,15 @@ pytestmark = [pytest.mark.gpu,
 
 def _tables(device: str) -> list[TableConfig]:
     return [TableConfig("s", 5000, 8, ("s",), device=device),
-            TableConfig("u", 0, 8, ("u",), kind="dynamic", capacity=4000, admit_after=1, device=device)]
+            TableConfig("u", 0, 8, ("u",), kind="dynamic", capacity=4000, admit_after=1, device=device),
+            TableConfig("p", 3000, 8, ("p",), pooling="mean", exchange="pooled", device=device)]
 
 
 def _round(emb: ShardedEmbeddingCollection, seed: int) -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(seed)
     feats = {"s": Jagged.single(torch.randint(0, 5000, (512,), generator=g)),
-             "u": Jagged(torch.randint(-2**40, 2**40, (700,), generator=g), torch.tensor([0, 300, 700]))}
+             "u": Jagged(torch.randint(-2**40, 2**40, (700,), generator=g), torch.tensor([0, 300, 700])),
+             "p": Jagged(torch.randint(0, 3000, (400,), generator=g), torch.arange(0, 401, 20))}  # pooled on the owner
     out = emb(feats)
     weights = {k: torch.randn(v.shape, generator=g).to(v.device) for k, v in out.items()}
     sum((out[k] * weights[k]).sum() for k in out).backward()
