@@ -23,6 +23,7 @@ from gmeta_ds.registry import (ALGORITHMS, DATA_SOURCES, LABEL_KINDS, MODELS, PL
 SHARDINGS = ("replicated", "sharded")
 ROW_OWNERS = ("modulo", "block")
 TABLE_DEVICES = ("auto", "accelerator", "host")
+EXCHANGES = ("auto", "rows", "pooled")
 BAD_ID_POLICIES = ("error", "hash")
 SPLITS = ("random", "time")
 TEXT_FORMATS = ("auto", "csv", "json", "parquet")
@@ -103,6 +104,7 @@ class TableOverride:
     admit_after: int = 1
     eviction: str = "lru"
     device: Union[str, None] = None           # auto | accelerator | host; unset: embedding.device
+    exchange: Union[str, None] = None         # auto | rows | pooled; unset: embedding.exchange
 
 
 @dataclass
@@ -129,6 +131,10 @@ class EmbeddingConfig:
     # NCCL there), host (host memory, its own gloo group, rows moved to the device after the
     # exchange) or auto (the accelerator when the tables fit half its memory, else the host).
     device: str = "auto"
+    # What sharded lookups of multi-hot (pooled) fields send back: rows (every distinct row,
+    # pooled by the requester), pooled (each owner's partial sum per bag), or auto (by the
+    # expected bytes of each, from the training data's bag lengths and distinct ids).
+    exchange: str = "auto"
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
@@ -498,6 +504,7 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     _positive(problems, "embedding.lr", emb.lr)
     _positive(problems, "embedding.init_std", emb.init_std)
     _one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
+    _one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
     for name, table in emb.tables.items():
         _validate_table(name, table, problems)
     if emb.sharding != "replicated":
@@ -508,6 +515,9 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     elif emb.tables or emb.plan != "auto":
         problems.append("embedding.plan / embedding.tables apply to embedding.sharding: sharded; "
                         "with 'replicated' every table lives inside the DeepSpeed engine")
+    if emb.exchange != AUTO:
+        problems.append("embedding.exchange applies to embedding.sharding: sharded; replicated tables "
+                        "are looked up inside the DeepSpeed engine, with no exchange")
     if emb.device != AUTO:
         problems.append("embedding.device applies to embedding.sharding: sharded; replicated tables "
                         "live inside the DeepSpeed engine, on its device")
@@ -518,6 +528,8 @@ def _validate_table(name: str, table: TableOverride, problems: list[str]) -> Non
     _one_of(problems, f"{key}.kind", table.kind, ("static", "dynamic"))
     if table.device is not None:
         _one_of(problems, f"{key}.device", table.device, TABLE_DEVICES)
+    if table.exchange is not None:
+        _one_of(problems, f"{key}.exchange", table.exchange, EXCHANGES)
     if table.kind == "dynamic":
         if not isinstance(table.capacity, int) or isinstance(table.capacity, bool) or table.capacity < 1:
             problems.append(f"{key}.capacity: a dynamic table needs its rows per rank as an integer "

@@ -24,7 +24,7 @@ from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_valid, synthetic_fields
-from gmeta_ds.data.tasks import single_fields
+from gmeta_ds.data.tasks import bag_statistics, single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
@@ -48,7 +48,7 @@ class CTRWorkload(Workload):
 
     def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
         data = build_data(cfg)
-        sharded = build_sharded(cfg, data.fields, rank, world_size)
+        sharded = build_sharded(cfg, data, rank, world_size)
         learner = build_learner(cfg, data.fields, with_tables=sharded is None, train=data.train)
         tables = [p.table for p in sharded.plan.tables.values()] if sharded is not None else []
         return Built(learner, data, sharded, tables, [f.name for f in data.fields],
@@ -84,7 +84,7 @@ class CTRWorkload(Workload):
         world = plan.world_size
         data = build_data(cfg)
         sharded = cfg.embedding.sharding == "sharded"
-        tables = embedding_plan(cfg, data.fields, world) if sharded else None
+        tables = embedding_plan(cfg, data.fields, world, data.train) if sharded else None
         learner = build_learner(cfg, data.fields, with_tables=not sharded)
         n_params = sum(p.numel() for p in learner.parameters())
         dense = dense_state_bytes(ds_config, n_params, world)
@@ -217,17 +217,25 @@ def label_kind(cfg: RunConfig) -> str:
     return "binary" if cfg.data.source == "synthetic" else cfg.data.label
 
 
-def embedding_plan(cfg: RunConfig, fields, world_size: int) -> ShardingPlan:
-    """The sharding plan of the model's tables (``embedding.sharding: sharded``)."""
-    return plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
-                            world_size)
+def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> ShardingPlan:
+    """The sharding plan of the model's tables (``embedding.sharding: sharded``); with the
+    training tasks, ``exchange: auto`` tables choose rows or pooled by their bag statistics.
+    A plan the tables cannot take is a `ConfigError` naming the table."""
+    stats = bag_statistics(train, cfg.meta.tasks_per_micro_batch) if train is not None else None
+    try:
+        return plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
+                                world_size, stats)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError([f"embedding.tables: {exc}"]) from None
 
 
-def build_sharded(cfg: RunConfig, fields, rank: int, world_size: int) -> ShardedEmbeddingCollection | None:
+def build_sharded(cfg: RunConfig, data, rank: int, world_size: int) -> ShardedEmbeddingCollection | None:
     """This rank's shards, or None when tables are replicated inside the engine."""
     if cfg.embedding.sharding != "sharded":
         return None
-    return ShardedEmbeddingCollection(embedding_plan(cfg, fields, world_size), rank, cfg.seed,
+    return ShardedEmbeddingCollection(embedding_plan(cfg, data.fields, world_size, data.train), rank, cfg.seed,
                                       cfg.embedding.bad_ids, cfg.embedding.dedup)
 
 
