@@ -221,7 +221,11 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
     """The sharding plan of the model's tables (``embedding.sharding: sharded``); with the
     training tasks, ``exchange: auto`` tables choose rows or pooled by their bag statistics.
     A plan the tables cannot take is a `ConfigError` naming the table."""
-    stats = bag_statistics(train, cfg.meta.tasks_per_micro_batch) if train is not None else None
+    stats = None
+    if train is not None:
+        from gmeta_ds.ds_config import resolve_ds_config
+
+        stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
     try:
         return plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
                                 world_size, stats)
