@@ -3,20 +3,22 @@
 For every group of such tables (one dimension, placement and process group), per micro-batch:
 
 1. input_dist — the requester numbers the bags of all the group's features one after another
-   and groups its ids by owner (keeping feature and bag order). Each owner gets, in one all-to-all, its ids (as
-   local rows) followed by one (code, length) pair per bag it holds part of, where code = bag x
-   n_tables + table; the sizes go first in a small all-to-all of (ids, bags) per owner.
+   and groups its ids by owner (a stable sort: each (bag, owner)'s ids stay one run, in feature
+   and bag order). Each owner gets, in one all-to-all, its ids (as local rows) followed by one
+   (code, length) pair per bag it holds part of, where code = bag x n_tables + table; the sizes
+   go first, in a small all-to-all of (ids, bags) per owner.
 2. lookup — the owner finds the distinct rows it was asked for (one unique over the group),
    gathers each once, and sums every pair's rows with one fused ``embedding_bag``, in the order
    the pairs arrived.
 3. output_dist — the partial sums go back (one all-to-all); the requester knows their order
-   (its own sorted pairs per owner) and adds the partial sums of each bag, then divides by the
-   bag's length for mean pooling.
+   (its own runs, per owner) and adds the partial sums of each bag, then divides by the bag's
+   length for mean pooling.
 
 Backward is the reverse all-to-all of one gradient per partial sum; the owner's shard gets
 one sparse gradient entry per distinct row (`tables.distinct_rows`). Ids and codes travel as
-int32 when every table of the group has fewer than 2^31 rows (the sizes decide it, so every rank agrees).
-Long bags move 4-8 B per id plus one vector per (bag, owner) instead of every distinct row.
+int32 when every table of the group has fewer than 2^31 rows (the table sizes decide it, so
+every rank agrees). Long bags move 4-8 B per id plus one vector per (bag, owner) instead of
+every distinct row.
 
 Example (world 2, one table, row i on rank i % 2 as local row i // 2): rank 0's bags
 [[4, 9, 6], [9]] keep ids 4, 6 (local 2, 3) as its own pair (code 0, length 2) and send rank 1
