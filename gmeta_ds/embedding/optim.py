@@ -38,6 +38,51 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 p.index_add_(0, rows, -values * scale.unsqueeze(1))
 
 
+def fast_update(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> str | None:
+    """``"sgd"`` or ``"adagrad"`` when ``param`` has a sparse gradient and ``optimizer`` is
+    torch's plain SGD (no momentum, weight decay or maximize) or plain Adagrad (no lr decay,
+    weight decay or maximize): their update is then applied by `sgd_rows` / `adagrad_rows`,
+    with index ops instead of torch's sparse-tensor arithmetic. Else None: ``optimizer.step()``."""
+    grad = param.grad
+    if grad is None or not grad.is_sparse or type(optimizer) not in (torch.optim.SGD, torch.optim.Adagrad):
+        return None
+    group = optimizer.param_groups[0]
+    if group["weight_decay"] or group.get("maximize"):
+        return None
+    if type(optimizer) is torch.optim.SGD:
+        return None if group["momentum"] else "sgd"
+    return None if group["lr_decay"] else "adagrad"
+
+
+@torch.no_grad()
+def sgd_rows(optimizer: torch.optim.SGD, param: nn.Parameter, scale: float = 1.0) -> None:
+    """SGD on ``param``'s sparse gradient (times ``scale``): one ``index_add`` of its entries,
+    uncoalesced (adding a row's entries one by one is the same update, with no sort); the
+    gradient is scaled first, as ``index_add_``'s ``alpha`` path is several times slower on CPU."""
+    grad, lr = param.grad, optimizer.param_groups[0]["lr"]
+    param.index_add_(0, grad._indices()[0], grad._values() * (-lr * scale))
+
+
+@torch.no_grad()
+def adagrad_rows(optimizer: torch.optim.Adagrad, param: nn.Parameter) -> None:
+    """`torch.optim.Adagrad`'s sparse step for ``param`` (its state ``sum`` and ``step`` kept,
+    so checkpoints and torch's own step stay interchangeable), on the touched rows by index
+    ops: ``s_i += g_i^2``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``. The same arithmetic as
+    torch's, without its sparse-tensor temporaries (sparse_mask, sparse adds)."""
+    group = optimizer.param_groups[0]
+    state = optimizer.state[param]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = torch.full_like(param, group["initial_accumulator_value"],
+                                       memory_format=torch.preserve_format)
+    state["step"] += 1
+    grad = param.grad.coalesce()
+    rows, values = grad._indices()[0], grad._values()
+    total = state["sum"].index_select(0, rows).add_(values * values)
+    state["sum"].index_copy_(0, rows, total)
+    param.index_add_(0, rows, values.div(total.sqrt_().add_(group["eps"])).mul_(-group["lr"]))
+
+
 def build_sparse_optimizer(name: str, param: nn.Parameter, lr: float) -> torch.optim.Optimizer:
     """The optimizer ``name`` (sgd | adagrad | rowwise_adagrad | adam) over one table shard."""
     # torch's sparse optimizers build COO tensors and warn unless invariant checks are chosen

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from gmeta_ds.embedding.comm import CommStats, all_to_all
 from gmeta_ds.embedding.dynamic import DynamicIndex, default_row, init_dynamic_rows
-from gmeta_ds.embedding.optim import build_sparse_optimizer
+from gmeta_ds.embedding.optim import adagrad_rows, build_sparse_optimizer, fast_update, sgd_rows
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.pooled import owner_pooled
 from gmeta_ds.engine.dist import on_wire
@@ -87,41 +87,6 @@ class FieldTables:
             return self
         return FieldTables(self.tables, self.num_rows.to(device), self.base.to(device),
                            self.bounds.to(device), self.total)
-
-
-def _plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's SGD with no momentum, weight decay or maximize: p -= lr * g."""
-    if type(optimizer) is not torch.optim.SGD:
-        return False
-    group = optimizer.param_groups[0]
-    return not (group["momentum"] or group["weight_decay"] or group.get("maximize"))
-
-
-def _plain_adagrad(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's Adagrad with no lr decay, weight decay or maximize."""
-    if type(optimizer) is not torch.optim.Adagrad:
-        return False
-    group = optimizer.param_groups[0]
-    return not (group["lr_decay"] or group["weight_decay"] or group["maximize"])
-
-
-@torch.no_grad()
-def adagrad_rows(optimizer: torch.optim.Adagrad, p: nn.Parameter) -> None:
-    """`torch.optim.Adagrad`'s sparse step for ``p`` (its state ``sum`` and ``step`` kept, so
-    checkpoints and torch's own step stay interchangeable), on the touched rows by index
-    ops: ``s_i += g_i^2``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``. The same arithmetic as
-    torch's, without its sparse-tensor temporaries (sparse_mask, sparse adds)."""
-    group = optimizer.param_groups[0]
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.tensor(0.0)
-        state["sum"] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
-    state["step"] += 1
-    grad = p.grad.coalesce()
-    rows, values = grad._indices()[0], grad._values()
-    total = state["sum"].index_select(0, rows).add_(values * values)
-    state["sum"].index_copy_(0, rows, total)
-    p.index_add_(0, rows, values.div(total.sqrt_().add_(group["eps"])).mul_(-group["lr"]))
 
 
 class Request(NamedTuple):
@@ -468,18 +433,16 @@ class ShardedEmbeddingCollection:
         (no momentum, weight decay or maximize) on a sparse gradient is applied as one
         ``index_add`` of the uncoalesced gradient, scaled by lr / W: adding the entries of a row
         one by one is the same update, without coalescing (a sort of every entry). Plain
-        Adagrad takes `adagrad_rows`, torch's arithmetic by index ops."""
-        direct = frozenset(name for name, p in self.shards.items()
-                           if p.grad is not None and p.grad.is_sparse and _plain_sgd(self.optimizers[name])
-                           and self.plan.tables[name].kind != "replicated")
+        Adagrad takes `adagrad_rows`, torch's arithmetic by index ops (`optim.fast_update`)."""
+        direct = frozenset(name for name, p in self.shards.items() if self.plan.tables[name].kind != "replicated"
+                           and fast_update(self.optimizers[name], p) == "sgd")
         self.finish_gradients(leave=direct)
         for name, p in self.shards.items():
             optimizer = self.optimizers[name]
-            if name in direct:
-                grad, lr = p.grad, optimizer.param_groups[0]["lr"]
-                with torch.no_grad():  # (index_add_'s alpha path is several times slower on CPU)
-                    p.index_add_(0, grad._indices()[0], grad._values() * (-lr / self.world))
-            elif p.grad is not None and p.grad.is_sparse and _plain_adagrad(optimizer):
+            how = "sgd" if name in direct else fast_update(optimizer, p)  # (averaged gradients now)
+            if how == "sgd":
+                sgd_rows(optimizer, p, 1 / self.world if name in direct else 1.0)
+            elif how == "adagrad":
                 adagrad_rows(optimizer, p)
             elif p.grad is not None:
                 optimizer.step()

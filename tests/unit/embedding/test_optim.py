@@ -63,7 +63,7 @@ def test_rowwise_adagrad_rejects_dense_gradients_and_unknown_names():
 
 
 def test_adagrad_rows_is_torchs_sparse_adagrad():
-    from gmeta_ds.embedding.sharded import adagrad_rows
+    from gmeta_ds.embedding.optim import adagrad_rows
 
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(50, 4))
@@ -78,3 +78,27 @@ def test_adagrad_rows_is_torchs_sparse_adagrad():
         assert torch.equal(torch_adagrad.state[a]["sum"], ours.state[b]["sum"])
         assert torch.equal(torch_adagrad.state[a]["step"], ours.state[b]["step"])
     ours.load_state_dict(torch_adagrad.state_dict())  # the same state layout both ways
+
+
+def test_fast_updates_match_torchs_sgd_and_apply_only_to_plain_optimizers():
+    from gmeta_ds.embedding.optim import fast_update, sgd_rows
+
+    torch.manual_seed(1)
+    a = nn.Parameter(torch.randn(20, 3))
+    b = nn.Parameter(a.detach().clone())
+    torch_sgd, ours = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    grad = torch.sparse_coo_tensor(torch.tensor([[3, 7, 3, 0]]), torch.randn(4, 3), (20, 3))  # row 3 twice
+    a.grad, b.grad = grad.clone(), grad.clone()
+    assert fast_update(ours, b) == "sgd"
+    torch_sgd.step()
+    sgd_rows(ours, b, scale=1.0)
+    torch.testing.assert_close(a, b)
+    b.grad = None
+    assert fast_update(ours, b) is None  # no gradient
+    b.grad = grad.to_dense()
+    assert fast_update(ours, b) is None  # dense gradient: torch's own step
+    b.grad = grad.clone()
+    for other in (torch.optim.SGD([b], lr=0.1, momentum=0.9), torch.optim.Adagrad([b], lr_decay=0.1),
+                  torch.optim.SparseAdam([b])):
+        assert fast_update(other, b) is None
+    assert fast_update(torch.optim.Adagrad([b]), b) == "adagrad"
