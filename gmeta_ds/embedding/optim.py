@@ -44,7 +44,15 @@ def fast_update(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> str | 
     weight decay or maximize): their update is then applied by `sgd_rows` / `adagrad_rows`,
     with index ops instead of torch's sparse-tensor arithmetic. Else None: ``optimizer.step()``."""
     grad = param.grad
-    if grad is None or not grad.is_sparse or type(optimizer) not in (torch.optim.SGD, torch.optim.Adagrad):
+    if grad is None or not grad.is_sparse:
+        return None
+    return plain_update(optimizer)
+
+
+def plain_update(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"sgd"`` for torch's plain SGD (no momentum, weight decay or maximize), ``"adagrad"``
+    for plain Adagrad (no lr decay, weight decay or maximize), else None."""
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adagrad):
         return None
     group = optimizer.param_groups[0]
     if group["weight_decay"] or group.get("maximize"):

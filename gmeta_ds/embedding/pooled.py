@@ -34,11 +34,10 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.comm import all_to_all
-from gmeta_ds.embedding.tables import Jagged, check_ids, distinct_rows, unique_keys
+from gmeta_ds.embedding.optim import plain_update
+from gmeta_ds.embedding.tables import FLAGS_RATIO, Jagged, check_ids, distinct_rows, unique_keys
 
 INT32_LIMIT = 2**31 - 1
-# Distinct rows by flags over the shard (linear) up to this many rows per id, else by a sort.
-FLAGS_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,9 @@ class GroupLayout:
     base: Tensor
     mean: Tensor  # (F,) bool: the feature's table pools by mean
     modes: frozenset = frozenset()  # the distinct values of ``mode``
+    same_rows: int = 0  # every table's number of rows when they are all equal, else 0
+    by_owner: tuple[int, ...] = ()  # table-wise groups: features (indices) in order of owner
+    feature_owner: tuple[int, ...] = ()  # table-wise groups: each feature's owner rank
 
     @staticmethod
     def of(coll, features: tuple[str, ...], device: torch.device) -> GroupLayout:
@@ -70,12 +72,16 @@ class GroupLayout:
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return GroupLayout(names, features, tensor([names.index(coll.by_feature[f].name) for f in features]),
+        table_of = [names.index(coll.by_feature[f].name) for f in features]
+        rows = {p.table.num_rows for p in plans}
+        owner = [plans[t].owner if modes[t] == 2 else -1 for t in table_of]
+        return GroupLayout(names, features, tensor(table_of),
                            tensor([p.table.num_rows for p in plans]), tensor(modes),
                            tensor([p.block for p in plans]), tensor([p.owner for p in plans]),
                            shard_rows.cumsum(0).to(device),
                            tensor([coll.by_feature[f].pooling == "mean" for f in features], torch.bool),
-                           frozenset(modes))
+                           frozenset(modes), rows.pop() if len(rows) == 1 else 0,
+                           tuple(sorted(range(len(features)), key=lambda k: owner[k])), tuple(owner))
 
 
 def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
@@ -96,16 +102,29 @@ def owner_pooled(coll, features: dict[str, Jagged]) -> dict[str, Tensor]:
     return out
 
 
-def _checked(coll, layout: GroupLayout, values: Tensor, table: Tensor, feature_of) -> Tensor:
-    """`tables.check_ids` of every feature's ids at once (the same errors and ``hash``)."""
+def _checked(coll, layout: GroupLayout, values: Tensor, order: tuple[int, ...], sizes: list[int]) -> Tensor:
+    """`tables.check_ids` of the ids of features ``order`` (indices into ``layout.features``,
+    ``sizes`` ids each, concatenated in ``values``) at once: the same errors and ``hash``.
+    Tables of one size are checked against one bound (a min and a max), others per id."""
     values = values.long()
-    bound = layout.num_rows.index_select(0, table)
+    if layout.same_rows:
+        bound = layout.same_rows
+    else:
+        table = layout.table_of_feature.index_select(0, torch.tensor(order, device=values.device))
+        bound = layout.num_rows.index_select(0, torch.repeat_interleave(
+            table, torch.tensor(sizes, device=values.device), output_size=len(values)))
     if coll.bad_ids == "hash":
         return torch.remainder(values, bound)
+    if not len(values):
+        return values
+    if layout.same_rows:
+        low, high = torch.aminmax(values)
+        if int(low) >= 0 and int(high) < bound:
+            return values
     bad = (values < 0) | (values >= bound)
-    if len(values) and bool(bad.any()):
+    if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        f = layout.features[feature_of(i)]
+        f = layout.features[order[int(torch.searchsorted(torch.tensor(sizes).cumsum(0), i, right=True))]]
         check_ids(values[i:i + 1], f, coll.by_feature[f], coll.bad_ids)  # raises, naming it
     return values
 
@@ -131,7 +150,6 @@ def _owners(layout: GroupLayout, values: Tensor, table: Tensor, world: int) -> t
 def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str, Tensor]:
     n_tables, world = len(layout.names), coll.world
     device = layout.base.device
-    sizes = [len(j.values) for j in jaggeds]
     bags_per = [j.num_samples for j in jaggeds]
     n_bags = sum(bags_per)
     span = max(1, n_bags * n_tables)  # codes are < span
@@ -142,30 +160,16 @@ def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str,
         if not torch.is_tensor(jagged.values) or jagged.values.is_floating_point() or \
                 jagged.values.is_complex() or jagged.values.dtype == torch.bool:
             check_ids(jagged.values, feature, coll.by_feature[feature], coll.bad_ids)  # raises, naming it
-    values = torch.cat([j.values for j in jaggeds]).to(device)
     bag_len = torch.cat([j.offsets.diff() for j in jaggeds]).to(device)
-    table = torch.repeat_interleave(layout.table_of_feature, torch.tensor(sizes, device=device),
-                                    output_size=len(values))
-    bounds = torch.tensor(sizes).cumsum(0)
-    values = _checked(coll, layout, values, table, lambda i: int(torch.searchsorted(bounds, i, right=True)))
-    bag = torch.repeat_interleave(torch.arange(n_bags, device=device), bag_len, output_size=len(values))
-    codes = bag * n_tables + table
-    if world == 1:
-        owners, local = torch.zeros_like(values), values
+    if world > 1 and layout.modes == {2}:
+        requests = _by_table_owner(coll, layout, jaggeds, bags_per, bag_len)
     else:
-        owners, local = _owners(layout, values, table, world)
-    # Grouped by owner (stable: each bag's ids for one owner stay together, in feature and bag
-    # order), so the (owner, code) pairs are runs: no sort by code needed.
-    order = torch.argsort(owners, stable=True) if world > 1 else None
-    keys = owners * span + codes
-    pairs, lengths = torch.unique_consecutive(keys[order] if order is not None else keys, return_counts=True)
-    local = local[order] if order is not None else local
-    pair_owner = torch.div(pairs, span, rounding_mode="floor")
-    pair_code = pairs - pair_owner * span
+        requests = _by_id_owner(coll, layout, jaggeds, bags_per, bag_len)
+    local, pair_code, lengths, n_ids, n_pairs = requests
     if world == 1:
         partial = _pool(coll, layout, local, pair_code, lengths)
     else:
-        partial = _exchange(coll, layout, local, pair_code, lengths, owners, pair_owner)
+        partial = _exchange(coll, layout, local, pair_code, lengths, n_ids, n_pairs)
     bag_of = torch.div(pair_code, n_tables, rounding_mode="floor").to(partial.device)
     summed = partial.new_zeros(n_bags, partial.shape[1]).index_add(0, bag_of, partial)
     if bool(layout.mean.any()):
@@ -177,16 +181,76 @@ def _pooled_group(coll, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str,
     return dict(zip(layout.features, torch.split(summed, bags_per)))
 
 
+def _by_id_owner(coll, layout: GroupLayout, jaggeds, bags_per, bag_len):
+    """The requests of a group whose ids' owners depend on the id (row-wise, or world 1):
+    (local rows grouped by owner, each (bag, owner) pair's code and number of ids, ids and
+    pairs per owner). A stable sort by owner keeps each (bag, owner)'s ids one run, in feature
+    and bag order, so the pairs are the runs of one key (no sort by code)."""
+    n_tables, world, device = len(layout.names), coll.world, layout.base.device
+    order = tuple(range(len(jaggeds)))
+    sizes = [len(j.values) for j in jaggeds]
+    n_bags = sum(bags_per)
+    span = max(1, n_bags * n_tables)
+    values = _checked(coll, layout, torch.cat([j.values for j in jaggeds]).to(device), order, sizes)
+    table = torch.repeat_interleave(layout.table_of_feature, torch.tensor(sizes, device=device),
+                                    output_size=len(values))
+    bag = torch.repeat_interleave(torch.arange(n_bags, device=device), bag_len, output_size=len(values))
+    codes = bag * n_tables + table
+    if world == 1:
+        owners, local = torch.zeros_like(values), values
+    else:
+        owners, local = _owners(layout, values, table, world)
+    sort = torch.argsort(owners, stable=True) if world > 1 else None
+    keys = owners * span + codes
+    pairs, lengths = torch.unique_consecutive(keys[sort] if sort is not None else keys, return_counts=True)
+    local = local[sort] if sort is not None else local
+    pair_owner = torch.div(pairs, span, rounding_mode="floor")
+    return (local, pairs - pair_owner * span, lengths, torch.bincount(owners, minlength=world),
+            torch.bincount(pair_owner, minlength=world))
+
+
+def _by_table_owner(coll, layout: GroupLayout, jaggeds, bags_per, bag_len):
+    """`_by_id_owner` for a group of table-wise tables at world > 1: each feature has one
+    owner, so the features are put in order of owner (no sort of ids), and every non-empty
+    bag is one pair (no search for runs)."""
+    world, n_tables, device = coll.world, len(layout.names), layout.base.device
+    order = layout.by_owner
+    sizes = [len(jaggeds[k].values) for k in order]
+    local = _checked(coll, layout, torch.cat([jaggeds[k].values for k in order]).to(device), order, sizes)
+    starts = [0]
+    for n in bags_per:
+        starts.append(starts[-1] + n)
+    bag_table = torch.repeat_interleave(layout.table_of_feature, torch.tensor(bags_per, device=device),
+                                        output_size=starts[-1])
+    codes = torch.arange(starts[-1], device=device) * n_tables + bag_table
+    lengths = bag_len
+    if order != tuple(range(len(order))):
+        perm = torch.cat([torch.arange(starts[k], starts[k + 1], device=device) for k in order])
+        codes, lengths = codes.index_select(0, perm), lengths.index_select(0, perm)
+    n_ids, n_pairs = [0] * world, [0] * world
+    for k, size in zip(order, sizes):
+        n_ids[layout.feature_owner[k]] += size
+        n_pairs[layout.feature_owner[k]] += bags_per[k]
+    n_ids, n_pairs = torch.tensor(n_ids, device=device), torch.tensor(n_pairs, device=device)
+    if len(lengths) and not bool(lengths.all()):  # empty bags are no pair
+        keep = lengths > 0
+        owner_of_bag = torch.repeat_interleave(
+            torch.tensor([layout.feature_owner[k] for k in order], device=device),
+            torch.tensor([bags_per[k] for k in order], device=device), output_size=len(lengths))
+        n_pairs = torch.bincount(owner_of_bag[keep], minlength=world)
+        codes, lengths = codes[keep], lengths[keep]
+    return local, codes, lengths, n_ids, n_pairs
+
+
 def _wire_dtype(layout: GroupLayout) -> torch.dtype:
     return torch.int32 if int(layout.num_rows.max()) <= INT32_LIMIT else torch.int64
 
 
-def _exchange(coll, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, owners: Tensor,
-              pair_owner: Tensor) -> Tensor:
-    """input_dist of [ids | codes | lengths] per owner, the owners' pooling, output_dist."""
+def _exchange(coll, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, n_ids: Tensor,
+              n_pairs: Tensor) -> Tensor:
+    """input_dist of [ids | codes | lengths] per owner (``n_ids`` and ``n_pairs`` per owner),
+    the owners' pooling, output_dist."""
     world, group = coll.world, coll.groups[layout.names[0]]
-    n_ids = torch.bincount(owners, minlength=world)
-    n_pairs = torch.bincount(pair_owner, minlength=world)
     sizes = torch.stack([n_ids, n_pairs], dim=1)  # (W, 2)
     recv_sizes = all_to_all(sizes, [1] * world, [1] * world, coll.stats, coll.rank, "input_dist", group)
     dtype = _wire_dtype(layout)
@@ -234,6 +298,8 @@ def _pool(coll, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor
     gather of each table's distinct rows (their gradient reaches the shard with one entry per
     distinct row, `tables.distinct_rows`), one fused sum per pair (`_BagSum`)."""
     n_tables = len(layout.names)
+    if all(plain_update(coll.optimizers[name]) == "sgd" for name in layout.names):
+        return _pool_per_table(coll, layout, ids, codes, lengths)
     table = torch.repeat_interleave(codes % n_tables, lengths, output_size=len(ids)) if n_tables > 1 else None
     keys = ids + layout.base.index_select(0, table) if n_tables > 1 else ids
     distinct, inverse = unique_keys(keys, int(layout.base[-1]), FLAGS_RATIO)
@@ -242,6 +308,65 @@ def _pool(coll, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor
             for t, (name, part) in enumerate(zip(layout.names, torch.split(distinct, counts)))]
     rows = torch.cat(rows) if n_tables > 1 else rows[0]
     return _BagSum.apply(rows, inverse, lengths)
+
+
+def _pool_per_table(coll, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+    """`_pool` for tables whose optimizer is plain SGD, whose update needs no distinct rows
+    (`optim.sgd_rows` adds a gradient's entries one by one): one ``embedding_bag`` per table
+    straight from its shard, no unique; each shard's gradient has one entry per id looked up.
+    The pairs of one table are made one run first (a stable sort of the pairs, not the ids)
+    when they arrive in several (from several senders)."""
+    n_tables = len(layout.names)
+    shards = [coll.shards[name] for name in layout.names]
+    if n_tables == 1 or not len(lengths):
+        return _TableBags.apply(ids, lengths, (0,), (len(lengths),), *shards[:1])
+    pair_table = codes % n_tables
+    runs, counts = torch.unique_consecutive(pair_table, return_counts=True)
+    runs, counts = runs.tolist(), counts.tolist()
+    if len(runs) == len(set(runs)):
+        return _TableBags.apply(ids, lengths, tuple(runs), tuple(counts), *(shards[t] for t in runs))
+    order = torch.argsort(pair_table, stable=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    lengths = lengths.index_select(0, order)
+    ids = ids.index_select(0, _segments(starts.index_select(0, order), lengths))
+    per_table = torch.bincount(pair_table, minlength=n_tables).tolist()
+    present = tuple(t for t in range(n_tables) if per_table[t])
+    out = _TableBags.apply(ids, lengths, present, tuple(per_table[t] for t in present),
+                           *(shards[t] for t in present))
+    return out.index_select(0, torch.argsort(order))
+
+
+class _TableBags(torch.autograd.Function):
+    """Sums per pair of rows of several shards: ``ids`` hold the pairs' ids back to back
+    (``lengths`` per pair); the first ``counts[0]`` pairs read ``shards[0]``, the next
+    ``counts[1]`` ``shards[1]``, and so on. Forward: one ``embedding_bag`` per shard.
+    Backward: each shard's gradient is a sparse tensor of one entry per id (uncoalesced)."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, lengths: Tensor, tables: tuple, counts: tuple, *shards: Tensor) -> Tensor:
+        pair_bounds = [0]
+        for c in counts:
+            pair_bounds.append(pair_bounds[-1] + c)
+        ends = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        starts = ends[:-1]
+        id_bounds = ends.index_select(0, torch.tensor(pair_bounds, device=ends.device)).tolist()
+        outs = [torch.nn.functional.embedding_bag(ids[id_bounds[b]:id_bounds[b + 1]], shard,
+                                                  starts[pair_bounds[b]:pair_bounds[b + 1]] - id_bounds[b],
+                                                  mode="sum")
+                for b, shard in enumerate(shards)]
+        ctx.save_for_backward(ids, lengths)
+        ctx.id_bounds, ctx.shapes = id_bounds, [shard.shape for shard in shards]
+        return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ids, lengths = ctx.saved_tensors
+        per_id = grad.repeat_interleave(lengths.to(grad.device), dim=0, output_size=len(ids))
+        bounds = ctx.id_bounds
+        grads = [torch.sparse_coo_tensor(ids[bounds[b]:bounds[b + 1]].unsqueeze(0), per_id[bounds[b]:bounds[b + 1]],
+                                         shape, check_invariants=False)
+                 for b, shape in enumerate(ctx.shapes)]
+        return (None, None, None, None, *grads)
 
 
 class _BagSum(torch.autograd.Function):

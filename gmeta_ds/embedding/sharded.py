@@ -44,7 +44,7 @@ from gmeta_ds.embedding.optim import adagrad_rows, build_sparse_optimizer, fast_
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.pooled import owner_pooled
 from gmeta_ds.engine.dist import on_wire
-from gmeta_ds.embedding.tables import (Jagged, TableConfig, check_fields, check_ids, check_width,
+from gmeta_ds.embedding.tables import (FLAGS_RATIO, Jagged, TableConfig, check_fields, check_ids, check_width,
                                        feature_tables, init_rows, lookup_fields, pool, unique_keys)
 
 
@@ -134,6 +134,27 @@ def resolve_placement(plan: ShardingPlan, rank: int, device: torch.device | None
         placed[name] = "accelerator" if on_accelerator and cost <= budget else "host"
         budget -= cost if placed[name] == "accelerator" else 0
     return {name: placed[name] for name in plan.tables}
+
+
+def _requests_of_group(names: list[str], ids: list[Tensor], num_rows: list[int]) -> dict[str, Request]:
+    """Per table, what ``torch.unique(ids, return_inverse=True)`` gives, from one unique over
+    the tables' ids offset into one key space (`tables.unique_keys`: linear flags when the
+    tables are small next to the ids, else one sort) instead of one sort per table."""
+    device = ids[0].device
+    sizes = [len(i) for i in ids]
+    base = [0]
+    for rows in num_rows:
+        base.append(base[-1] + rows)
+    offset = torch.repeat_interleave(torch.tensor(base[:-1], device=device), torch.tensor(sizes, device=device),
+                                     output_size=sum(sizes))
+    distinct, inverse = unique_keys(torch.cat(ids) + offset, base[-1], FLAGS_RATIO)
+    counts = torch.searchsorted(distinct, torch.tensor(base, device=device)).diff().tolist()
+    first = [0]
+    for c in counts:
+        first.append(first[-1] + c)
+    return {name: Request(part - base[t], inv - first[t])
+            for t, (name, part, inv) in enumerate(zip(names, torch.split(distinct, counts),
+                                                      torch.split(inverse, sizes)))}
 
 
 class ShardedEmbeddingCollection:
@@ -274,7 +295,13 @@ class ShardedEmbeddingCollection:
             table = self.by_feature[feature]
             per_table[table.name].append(check_ids(jagged.values, feature, table, self.bad_ids))
         out = {}
+        static = [name for name in per_table if name not in self.dynamic]
+        if self.dedup and len(static) > 1:
+            out.update(_requests_of_group(static, [torch.cat(per_table[n]) for n in static],
+                                          [self.plan.tables[n].table.num_rows for n in static]))
         for name, parts in per_table.items():
+            if name in out:
+                continue
             ids = torch.cat(parts)
             dynamic = name in self.dynamic
             if self.dedup:

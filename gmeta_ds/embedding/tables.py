@@ -193,6 +193,10 @@ def pool(rows: Tensor, jagged: Jagged, pooling: str) -> Tensor:
     return out
 
 
+# `unique_keys` by flags over the key space up to this many keys per id, else by a sort.
+FLAGS_RATIO = 4.0
+
+
 def unique_keys(keys: Tensor, bound: int, ratio: float = 1.0) -> tuple[Tensor, Tensor]:
     """``torch.unique(keys, return_inverse=True)`` (sorted) of keys in [0, bound): by marking
     the keys present in a table of ``bound`` flags when that is no larger than ``ratio`` times

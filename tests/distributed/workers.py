@@ -107,6 +107,10 @@ POOLED_TABLES = [
     TableConfig("e", 29, 3, ("e_dim3",), pooling="sum", exchange="pooled"),
     TableConfig("f", 41, 4, ("f_rows",), pooling="mean", exchange="rows"),
     TableConfig("g", 19, 5, ("g_alone",), pooling="sum", exchange="pooled"),
+    # a group of table-wise tables only (owners by feature), of different sizes, one mean
+    TableConfig("h", 13, 6, ("h_multi", "h_too"), pooling="sum", exchange="pooled", optimizer="sgd"),
+    TableConfig("i", 17, 6, ("i_mean",), pooling="mean", exchange="pooled", optimizer="sgd"),
+    TableConfig("j", 15, 6, ("j_multi",), pooling="sum", exchange="pooled", optimizer="sgd"),
 ]
 
 
@@ -118,11 +122,20 @@ def pooled_equals_unsharded() -> None:
     sum per (remote owner, bag) holding part of it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     kinds = {"a": "row_wise", "b": "table_wise", "c": "table_wise", "d": "replicated", "e": "table_wise",
-             "f": "row_wise", "g": "row_wise"}
+             "f": "row_wise", "g": "row_wise", "h": "table_wise", "i": "table_wise", "j": "table_wise"}
     plan = plan_tables(POOLED_TABLES, world, kinds, row_owner="block" if world == 3 else "modulo")
-    assert {n for n, p in plan.tables.items() if p.exchange == "pooled"} == {"a", "b", "e", "g"}
+    assert {n for n, p in plan.tables.items() if p.exchange == "pooled"} == {"a", "b", "e", "g", "h", "i", "j"}
+    if world > 1:  # the table-wise group's features are not in order of owner
+        owners = [plan.tables[t].owner for t in "hhij"]
+        assert owners != sorted(owners), owners
     sharded, twin = ShardedEmbeddingCollection(plan, rank, seed=5), EmbeddingCollection(POOLED_TABLES, seed=5)
     feats = features(rank, world)
+    g = torch.Generator().manual_seed(300 + rank)
+    for name, rows, n in (("h_multi", 13, 5), ("h_too", 13, 3), ("i_mean", 17, 4), ("j_multi", 15, 6)):
+        lengths = torch.randint(0, 5, (n,), generator=g)
+        lengths[rank % n] = 0  # an empty bag on every rank
+        feats[name] = Jagged(torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                             torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
     feats["f_rows"] = feats["b_mean"]
     feats["g_alone"] = Jagged(torch.tensor([18, 3, 3, 7, 0]) if rank == 0 else torch.tensor([5, 6]),
                               torch.tensor([0, 2, 2, 5]) if rank == 0 else torch.tensor([0, 2]))
