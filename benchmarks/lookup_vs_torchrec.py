@@ -15,7 +15,9 @@ timing, every implementation's pooled output is compared with an unsharded
 ``torch.nn.EmbeddingBag`` holding the same initial rows (max abs diff printed). Then --rounds
 rounds; in each, every implementation runs --steps steps (the order rotates per round), each
 rank times them after a barrier and the slower rank's ms/step counts. Reported: median ms/step,
-and the median over rounds of each implementation's ratio to TorchRec table-wise in that round.
+and the median over rounds of each implementation's ratio to TorchRec table-wise in that round;
+the same for CPU ms/step (the rank's process CPU time, every thread, the larger rank's), which
+other jobs on the cores disturb far less than wall time.
 Bytes per rank per step: gmeta_ds's `CommStats` (payload sent to the other rank), and for every
 implementation the bytes the rank wrote to its sockets during one step (``wchar`` of
 /proc/self/io: gloo payload plus its headers; nothing else writes while a step runs).
@@ -281,9 +283,10 @@ def one_config(workload: str, optimizer: str, rank: int, rounds: int, steps: int
     for r in range(rounds):
         for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for s in range(steps):
                 impl.step(inputs[impl.name][(s + 1) % BATCHES], weights)
+            res[impl.name].setdefault("cpu_ms", []).append(1e3 * (time.process_time() - cpu) / steps)
             res[impl.name].setdefault("ms", []).append(1e3 * (time.perf_counter() - start) / steps)
     if torchrec:
         res["torchrec_plans"] = {i.name: i.plan for i in impls if isinstance(i, TorchRecImpl)}
@@ -305,9 +308,11 @@ def summarize(ranks: list[dict]) -> dict:
         per = [r[config] for r in ranks]
         names = [n for n in per[0] if n != "torchrec_plans"]
         slow = {n: [max(ms) for ms in zip(*(p[n]["ms"] for p in per))] for n in names}  # slower rank per round
+        cpu = {n: [max(ms) for ms in zip(*(p[n]["cpu_ms"] for p in per))] for n in names}
         entry = {}
         for n in names:
             e = {"ms_per_step": statistics.median(slow[n]), "ms_per_round": slow[n],
+                 "cpu_ms_per_step": statistics.median(cpu[n]), "cpu_ms_per_round": cpu[n],
                  "max_abs_diff": max(p[n]["max_abs_diff"] for p in per),
                  f"after_step_diff_vs_{names[0]}": max(p[n]["after_step_diff_vs_first"] for p in per),
                  "step_moved_outputs_by": min(p[n]["step_moved_outputs_by"] for p in per),
@@ -317,6 +322,7 @@ def summarize(ranks: list[dict]) -> dict:
                 e["commstats_stages_rank0"] = per[0][n]["stages"]
             if BASELINE in slow:
                 e["ratio_vs_torchrec_table_wise"] = statistics.median(a / b for a, b in zip(slow[n], slow[BASELINE]))
+                e["cpu_ratio_vs_torchrec_table_wise"] = statistics.median(a / b for a, b in zip(cpu[n], cpu[BASELINE]))
             entry[n] = e
         if "torchrec_plans" in per[0]:
             entry["torchrec_plans_rank0"] = per[0]["torchrec_plans"]
@@ -326,18 +332,21 @@ def summarize(ranks: list[dict]) -> dict:
 
 def print_table(summary: dict) -> None:
     print(f"\n{'workload | optimizer':<38} {'implementation':<24} {'ms/step':>8} {'vs TR-TW':>8} "
-          f"{'CommStats B/rank':>17} {'wire B/rank':>13} {'max|diff|':>10} {'after step':>10}")
+          f"{'CPU ms':>7} {'vs TR-TW':>8} {'CommStats B/rank':>17} {'wire B/rank':>13} {'max|diff|':>10} "
+          f"{'after step':>10}")
     for config, entry in summary.items():
         for n, e in entry.items():
             if n.startswith("torchrec_plans"):
                 continue
             ratio = f"{e['ratio_vs_torchrec_table_wise']:.2f}x" if "ratio_vs_torchrec_table_wise" in e else "-"
+            cpu = f"{e['cpu_ratio_vs_torchrec_table_wise']:.2f}x" if "cpu_ratio_vs_torchrec_table_wise" in e else "-"
             cs = e.get("commstats_bytes_sent_per_rank")
             cs = f"{max(cs):,}" if cs else "-"
-            print(f"{config:<38} {n:<24} {e['ms_per_step']:>8.2f} {ratio:>8} {cs:>17} "
+            print(f"{config:<38} {n:<24} {e['ms_per_step']:>8.2f} {ratio:>8} {e['cpu_ms_per_step']:>7.2f} {cpu:>8} {cs:>17} "
                   f"{max(e['wire_bytes_per_rank']):>13,} {e['max_abs_diff']:>10.2e} "
                   f"{next(v for k, v in e.items() if k.startswith('after_step_diff')):>10.2e}")
-    print("max|diff|: pooled outputs vs unsharded nn.EmbeddingBag before any update; after step: "
+    print("CPU ms: the rank's process CPU time per step (every thread: gloo's too), the larger rank's; "
+          "max|diff|: pooled outputs vs unsharded nn.EmbeddingBag before any update; after step: "
           f"vs {GMETA_VARIANTS[0].name} after one step (same update); B/rank: max over ranks")
 
 
