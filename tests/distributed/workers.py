@@ -106,7 +106,7 @@ POOLED_TABLES = [
     TableConfig("d", 7, 4, ("d_rep",), pooling="sum"),
     TableConfig("e", 29, 3, ("e_dim3",), pooling="sum", exchange="pooled"),
     TableConfig("f", 41, 4, ("f_rows",), pooling="mean", exchange="rows"),
-    TableConfig("g", 19, 5, ("g_alone",), pooling="sum", exchange="pooled"),
+    TableConfig("g", 19, 5, ("g_alone",), pooling="sum", exchange="pooled", optimizer="sgd"),
     # a group of table-wise tables only (owners by feature), of different sizes, one mean
     TableConfig("h", 13, 6, ("h_multi", "h_too"), pooling="sum", exchange="pooled", optimizer="sgd"),
     TableConfig("i", 17, 6, ("i_mean",), pooling="mean", exchange="pooled", optimizer="sgd"),
