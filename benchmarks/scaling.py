@@ -20,7 +20,11 @@ process CPU time of every rank, all threads, over the same windows, from metrics
 ``oversubscribed`` (ranks then time-share cores: a lower bound on what W cores would do).
 
 With ``--profile`` (default on), one extra run per (config, W) in strong mode records the
-per-phase breakdown (``train.profile_steps``, `gmeta_ds.profiling`), per rank.
+per-phase breakdown (``train.profile_steps``, `gmeta_ds.profiling`), per rank;
+``--profile-repeats N`` records N such sets (saved under ``profiles``; ``profile`` is the first,
+the one the tables show), and benchmarks/scaling_model.py calibrates on each set's W = 1 and
+W = 2 profiles (run back to back) and takes the median of each parameter over the sets.
+``--profile-only --append`` adds sets to the saved results (e.g. ``--worlds 1 2``).
 ``--same-model`` (default on): each config's strong-scaling runs at W = 2 must train the
 model of a one-thread world-1 run (checksums and final loss within 1e-5 relative; Adam
 amplifies last-bit differences of reduction order over hundreds of steps, so runs are
@@ -144,13 +148,15 @@ def bench_config(name: str, args, tmp: Path) -> dict:
         result["same_model_reference"] = {k: reference[k] for k in SAME_MODEL_KEYS}
         result["same_model"] = all(close(c["strong2"], reference) for c in cycles)
     if args.profile:
-        result["profile"] = profiles(name, args, tmp)
+        result["profiles"] = [profiles(name, args, tmp / f"profiles{i}") for i in range(args.profile_repeats)]
+        result["profile"] = result["profiles"][0]
     return result
 
 
 def profiles(name: str, args, tmp: Path) -> dict:
     """Per-phase profiles (20 meta-steps after 5) of one strong-scaling run per W."""
     steps = max(args.steps or DEFAULT_STEPS[name], 30)
+    tmp.mkdir(parents=True, exist_ok=True)
     return {str(w): run(CONFIGS[name], w, "strong", steps, tmp / f"{name}_profile{w}", args.timeout,
                         profile=20)["profile"] for w in args.worlds}
 
@@ -203,8 +209,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--no-same-model", dest="same_model", action="store_false")
+    parser.add_argument("--profile-repeats", type=int, default=1,
+                        help="profile sets (one run per W each) per config; the model takes medians")
     parser.add_argument("--profile-only", action="store_true",
                         help="only re-record the profiles of --configs into the saved scaling.json")
+    parser.add_argument("--append", action="store_true",
+                        help="with --profile-only: add the new sets to the saved ones instead of replacing them")
     parser.add_argument("--report", action="store_true",
                         help="print the tables of the saved scaling.json as markdown; run nothing")
     args = parser.parse_args()
@@ -215,7 +225,12 @@ def main() -> None:
         report = json.loads(RESULTS.read_text())
         with tempfile.TemporaryDirectory() as tmp:
             for name in args.configs:
-                report["configs"][name]["profile"] = profiles(name, args, Path(tmp))
+                entry = report["configs"][name]
+                kept = (entry.get("profiles") or [entry["profile"]]) if args.append and "profile" in entry else []
+                new = [profiles(name, args, Path(tmp) / f"{name}{i}") for i in range(args.profile_repeats)]
+                entry["profiles"] = kept + new
+                entry["profile"] = entry["profiles"][0]
+                print(f"{name}: {len(entry['profiles'])} profile sets", flush=True)
         RESULTS.write_text(json.dumps(report, indent=2) + "\n")
         print(markdown(report))
         return
