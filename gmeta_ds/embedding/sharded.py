@@ -138,8 +138,8 @@ def resolve_placement(plan: ShardingPlan, rank: int, device: torch.device | None
 
 def _requests_of_group(names: list[str], ids: list[Tensor], num_rows: list[int]) -> dict[str, Request]:
     """Per table, what ``torch.unique(ids, return_inverse=True)`` gives, from one unique over
-    the tables' ids offset into one key space (`tables.unique_keys`: linear flags when the
-    tables are small next to the ids, else one sort) instead of one sort per table."""
+    the tables' ids offset into one key space (`tables.unique_keys`: linear flags over the
+    key space, used when the tables are small next to the ids) instead of one sort per table."""
     device = ids[0].device
     sizes = [len(i) for i in ids]
     base = [0]
@@ -296,7 +296,10 @@ class ShardedEmbeddingCollection:
             per_table[table.name].append(check_ids(jagged.values, feature, table, self.bad_ids))
         out = {}
         static = [name for name in per_table if name not in self.dynamic]
-        if self.dedup and len(static) > 1:
+        # one unique for the group where it is linear (flags); a sort of all the ids together
+        # is slower than one small sort per table
+        if self.dedup and len(static) > 1 and sum(self.plan.tables[n].table.num_rows for n in static) <= \
+                FLAGS_RATIO * sum(len(i) for n in static for i in per_table[n]):
             out.update(_requests_of_group(static, [torch.cat(per_table[n]) for n in static],
                                           [self.plan.tables[n].table.num_rows for n in static]))
         for name, parts in per_table.items():

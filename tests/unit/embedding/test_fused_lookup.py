@@ -128,3 +128,27 @@ def test_unique_keys_matches_torch_unique():
         assert torch.equal(uniq, ref_uniq) and torch.equal(inverse, ref_inverse)
     empty = unique_keys(torch.zeros(0, 3, dtype=torch.long), 0)
     assert empty[0].shape == (0,) and empty[1].shape == (0, 3)
+
+
+
+@pytest.mark.parametrize("per_table", [2, 40])
+def test_row_requests_take_one_unique_per_group_where_linear_and_equal_torch_unique(per_table, monkeypatch):
+    """`_requests`: with small tables next to the ids, one unique of the group (flags) gives
+    each table exactly ``torch.unique(ids, return_inverse=True)``; otherwise one per table."""
+    from gmeta_ds.embedding import sharded
+    from gmeta_ds.embedding.plan import plan_tables
+
+    specs = [TableConfig("a", 13, 4, ("a1", "a2")), TableConfig("b", 29, 4, ("b1",)), TableConfig("c", 5, 4, ("c1",))]
+    coll = ShardedEmbeddingCollection(plan_tables(specs, 1, {}), 0)
+    g = torch.Generator().manual_seed(per_table)
+    feats = {f: Jagged(torch.randint(0, t.num_rows, (per_table,), generator=g), torch.arange(per_table + 1))
+             for t in specs for f in t.features}
+    grouped = []
+    original = sharded._requests_of_group
+    monkeypatch.setattr(sharded, "_requests_of_group", lambda *a: grouped.append(a[0]) or original(*a))
+    requests = coll._requests(feats)
+    assert grouped == ([["a", "b", "c"]] if per_table == 40 else [])  # 47 rows <= 4 x 160 ids; not <= 4 x 8
+    for t in specs:
+        ids = torch.cat([feats[f].values for f in t.features])
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        assert torch.equal(requests[t.name].ids, distinct) and torch.equal(requests[t.name].inverse, inverse)
