@@ -37,6 +37,15 @@ KINDS = (*PLANS.names(), "dynamic")  # row_wise, table_wise, replicated (the reg
 STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
 
 
+def modulo(ids: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """(ids % world, ids // world), floored as Python's; by a mask and a shift when ``world``
+    is a power of two (int64 division is ~15x slower than a bitwise op on CPU)."""
+    if world & (world - 1) == 0:
+        shift = world.bit_length() - 1
+        return ids & (world - 1), ids >> shift
+    return ids % world, torch.div(ids, world, rounding_mode="floor")
+
+
 @dataclass(frozen=True)
 class BagStats:
     """What a table's lookups look like, for `choose_exchange`: ``mean_length`` ids per bag,
@@ -115,14 +124,14 @@ class TablePlan:
             raise ValueError("replicated tables have no single owner")
         if self.kind == "dynamic":
             return owner_of(ids, self.world_size) if self.world_size > 1 else torch.zeros_like(ids)
-        return ids % self.world_size if self.row_owner == "modulo" else ids // self.block
+        return modulo(ids, self.world_size)[0] if self.row_owner == "modulo" else ids // self.block
 
     def local_index(self, ids: Tensor) -> Tensor:
         """Row of each global id inside its owner's shard (dynamic: the id itself, which
         only the owner's map turns into a row)."""
         if self.kind != "row_wise":
             return ids
-        return ids // self.world_size if self.row_owner == "modulo" else ids % self.block
+        return modulo(ids, self.world_size)[1] if self.row_owner == "modulo" else ids % self.block
 
     def global_ids(self, rank: int) -> Tensor:
         """Global ids of the rows rank ``rank`` stores, in local order."""

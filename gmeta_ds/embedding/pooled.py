@@ -35,6 +35,7 @@ from torch import Tensor
 
 from gmeta_ds.embedding.comm import all_to_all
 from gmeta_ds.embedding.optim import plain_update
+from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.tables import FLAGS_RATIO, Jagged, check_ids, distinct_rows, unique_keys
 
 INT32_LIMIT = 2**31 - 1
@@ -134,16 +135,17 @@ def _owners(layout: GroupLayout, values: Tensor, table: Tensor, world: int) -> t
     table), by the group's one sharding mode when it has one (the usual case), else per id."""
     modes = layout.modes
     if modes == {0}:
-        return values % world, torch.div(values, world, rounding_mode="floor")
+        return modulo(values, world)
     if modes == {2}:
         return layout.owner.index_select(0, table), values
     block = layout.block.index_select(0, table)
     if modes == {1}:
         return torch.div(values, block, rounding_mode="floor"), values % block
     mode = layout.mode.index_select(0, table)
-    owners = torch.where(mode == 0, values % world, torch.where(mode == 1, values // block,
-                                                                    layout.owner.index_select(0, table)))
-    local = torch.where(mode == 0, values // world, torch.where(mode == 1, values % block, values))
+    owner_mod, local_mod = modulo(values, world)
+    owners = torch.where(mode == 0, owner_mod, torch.where(mode == 1, values // block,
+                                                           layout.owner.index_select(0, table)))
+    local = torch.where(mode == 0, local_mod, torch.where(mode == 1, values % block, values))
     return owners, local
 
 

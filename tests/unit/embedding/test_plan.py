@@ -92,3 +92,13 @@ def test_exchange_pooled_on_a_table_that_cannot_pool_names_the_table(kind, chang
         plan_tables([table], 2, {"tags": kind})
     with pytest.raises(ValueError, match="exchange 'bag' is not one of auto, rows, pooled"):
         TableConfig("tags", 5000, 8, ("tags",), exchange="bag")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_modulo_equals_floored_remainder_and_division(world):
+    """Row-wise owners and local rows: a mask and a shift for powers of two, as % and //."""
+    from gmeta_ds.embedding.plan import modulo
+
+    ids = torch.randint(-2**40, 2**40, (5000,), generator=torch.Generator().manual_seed(world))
+    owner, local = modulo(ids, world)
+    assert torch.equal(owner, ids % world) and torch.equal(local, torch.div(ids, world, rounding_mode="floor"))
