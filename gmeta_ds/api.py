@@ -130,7 +130,8 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr
 def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, inner_steps: int = 1,
                  inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] | None = None,
                  loss: str = "binary", vectorize: bool = True,
-                 split_body: bool | str = "auto") -> MetaLearner:
+                 split_body: bool | str = "auto",
+                 inner_lr_scale: dict[str, float] | None = None) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
@@ -142,7 +143,8 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     ``split_body``: run the model's non-adapted body once per micro-batch and the inner loop
     on its head only, for a model with ``split_body(adapted) -> BodySplit``
     (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
-    True at every ZeRO stage, False never."""
+    True at every ZeRO stage, False never. ``inner_lr_scale``: globs over the adapted names ->
+    multipliers of ``inner_lr`` (the first matching glob; e.g. ``{"popularity.*": 4.0}``)."""
     if split_body not in (True, False, "auto"):
         raise ConfigError([f"split_body: {split_body!r} is not one of True, False, 'auto'"])
     if loss not in LOSSES:
@@ -163,7 +165,8 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     else:
         if algorithm not in ALGORITHMS:
             raise ConfigError([f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"])
-        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body)
+        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body,
+                                     inner_lr_scale)
     return MetaLearner(model, algo)
 
 

@@ -63,6 +63,13 @@ class ModelConfig:
     # as a logit offset, weight * popularity + bias (models/popularity.py; popularity.* in meta.adapt).
     item_popularity: bool = False
     popularity_prior: float = 10.0            # pseudo-interactions at the global rate per item
+    # With item_popularity: the statistic also enters the model's input, s * popularity.feature
+    # (a learned row, zeros at start) added to the item field's row, so the layers can combine it
+    # with the user's features.
+    popularity_feature: bool = False
+    # The last linear layer of ``mlp`` starts at zero (melu, dcn_v2, dlrm: the whole output, so
+    # with item_popularity the model starts as popularity alone; deepfm, wide_deep: the deep part).
+    zero_init_output: bool = False
 
 
 @dataclass
@@ -72,6 +79,9 @@ class MetaConfig:
     algorithm: str = "maml"
     inner_steps: int = 1
     inner_lr: float = 0.1
+    # Glob over adapted names -> multiplier of inner_lr (the first matching glob; others x1),
+    # e.g. {"popularity.*": 4.0}: the offset adapts faster than the layers.
+    inner_lr_scale: dict[str, float] = field(default_factory=dict)
     # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
     # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
@@ -414,6 +424,11 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.meta.split_body not in (True, False, AUTO):
         problems.append(f"meta.split_body: {cfg.meta.split_body!r} is not one of true, false, auto")
     _positive(problems, "meta.vectorize_budget_mb", cfg.meta.vectorize_budget_mb, allow_auto=True)
+    if cfg.model.popularity_feature and not cfg.model.item_popularity:
+        problems.append("model.popularity_feature: needs model.item_popularity: true (the statistic it "
+                        "feeds in)")
+    for pattern, scale in cfg.meta.inner_lr_scale.items():
+        _positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
     if cfg.task == "text":
         _validate_text(cfg.text, problems)
     _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())

@@ -16,7 +16,7 @@ from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
 from gmeta_ds.metrics import score_tasks
-from gmeta_ds.models.popularity import with_offset
+from gmeta_ds.models.popularity import net_logits
 
 
 def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple, xq) -> Tensor:
@@ -46,7 +46,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
         batch = collate(tasks, which[start:start + tasks_per_batch])
         with torch.no_grad():
             rows_s, rows_q = embed_batch(embedder(net), batch)
-            plain = with_offset(net, net(rows_q), batch.query_ids)
+            plain = net_logits(net, rows_q, batch.query_ids)
             theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
         theta = {n: v.detach() for n, v in theta.items()}
         adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
@@ -99,7 +99,7 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
             multi = {name: Jagged(*(torch.from_numpy(a.astype(np.int64)) for a in take_rows(v, o, rows.numpy())))
                      for name, (v, o) in tasks.multi.items()}
             # A training row is left out of its own item's popularity counts (models/popularity.py).
-            logits = with_offset(net, net(embedder(net)(ids[rows], multi)), ids[rows], labels[rows])
+            logits = net_logits(net, embedder(net)(ids[rows], multi), ids[rows], labels[rows])
             loss = loss_fn(logits, labels[rows], ones[: len(rows)])
             optimizer.zero_grad()
             loss.backward()

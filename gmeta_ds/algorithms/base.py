@@ -68,10 +68,13 @@ class MetaAlgorithm:
     first_order = False
 
     def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
-                 kind: str = "binary", split_body: "bool | str" = "auto"):
+                 kind: str = "binary", split_body: "bool | str" = "auto",
+                 inner_lr_scale: "dict[str, float] | None" = None):
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self.adapt = list(adapt)
+        # meta.inner_lr_scale: glob over adapted names -> multiplier of inner_lr (first match)
+        self.inner_lr_scale = dict(inner_lr_scale or {})
         self.vectorize = vectorize
         self.kind = kind  # "binary" (click, BCE) or "regression" (rating, MSE)
         self.split_body = split_body  # meta.split_body: auto | true | false (`MetaLearner.prepare_engine`)
@@ -79,8 +82,14 @@ class MetaAlgorithm:
     def init_learner(self, learner: "MetaLearner") -> None:
         """Add algorithm-owned meta-parameters to the learner (none by default)."""
 
+    def rate(self, name: str) -> float:
+        """The inner learning rate of the adapted ``name``: ``inner_lr`` times the multiplier of
+        the first ``inner_lr_scale`` glob that matches it (x1 when none does)."""
+        scales = (s for p, s in self.inner_lr_scale.items() if fnmatch.fnmatchcase(name, p))
+        return self.inner_lr * next(scales, 1.0)
+
     def learning_rates(self, learner: "MetaLearner") -> LearningRates:
-        return {n: self.inner_lr for n in learner.adapted_names()}
+        return {n: self.rate(n) for n in learner.adapted_names()}
 
     def inner_loop(self, learner: "MetaLearner", steps: int | None = None,
                    first_order: bool | None = None, head: bool = False) -> InnerLoop:
@@ -153,6 +162,11 @@ class MetaLearner(nn.Module):
         self.net = net
         self.algorithm = algorithm
         self.adapted, self.adapted_fields = match_adapted(net, algorithm.adapt)
+        names = self.adapted_names()
+        unmatched = [p for p in algorithm.inner_lr_scale if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if unmatched:
+            raise ConfigError([f"meta.inner_lr_scale: {unmatched!r} matches no adapted parameter; adapted: "
+                               f"{', '.join(names)}"])
         algorithm.init_learner(self)
 
     def adapted_names(self) -> list[str]:
@@ -184,6 +198,8 @@ class MetaLearner(nn.Module):
         why there is none."""
         if self.adapted_fields:
             return None, "embedding rows adapt (meta.adapt names embedding.<field>)"
+        if getattr(getattr(self.net, "popularity", None), "feature", None) is not None:
+            return None, "the popularity feature enters the model's input rows (model.popularity_feature)"
         offer = getattr(self.net, "split_body", None)
         if offer is None:
             return None, f"{type(self.net).__name__} defines no split_body"

@@ -1,8 +1,9 @@
 """Meta-SGD (Li et al., 2017): MAML with a learned inner learning rate per parameter element.
 
 For every adapted parameter ``p`` the learner gains a meta-parameter ``alpha_p`` of p's shape,
-initialised to ``meta.inner_lr``; the inner step is ``p - alpha_p * grad`` and both ``theta``
-and ``alpha`` receive second-order meta-gradients through the same ``engine.backward``.
+initialised to ``meta.inner_lr`` (times ``meta.inner_lr_scale``'s multiplier); the inner step
+is ``p - alpha_p * grad`` and both ``theta`` and ``alpha`` receive second-order meta-gradients
+through the same ``engine.backward``.
 The rates live in the learner (``inner_lrs.<name with . -> __>``), so DeepSpeed owns,
 partitions and checkpoints them like any dense parameter.
 """
@@ -25,10 +26,10 @@ class MetaSGD(MetaAlgorithm):
 
     def init_learner(self, learner) -> None:
         params = dict(learner.net.named_parameters())
-        rates = {_key(n): torch.full_like(params[n], self.inner_lr) for n in learner.adapted}
+        rates = {_key(n): torch.full_like(params[n], self.rate(n)) for n in learner.adapted}
         # Deduplicated rows vary in number per micro-batch: one rate per embedding dimension.
         for name in learner.adapted_names()[len(learner.adapted):]:
-            rates[_key(name)] = torch.full((learner.net.embed_dim,), self.inner_lr)
+            rates[_key(name)] = torch.full((learner.net.embed_dim,), self.rate(name))
         learner.inner_lrs = nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})
 
     def learning_rates(self, learner):

@@ -99,10 +99,14 @@ class InnerLoop:
         if self.offset is not None:
             x, statistic = x
         inputs = compose_rows(fast, x, self.row_fields)
+        own = {}
+        if statistic is not None:
+            own = {n[len(OFFSET_PREFIX):]: v for n, v in fast.items() if n.startswith(OFFSET_PREFIX)}
+            # model.popularity_feature: the statistic enters the item row (no-op without it)
+            inputs = self.offset.with_feature(inputs, statistic, own.get("feature"))
         out = functional_call(self.module, params, (inputs,), tie_weights=self.tied)
         if statistic is None:
             return out
-        own = {n[len(OFFSET_PREFIX):]: v for n, v in fast.items() if n.startswith(OFFSET_PREFIX)}
         return out + functional_call(self.offset, own, (statistic.to(out.dtype),))
 
     def task_loss(self, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:

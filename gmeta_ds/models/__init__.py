@@ -30,7 +30,8 @@ def build_model(cfg: ModelConfig, fields, emb, seed: int, with_tables: bool = Tr
     the dense weights; the tables' rows depend on ``seed`` only. With ``cfg.item_popularity``
     the model gets a `popularity.PopularityOffset` (``net.popularity``) for labels ``kind``
     whose item id ``oov_id`` is the OOV id (None: none); fit its counts with
-    `popularity.fit`."""
+    `popularity.fit`; with ``cfg.popularity_feature`` the offset also feeds the statistic into
+    the item row (`PopularityOffset.with_feature`). ``cfg.zero_init_output``: `zero_output`."""
     from gmeta_ds.embedding.tables import EmbeddingCollection
     from gmeta_ds.models.base import field_tables
     from gmeta_ds.models.popularity import PopularityOffset
@@ -39,9 +40,32 @@ def build_model(cfg: ModelConfig, fields, emb, seed: int, with_tables: bool = Tr
     embedding = (EmbeddingCollection(field_tables(fields, cfg.embed_dim, emb), seed, emb.bad_ids)
                  if with_tables else None)
     net = cls.from_config(fields, cfg, embedding)
+    if cfg.zero_init_output:
+        zero_output(net)
     if cfg.item_popularity:
-        net.popularity = PopularityOffset(fields, kind, cfg.popularity_prior, oov_id)
+        net.popularity = PopularityOffset(fields, kind, cfg.popularity_prior, oov_id,
+                                          feature_dim=cfg.embed_dim if cfg.popularity_feature else 0)
     return net
+
+
+def zero_output(net) -> None:
+    """Set the last linear layer of the model's ``mlp`` to zero (``model.zero_init_output``):
+    MeLU's, DCN-v2's and DLRM's output then starts at 0, so with ``model.item_popularity`` the
+    model starts as popularity alone and learns only the deviation from it (DeepFM and
+    Wide & Deep: their deep part starts at 0). A model without an ``mlp`` ending in a linear
+    layer (two_tower) is a `ConfigError`."""
+    from torch import nn
+
+    from gmeta_ds.errors import ConfigError
+
+    head = getattr(net, "mlp", None)
+    linear = [m for m in head.modules() if isinstance(m, nn.Linear)] if isinstance(head, nn.Module) else []
+    if not linear:
+        raise ConfigError([f"model.zero_init_output: {type(net).__name__} has no `mlp` ending in a linear "
+                           "layer to start at zero"])
+    nn.init.zeros_(linear[-1].weight)
+    if linear[-1].bias is not None:
+        nn.init.zeros_(linear[-1].bias)
 
 
 def resolve_adapt(net, adapt) -> list[str]:

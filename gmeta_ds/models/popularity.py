@@ -10,7 +10,10 @@ Items never seen in training and the OOV id (log sources: 0) get the global ``lo
 model (``popularity.weight``, ``popularity.bias``): the outer loop learns them, and
 ``meta.adapt`` may name them (``popularity.*``; ``popularity.bias`` adapted is a per-user
 offset, as in the baseline). So the rest of the model only has to learn each user's deviation
-from popularity.
+from popularity. With ``model.popularity_feature`` the statistic also enters the model's input:
+``s * feature`` (``popularity.feature``, a learned row of ``embed_dim``, zeros at start) is
+added to the item field's row (`PopularityOffset.with_feature`), so the layers can combine the
+item's popularity with the user's features; `net_logits` is the whole forward.
 
 No leakage. The counts are fitted on the training tasks (`fit`), never on validation or test
 users. While training (meta-training and the non-meta baseline) a row's own interaction is
@@ -36,7 +39,7 @@ class PopularityOffset(nn.Module):
     """``forward(s) = weight * s + bias`` on a statistic from `statistic` (same shape)."""
 
     def __init__(self, fields: list[FieldSpec], kind: str = "binary", prior: float = 10.0,
-                 oov_id: int | None = 0):
+                 oov_id: int | None = 0, feature_dim: int = 0):
         super().__init__()
         self.column = item_column(fields)
         item = single_fields(fields)[self.column]
@@ -54,6 +57,8 @@ class PopularityOffset(nn.Module):
         self.register_buffer("rows", torch.zeros(1))
         self.weight = nn.Parameter(torch.ones(1))
         self.bias = nn.Parameter(torch.zeros(1))
+        if feature_dim:  # model.popularity_feature: the statistic enters the model's input too
+            self.feature = nn.Parameter(torch.zeros(feature_dim))
 
     def fit(self, train: TaskSet) -> PopularityOffset:
         """Counts from every interaction of the training tasks ``train`` (support and query)."""
@@ -88,6 +93,18 @@ class PopularityOffset(nn.Module):
     def forward(self, statistic: Tensor) -> Tensor:
         return self.weight * statistic + self.bias
 
+    def with_feature(self, rows: Tensor, statistic: Tensor, feature: Tensor | None = None) -> Tensor:
+        """``rows`` (..., F, d) with ``statistic * feature`` (``feature``: this offset's own, or
+        an adapted copy) added to the item field's row (``model.popularity_feature``): the
+        model's layers see the item's popularity next to the user's features. Unchanged when
+        the offset has no feature."""
+        feature = getattr(self, "feature", None) if feature is None else feature
+        if feature is None:
+            return rows
+        c = self.column  # the item field's position among the rows (single-hot fields first)
+        item = rows[..., c, :] + statistic.unsqueeze(-1).to(rows.dtype) * feature
+        return torch.cat([rows[..., :c, :], item.unsqueeze(-2), rows[..., c + 1:, :]], dim=-2)
+
 
 def fit(net: nn.Module, train: TaskSet) -> None:
     """Fit ``net``'s popularity counts on the training tasks (no-op without them)."""
@@ -102,9 +119,14 @@ def statistic(net: nn.Module, ids: Tensor, labels: Tensor | None = None) -> Tens
     return None if pop is None else pop.statistic(ids, labels)
 
 
-def with_offset(net: nn.Module, logits: Tensor, ids: Tensor, labels: Tensor | None = None) -> Tensor:
-    """``logits`` plus ``net``'s popularity offset of rows ``ids`` (unchanged without one)."""
+def net_logits(net: nn.Module, rows: Tensor, ids: Tensor, labels: Tensor | None = None) -> Tensor:
+    """``net``'s logits of looked-up ``rows`` (N, F, d) of ids ``ids`` (N, F_single) with its
+    popularity offset, and its popularity feature in the item row (``model.popularity_feature``);
+    ``labels``: training rows, each left out of its own item's counts."""
     s = statistic(net, ids, labels)
-    return logits if s is None else logits + net.popularity(s.to(logits.dtype))
+    if s is None:
+        return net(rows)
+    out = net(net.popularity.with_feature(rows, s))
+    return out + net.popularity(s.to(out.dtype))
 
 

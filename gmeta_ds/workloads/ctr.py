@@ -309,7 +309,7 @@ def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) ->
     """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
     if len(tasks) == 0:
         return {}
-    fixed = {n: cfg.meta.inner_lr for n in baseline.adapted_names()}
+    fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}  # meta.inner_lr(_scale)
     base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
     out = {}
     for name in HEADLINE[kind]:

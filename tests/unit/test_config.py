@@ -272,3 +272,12 @@ def test_batch_errors_name_where_each_key_comes_from(tmp_path):
     with pytest.raises(ConfigError, match=r"contradicts deepspeed.train_batch_size \(64\); set one to 'auto' "
                                           r"\(meta.\* in the run config, deepspeed.\* in .*ds.json\)"):
         resolve_ds_config(clash, 2)
+
+
+def test_inner_lr_scale_parses_from_an_override_and_refuses_non_positive_multipliers():
+    cfg = config_from_dict(apply_overrides({}, ['meta.inner_lr_scale={"popularity.*": 4, mlp.*: 0.5}']))
+    assert cfg.meta.inner_lr_scale == {"popularity.*": 4, "mlp.*": 0.5}
+    with pytest.raises(ConfigError, match=r"meta.inner_lr_scale.mlp.\*: 0 is not a positive number"):
+        config_from_dict({"meta": {"inner_lr_scale": {"mlp.*": 0}}})
+    with pytest.raises(ConfigError, match=r"meta.inner_lr_scale: expected dict"):
+        config_from_dict({"meta": {"inner_lr_scale": [2.0]}})

@@ -246,3 +246,47 @@ def test_row_adaptation_with_pooled_multi_hot_columns():
     for i in range(t):
         torch.testing.assert_close(compose_rows(fast, (rows_s[i], index_s[i]), {1: "item"}), rows_s[i])
         torch.testing.assert_close(compose_rows(fast, (rows_q[i], index_q[i]), {1: "item"}), rows_q[i])
+
+
+def test_inner_lr_scale_gives_each_matched_parameter_its_own_rate():
+    """meta.inner_lr_scale: Reptile's meta-gradient is theta - mean phi with phi adapted at
+    inner_lr x the first matching glob's multiplier (x1 for the rest), by an independent loop."""
+    torch.manual_seed(0)
+    net = tiny_melu(embed_dim=3, hidden=[5]).double()
+    scale = {"mlp.2.*": 3.0, "mlp.*": 0.5}  # first match wins: mlp.2.* x3, mlp.0.* x0.5
+    learner = MetaLearner(net, Reptile(2, 0.3, ["mlp.*"], True, inner_lr_scale=scale)).double()
+    rates = learner.algorithm.learning_rates(learner)
+    assert rates == pytest.approx({"mlp.0.weight": 0.15, "mlp.0.bias": 0.15, "mlp.2.weight": 0.9,
+                                   "mlp.2.bias": 0.9}, rel=1e-12)
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    phis = {n: [] for n in learner.adapted}
+    for t in range(batch.num_tasks):
+        copy_ = copy.deepcopy(learner.net)
+        rows_s = copy_.embed(batch.support_ids[t]).detach()
+        for _ in range(2):
+            loss = masked_bce(copy_(rows_s), batch.support_y[t], batch.support_mask[t])
+            gs = torch.autograd.grad(loss, [copy_.get_parameter(n) for n in learner.adapted])
+            with torch.no_grad():
+                for n, g in zip(learner.adapted, gs):
+                    copy_.get_parameter(n).sub_(rates[n] * g)
+        for n in learner.adapted:
+            phis[n].append(copy_.get_parameter(n))
+    for n in learner.adapted:
+        expected = learner.net.get_parameter(n) - torch.stack(phis[n]).mean(0)
+        torch.testing.assert_close(grads[f"net.{n}"], expected.detach(), rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_inner_lr_scale_sets_meta_sgd_initial_rates_and_refuses_unmatched_globs():
+    torch.manual_seed(0)
+    learner = MetaLearner(tiny_melu(embed_dim=3, hidden=[5]),
+                          MetaSGD(1, 0.1, ["mlp.*", "embedding.item_id"], True,
+                                  inner_lr_scale={"mlp.2.*": 2.0, "embedding.*": 5.0}))
+    torch.testing.assert_close(learner.inner_lrs["mlp__2__weight"], torch.full((1, 5), 0.2))
+    first = learner.inner_lrs["mlp__0__weight"]
+    torch.testing.assert_close(first, torch.full_like(first, 0.1))
+    torch.testing.assert_close(learner.inner_lrs["embedding__item_id"], torch.full((3,), 0.5))
+    with pytest.raises(ConfigError, match=r"meta.inner_lr_scale: \['popularity\.\*'\] matches no adapted "
+                                          r"parameter; adapted: mlp\.0\.weight"):
+        MetaLearner(tiny_melu(embed_dim=3, hidden=[5]), Reptile(1, 0.1, ["mlp.*"], True,
+                                                                 inner_lr_scale={"popularity.*": 2.0}))

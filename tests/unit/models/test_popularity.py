@@ -126,20 +126,24 @@ def test_bad_values_name_the_key():
         PopularityOffset(raw)
 
 
-def pop_net(name: str, with_tables: bool = True):
-    """`make_net` with a popularity offset fitted on the zoo's tasks, weight 0.7, bias 0.2."""
+def pop_net(name: str, with_tables: bool = True, feature: bool = False):
+    """`make_net` with a popularity offset fitted on the zoo's tasks, weight 0.7, bias 0.2
+    (``feature``: with model.popularity_feature, the feature row set to random values)."""
     net = make_net(name, with_tables)
-    ref = build_model(dataclasses.replace(TINY, name=name, item_popularity=True, popularity_prior=3.0),
+    ref = build_model(dataclasses.replace(TINY, name=name, item_popularity=True, popularity_prior=3.0,
+                                          popularity_feature=feature),
                       FIELDS, EmbeddingConfig(), 0, with_tables)
     net.popularity = ref.popularity.fit(task_set(6, seed=1)).double()
     with torch.no_grad():
         net.popularity.weight.fill_(0.7)
         net.popularity.bias.fill_(0.2)
+        if feature:
+            net.popularity.feature.copy_(torch.randn(3, generator=torch.Generator().manual_seed(5)))
     return net
 
 
-def pop_learner(name, algorithm, vectorize, adapt=None, with_tables=True):
-    net = pop_net(name, with_tables)
+def pop_learner(name, algorithm, vectorize, adapt=None, with_tables=True, feature=False):
+    net = pop_net(name, with_tables, feature)
     adapt = adapt or [*net.default_adapt, "popularity.*", "embedding.item_id"]
     return MetaLearner(net, ALGORITHMS[algorithm](2, 0.3, adapt, vectorize, "binary")).double()
 
@@ -212,3 +216,61 @@ def test_counts_are_saved_and_loaded_with_the_model():
     got = predict(fresh, lrs, tasks, 2)
     np.testing.assert_allclose(got["adapted"], want["adapted"], rtol=1e-12)
     np.testing.assert_allclose(got["plain"], want["plain"], rtol=1e-12)
+
+
+def test_popularity_feature_adds_the_statistic_to_the_item_row_only():
+    """model.popularity_feature: ``with_feature`` adds s * feature to the item field's row
+    (position 1 of FIELDS) and nothing else; it starts at zero (the model unchanged);
+    evaluation's plain logits (`net_logits`) equal the inner loop's before any step; the
+    config needs item_popularity; the body split is refused."""
+    from gmeta_ds.models.popularity import net_logits
+
+    net = pop_net("melu", feature=True)
+    rows = torch.randn(2, 7, 4, 3, dtype=torch.float64)
+    s = torch.randn(2, 7, dtype=torch.float64)
+    out = net.popularity.with_feature(rows, s)
+    expected = rows.clone()
+    expected[..., 1, :] += s.unsqueeze(-1) * net.popularity.feature
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    fresh = build_model(dataclasses.replace(TINY, item_popularity=True, popularity_feature=True), FIELDS,
+                        EmbeddingConfig(), 0)
+    assert fresh.popularity.feature.shape == (3,) and not fresh.popularity.feature.any()
+    torch.testing.assert_close(fresh.popularity.with_feature(rows.float(), s.float()), rows.float())
+    learner = MetaLearner(net, ALGORITHMS["reptile"](2, 0.3, ["mlp.*", "popularity.*"], True)).double()
+    assert "popularity.feature" in learner.adapted
+    b = batch()
+    rows_s, rows_q = embed_batch(embedder(net), b)
+    theta, _, query = learner.task_inputs(b, rows_s, rows_q)
+    inner = learner.algorithm.inner_loop(learner)
+    (xq, stat_q), _, _ = query
+    for t in range(b.num_tasks):
+        torch.testing.assert_close(inner.logits(theta, (xq[t], stat_q[t])), net_logits(net, xq[t], b.query_ids[t]))
+    with pytest.raises(ConfigError, match="model.popularity_feature: needs model.item_popularity: true"):
+        config_from_dict({"model": {"popularity_feature": True}})
+    learner.algorithm.split_body = True
+    with pytest.raises(ConfigError, match="the popularity feature enters the model's input rows"):
+        learner.prepare_engine(0)
+
+
+@pytest.mark.parametrize("algorithm", ["maml", "reptile"])
+@pytest.mark.parametrize("name", MODELS.names())
+def test_vmap_and_loop_agree_with_the_popularity_feature(name, algorithm):
+    """Every model with the popularity feature adapted: vmap == loop, the feature learns,
+    and it changes the loss; handed-in rows (sharded tables) equal own tables."""
+    b = batch()
+    gv, ov = meta_grads(pop_learner(name, algorithm, True, feature=True), b)
+    gl, ol = meta_grads(pop_learner(name, algorithm, False, feature=True), b)
+    torch.testing.assert_close(ov.task_query_loss, ol.task_query_loss, rtol=1e-10, atol=1e-12)
+    assert gv.keys() == gl.keys()
+    for n in gv:
+        torch.testing.assert_close(gv[n], gl[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert gv["net.popularity.feature"].abs().sum() > 0
+    without = pop_learner(name, algorithm, True)
+    assert not torch.allclose(without(b).task_query_loss, ov.task_query_loss)
+    owner = pop_learner(name, algorithm, True, feature=True)
+    bare = pop_learner(name, algorithm, True, with_tables=False, feature=True)
+    rows_s, rows_q = embed_batch(embedder(owner.net), b)
+    g_bare, o_bare = meta_grads(bare, b, (rows_s.detach(), rows_q.detach()))
+    torch.testing.assert_close(o_bare.task_query_loss, ov.task_query_loss, rtol=1e-12, atol=1e-14)
+    for n, g in g_bare.items():
+        torch.testing.assert_close(g, gv[n], rtol=1e-10, atol=1e-13, msg=n)

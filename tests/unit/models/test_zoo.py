@@ -198,3 +198,41 @@ def test_two_tower_needs_both_sides():
     with pytest.raises(ConfigError, match="two_tower needs at least one user-side and one item-side"):
         build_model(dataclasses.replace(TINY, name="two_tower"), [FieldSpec("item_id", 5, "item")],
                     EmbeddingConfig(), 0)
+
+
+@pytest.mark.parametrize("name", MODELS.names())
+def test_zero_init_output_zeroes_only_the_last_layer_of_mlp(name):
+    """model.zero_init_output: the last linear layer of ``mlp`` is zero and nothing else moves
+    (same seed); melu, dcn_v2, dlrm then output 0 for any rows, and with item_popularity the
+    learner's logits are the popularity offset alone; two_tower (no mlp) is refused."""
+    cfg = dataclasses.replace(TINY, name=name, zero_init_output=True)
+    if name == "two_tower":
+        with pytest.raises(ConfigError, match="model.zero_init_output: TwoTower has no `mlp`"):
+            build_model(cfg, FIELDS, EmbeddingConfig(), 0)
+        return
+    torch.manual_seed(0)
+    zero = build_model(cfg, FIELDS, EmbeddingConfig(), 0)
+    torch.manual_seed(0)
+    plain = build_model(dataclasses.replace(cfg, zero_init_output=False), FIELDS, EmbeddingConfig(), 0)
+    last = [n for n, m in zero.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("mlp.")][-1]
+    for n, p in zero.named_parameters():
+        if n.startswith(last + "."):
+            assert not p.any(), n
+        else:
+            torch.testing.assert_close(p, plain.get_parameter(n), rtol=0, atol=0, msg=n)
+    rows = torch.randn(7, 4, 3)
+    if name in ("melu", "dcn_v2", "dlrm"):
+        assert not zero(rows).any()
+        torch.manual_seed(0)
+        net = build_model(dataclasses.replace(cfg, item_popularity=True), FIELDS, EmbeddingConfig(), 0)
+        net.popularity.fit(task_set(6, seed=1))
+        learner = MetaLearner(net, ALGORITHMS["reptile"](1, 0.1, ["mlp.*", "popularity.*"], True))
+        b = collate(task_set(3), [0, 1, 2])
+        rows_s, rows_q = embed_batch(embedder(net), b)
+        _, (xs, _, _), _ = learner.task_inputs(b, rows_s, rows_q)
+        loop = learner.algorithm.inner_loop(learner)
+        fast = dict(net.named_parameters())
+        fast = {n: fast[n] for n in learner.adapted}
+        torch.testing.assert_close(loop.logits(fast, (xs[0][0], xs[1][0])), net.popularity(xs[1][0]))
+    else:
+        assert zero(rows).abs().sum() > 0  # the wide / first-order and FM parts still speak
