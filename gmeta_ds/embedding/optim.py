@@ -71,12 +71,38 @@ def sgd_rows(optimizer: torch.optim.SGD, param: nn.Parameter, scale: float = 1.0
     param.index_add_(0, grad._indices()[0], grad._values() * (-lr * scale))
 
 
+# A sparse gradient is summed per row through a dense (rows, d) buffer, in linear time, when
+# the table has at most this many rows per gradient entry; else by torch's coalesce (a sort).
+DENSE_SUM_RATIO = 4.0
+
+
+def summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, values) of a sparse COO row gradient with one entry per touched row, rows
+    sorted: ``grad.coalesce()``'s indices and values. An uncoalesced gradient of many entries
+    over a small table (owner-side pooling sends one entry per id looked up) is summed by one
+    ``index_add`` into a dense buffer and the touched rows read back (linear time), instead of
+    coalesce's sort of every entry."""
+    if grad.is_coalesced():
+        return grad._indices()[0], grad._values()
+    index, values = grad._indices()[0], grad._values()
+    num_rows = grad.shape[0]
+    if num_rows > DENSE_SUM_RATIO * len(index) or values.dim() != 2:
+        grad = grad.coalesce()
+        return grad._indices()[0], grad._values()
+    dense = values.new_zeros(num_rows, values.shape[1]).index_add_(0, index, values)
+    rows = torch.zeros(num_rows, dtype=torch.bool, device=index.device).index_fill_(0, index, True)
+    rows = rows.nonzero().squeeze(1)
+    return rows, dense.index_select(0, rows)
+
+
 @torch.no_grad()
-def adagrad_rows(optimizer: torch.optim.Adagrad, param: nn.Parameter) -> None:
+def adagrad_rows(optimizer: torch.optim.Adagrad, param: nn.Parameter, world: int = 1) -> None:
     """`torch.optim.Adagrad`'s sparse step for ``param`` (its state ``sum`` and ``step`` kept,
     so checkpoints and torch's own step stay interchangeable), on the touched rows by index
-    ops: ``s_i += g_i^2``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``. The same arithmetic as
-    torch's, without its sparse-tensor temporaries (sparse_mask, sparse adds)."""
+    ops: ``s_i += g_i^2``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``, with ``g_i`` the row's
+    summed gradient (`summed_rows`) divided by ``world`` (the world size, when the gradient
+    arrived summed over ranks). The same arithmetic as torch's, without its
+    sparse-tensor temporaries (sparse_mask, sparse adds)."""
     group = optimizer.param_groups[0]
     state = optimizer.state[param]
     if not state:
@@ -84,8 +110,9 @@ def adagrad_rows(optimizer: torch.optim.Adagrad, param: nn.Parameter) -> None:
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"],
                                        memory_format=torch.preserve_format)
     state["step"] += 1
-    grad = param.grad.coalesce()
-    rows, values = grad._indices()[0], grad._values()
+    rows, values = summed_rows(param.grad)
+    if world != 1:
+        values = values / world
     total = state["sum"].index_select(0, rows).add_(values * values)
     state["sum"].index_copy_(0, rows, total)
     param.index_add_(0, rows, values.div(total.sqrt_().add_(group["eps"])).mul_(-group["lr"]))

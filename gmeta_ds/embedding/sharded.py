@@ -463,17 +463,19 @@ class ShardedEmbeddingCollection:
         (no momentum, weight decay or maximize) on a sparse gradient is applied as one
         ``index_add`` of the uncoalesced gradient, scaled by lr / W: adding the entries of a row
         one by one is the same update, without coalescing (a sort of every entry). Plain
-        Adagrad takes `adagrad_rows`, torch's arithmetic by index ops (`optim.fast_update`)."""
-        direct = frozenset(name for name, p in self.shards.items() if self.plan.tables[name].kind != "replicated"
-                           and fast_update(self.optimizers[name], p) == "sgd")
-        self.finish_gradients(leave=direct)
+        Adagrad takes `adagrad_rows`, torch's arithmetic by index ops (`optim.fast_update`),
+        on the summed gradient (`optim.summed_rows`: linear time on small tables) divided by W."""
+        direct = {name: how for name, p in self.shards.items() if self.plan.tables[name].kind != "replicated"
+                  and (how := fast_update(self.optimizers[name], p)) in ("sgd", "adagrad")}
+        self.finish_gradients(leave=frozenset(direct))
         for name, p in self.shards.items():
             optimizer = self.optimizers[name]
-            how = "sgd" if name in direct else fast_update(optimizer, p)  # (averaged gradients now)
+            how = direct.get(name) or fast_update(optimizer, p)  # (averaged gradients now)
+            world = self.world if name in direct else 1
             if how == "sgd":
-                sgd_rows(optimizer, p, 1 / self.world if name in direct else 1.0)
+                sgd_rows(optimizer, p, 1 / world)
             elif how == "adagrad":
-                adagrad_rows(optimizer, p)
+                adagrad_rows(optimizer, p, world)
             elif p.grad is not None:
                 optimizer.step()
             p.grad = None

@@ -75,9 +75,32 @@ def test_adagrad_rows_is_torchs_sparse_adagrad():
         torch_adagrad.step()
         adagrad_rows(ours, b)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # (x * -lr then add vs torch's fused alpha)
-        assert torch.equal(torch_adagrad.state[a]["sum"], ours.state[b]["sum"])
+        # a repeated row's entries are summed in another order (index_add, not coalesce's sort)
+        torch.testing.assert_close(torch_adagrad.state[a]["sum"], ours.state[b]["sum"], rtol=1e-6, atol=1e-7)
         assert torch.equal(torch_adagrad.state[a]["step"], ours.state[b]["step"])
     ours.load_state_dict(torch_adagrad.state_dict())  # the same state layout both ways
+
+
+@pytest.mark.parametrize("num_rows", [20, 500])  # dense buffer (linear) / torch's coalesce (sort)
+def test_summed_rows_is_coalesce_and_adagrad_rows_divides_by_the_world(num_rows):
+    from gmeta_ds.embedding.optim import adagrad_rows, summed_rows
+
+    torch.manual_seed(2)
+    index = torch.randint(0, num_rows, (1, 40))
+    grad = torch.sparse_coo_tensor(index, torch.randn(40, 3), (num_rows, 3))
+    rows, values = summed_rows(grad)
+    reference = grad.coalesce()
+    assert torch.equal(rows, reference.indices()[0])
+    torch.testing.assert_close(values, reference.values())
+    assert summed_rows(reference)[1].data_ptr() == reference._values().data_ptr()  # coalesced: as it is
+    a = nn.Parameter(torch.randn(num_rows, 3))
+    b = nn.Parameter(a.detach().clone())
+    torch_adagrad, ours = torch.optim.Adagrad([a], lr=0.1), torch.optim.Adagrad([b], lr=0.1)
+    a.grad, b.grad = grad.coalesce() / 3, grad.clone()  # summed over 3 ranks: ours divides
+    torch_adagrad.step()
+    adagrad_rows(ours, b, world=3)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch_adagrad.state[a]["sum"], ours.state[b]["sum"])
 
 
 def test_fast_updates_match_torchs_sgd_and_apply_only_to_plain_optimizers():

@@ -46,10 +46,8 @@ def test_pooled_lookup_gradients_and_step_equal_the_unsharded_twin(kind, optimiz
     for name, weight in twin.weights.items():
         grad = sharded.shards[name].grad
         used = torch.cat([feats[f].values for f in feats if sharded.by_feature[f].name == name])
-        if optimizer == "sgd":  # one entry per id looked up: the SGD step adds them one by one
-            assert grad.is_sparse and torch.equal(grad._indices()[0].sort()[0], used.sort()[0])
-        else:  # one entry per distinct row: Adagrad needs each row's whole gradient
-            assert grad.is_sparse and torch.equal(grad._indices()[0], used.unique())
+        # one entry per id looked up: SGD adds them one by one, Adagrad sums each row's first
+        assert grad.is_sparse and torch.equal(grad._indices()[0].sort()[0], used.sort()[0])
         torch.testing.assert_close(grad.to_dense(), weight.grad, msg=name)
     sharded.step()
     with torch.no_grad():
@@ -81,3 +79,15 @@ def test_a_group_without_ids_still_returns_every_bag():
     empty = {"tags": Jagged(torch.zeros(0, dtype=torch.long), torch.zeros(4, dtype=torch.long))}
     out = sharded(empty)["tags"]
     assert out.shape == (3, 4) and out.abs().sum() == 0 and out.requires_grad
+
+
+@pytest.mark.parametrize("world", [2, 3, 8, 9, 12])
+def test_partition_by_owner_is_a_stable_sort(world):
+    from gmeta_ds.embedding.pooled import _partition
+
+    owners = torch.randint(0, world, (1000,), generator=torch.Generator().manual_seed(world))
+    owners[:5] = 0  # runs of one owner, and owners that hold nothing
+    owners[owners == world - 1] = 0
+    values = torch.arange(1000) * 7
+    expected = values[torch.argsort(owners, stable=True)]
+    assert torch.equal(_partition(values, owners, world, torch.bincount(owners, minlength=world)), expected)
