@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gmeta_ds.embedding.tables import FLAGS_RATIO, unique_keys
+
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Adagrad with one accumulator per row: ``s_i += mean(g_i^2)``, ``w_i -= lr g_i / (sqrt(s_i) + eps)``.
@@ -71,28 +73,17 @@ def sgd_rows(optimizer: torch.optim.SGD, param: nn.Parameter, scale: float = 1.0
     param.index_add_(0, grad._indices()[0], grad._values() * (-lr * scale))
 
 
-# A sparse gradient is summed per row through a dense (rows, d) buffer, in linear time, when
-# the table has at most this many rows per gradient entry; else by torch's coalesce (a sort).
-DENSE_SUM_RATIO = 4.0
-
-
 def summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, values) of a sparse COO row gradient with one entry per touched row, rows
-    sorted: ``grad.coalesce()``'s indices and values. An uncoalesced gradient of many entries
-    over a small table (owner-side pooling sends one entry per id looked up) is summed by one
-    ``index_add`` into a dense buffer and the touched rows read back (linear time), instead of
-    coalesce's sort of every entry."""
+    sorted: ``grad.coalesce()``'s indices and values. An uncoalesced gradient (owner-side
+    pooling sends one entry per id looked up) is summed by one ``index_add`` over the rows of
+    `tables.unique_keys`, which finds them by flags in linear time when the table is small
+    next to the entries (no sort of every entry, as coalesce does)."""
     if grad.is_coalesced():
         return grad._indices()[0], grad._values()
     index, values = grad._indices()[0], grad._values()
-    num_rows = grad.shape[0]
-    if num_rows > DENSE_SUM_RATIO * len(index) or values.dim() != 2:
-        grad = grad.coalesce()
-        return grad._indices()[0], grad._values()
-    dense = values.new_zeros(num_rows, values.shape[1]).index_add_(0, index, values)
-    rows = torch.zeros(num_rows, dtype=torch.bool, device=index.device).index_fill_(0, index, True)
-    rows = rows.nonzero().squeeze(1)
-    return rows, dense.index_select(0, rows)
+    rows, inverse = unique_keys(index, grad.shape[0], FLAGS_RATIO)
+    return rows, values.new_zeros((len(rows), *values.shape[1:])).index_add_(0, inverse, values)
 
 
 @torch.no_grad()

@@ -4,12 +4,13 @@ For every group of such tables (one dimension, placement and process group), per
 
 1. input_dist — the requester numbers the bags of all the group's features one after another
    and groups its ids by owner (a stable counting partition: each (bag, owner)'s ids stay one
-   run, in feature and bag order). Each owner gets, in one all-to-all, its ids (as local rows) followed by one
-   (code, length) pair per bag it holds part of, where code = bag x n_tables + table; the sizes
-   go first, in a small all-to-all of (ids, bags) per owner.
-2. lookup — the owner finds the distinct rows it was asked for (one unique over the group),
-   gathers each once, and sums every pair's rows with one fused ``embedding_bag``, in the order
-   the pairs arrived.
+   run, in feature and bag order). Each owner gets, in one all-to-all, its ids (as local rows)
+   followed by one (code, length) pair per bag it holds part of, where code = bag x n_tables
+   + table; the sizes go first, in a small all-to-all of (ids, bags) per owner.
+2. lookup — plain SGD and Adagrad tables: one ``embedding_bag`` per table straight from its
+   shard; other optimizers: the owner finds the distinct rows it was asked for (one unique over
+   the group), gathers each once, and sums every pair's rows with one fused ``embedding_bag``;
+   either way in the order the pairs arrived.
 3. output_dist — the partial sums go back (one all-to-all); the requester knows their order
    (its own runs, per owner) and adds the partial sums of each bag, then divides by the bag's
    length for mean pooling.

@@ -81,7 +81,7 @@ def test_adagrad_rows_is_torchs_sparse_adagrad():
     ours.load_state_dict(torch_adagrad.state_dict())  # the same state layout both ways
 
 
-@pytest.mark.parametrize("num_rows", [20, 500])  # dense buffer (linear) / torch's coalesce (sort)
+@pytest.mark.parametrize("num_rows", [20, 500])  # rows by flags (linear) / by a sort
 def test_summed_rows_is_coalesce_and_adagrad_rows_divides_by_the_world(num_rows):
     from gmeta_ds.embedding.optim import adagrad_rows, summed_rows
 
