@@ -131,7 +131,9 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
                  inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] | None = None,
                  loss: str = "binary", vectorize: bool = True,
                  split_body: bool | str = "auto",
-                 inner_lr_scale: dict[str, float] | None = None) -> MetaLearner:
+                 inner_lr_scale: dict[str, float] | None = None,
+                 inner_loss_prior: float = 0.0, offset_first: float | None = None,
+                 support_level: float | None = None) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
@@ -144,7 +146,13 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     on its head only, for a model with ``split_body(adapted) -> BodySplit``
     (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
     True at every ZeRO stage, False never. ``inner_lr_scale``: globs over the adapted names ->
-    multipliers of ``inner_lr`` (the first matching glob; e.g. ``{"popularity.*": 4.0}``)."""
+    multipliers of ``inner_lr`` (the first matching glob; e.g. ``{"popularity.*": 4.0}``).
+    ``inner_loss_prior``: the support loss is sum / (rows + prior) instead of the mean, so
+    tasks with few support rows adapt less (0: the mean). ``offset_first`` (λ, with the
+    popularity offset of ``gmeta_ds.models`` and ``popularity.bias`` adapted): each task's
+    offset is first set to the MAP of its support (prior precision λ), then the inner steps run.
+    ``support_level`` (λ, with the popularity offset): after the inner steps each task's logits
+    are shifted so their support mean equals popularity + the task's MAP offset (prior λ)."""
     if split_body not in (True, False, "auto"):
         raise ConfigError([f"split_body: {split_body!r} is not one of True, False, 'auto'"])
     if loss not in LOSSES:
@@ -166,7 +174,7 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
         if algorithm not in ALGORITHMS:
             raise ConfigError([f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"])
         algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body,
-                                     inner_lr_scale)
+                                     inner_lr_scale, inner_loss_prior, offset_first, support_level)
     return MetaLearner(model, algo)
 
 
@@ -205,16 +213,20 @@ class MetaEngine:
     def world_size(self) -> int:
         return self.plan.world_size
 
-    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = True) -> list[TaskBatch]:
+    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = True,
+                resample: bool = False) -> list[TaskBatch]:
         """This rank's micro-batches of meta-step ``step``: the global batch of
         ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
-        permutation per epoch), split over (micro-batch, rank)."""
+        permutation per epoch), split over (micro-batch, rank). ``resample``: episode
+        resampling (``data.resample``), each task's support and query redrawn from its rows,
+        keyed by (seed, step)."""
         from gmeta_ds.data.loader import task_lengths
 
         lengths = task_lengths(tasks) if bucket_by_length else None
         sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
                                    self.plan.world_size, self.rank, self.seed, lengths)
-        return [collate(tasks, ids) for ids in sampler.micro_batches(step)]
+        key = (self.seed, step) if resample else None
+        return [collate(tasks, ids, resample=key) for ids in sampler.micro_batches(step)]
 
     def meta_step(self, batches: list[TaskBatch]) -> StepResult:
         """One outer step on this rank's micro-batches (collective): fused lookups of support

@@ -82,6 +82,19 @@ class MetaConfig:
     # Glob over adapted names -> multiplier of inner_lr (the first matching glob; others x1),
     # e.g. {"popularity.*": 4.0}: the offset adapts faster than the layers.
     inner_lr_scale: dict[str, float] = field(default_factory=dict)
+    # Shrinkage of small supports: the inner loss is sum / (support rows + inner_loss_prior)
+    # instead of the mean, so a task with n support rows adapts n / (n + prior) as far per step
+    # (0 = the mean). Like the popularity baseline's offset prior: few rows, small update.
+    inner_loss_prior: float = 0.0
+    # With model.item_popularity and popularity.bias adapted: before the inner steps, each task's
+    # offset is moved to the MAP of its support given the model's own logits (the popularity
+    # baseline's offset fit, Gaussian prior of precision offset_first); null = off.
+    offset_first: Union[float, None] = None
+    # With model.item_popularity: after the inner steps, each task's logits get one constant so
+    # that their mean over its support equals that of popularity + the task's MAP offset
+    # (prior precision support_level): the adapted model ranks, the shrunk statistic sets the
+    # user's level (InnerLoop.level_shift). Applies to the non-meta baseline's fine-tune too.
+    support_level: Union[float, None] = None
     # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
     # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
@@ -200,9 +213,18 @@ class DataConfig:
     threshold: float = 4.0
     query_size: int = 10
     split: str = "random"                     # support/query: random (seeded) or time (query = latest)
+    # Episode resampling: each time meta-training draws a task, its support and query are
+    # redrawn at random from all its rows (same sizes), keyed by (seed, meta-step); held-out
+    # users keep their one split. Needs split: random (a time split's query is the latest rows).
+    resample: bool = False
     min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
     max_interactions: int = 100
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
+    # Tasks above max_interactions: skip (counted), or train (the warm users' logs): kept for
+    # meta-training only, never held out, each cut into ceil(n / max_interactions) tasks (rows
+    # dealt at random by their seeded order key), so they look like the held-out users' tasks.
+    # The held-out users are the same as with skip.
+    long_tasks: str = "skip"
     min_count: int = 1                        # rarer categorical values share the OOV id 0
     # Single-hot columns kept as raw int64 ids, no vocabulary (strings: 63 bits of their MD5,
     # gmeta_ds.embedding.dynamic.string_id); the CTR workload adds every dynamic table's field.
@@ -427,6 +449,18 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.model.popularity_feature and not cfg.model.item_popularity:
         problems.append("model.popularity_feature: needs model.item_popularity: true (the statistic it "
                         "feeds in)")
+    if cfg.meta.support_level is not None and cfg.meta.support_level < 0:
+        problems.append(f"meta.support_level: {cfg.meta.support_level!r} must be null or a number >= 0")
+    if cfg.meta.support_level is not None and cfg.task == "ctr" and not cfg.model.item_popularity:
+        problems.append("meta.support_level: sets each task's level from the item-popularity offset; "
+                        "set model.item_popularity: true")
+    if cfg.meta.offset_first is not None and cfg.meta.offset_first < 0:
+        problems.append(f"meta.offset_first: {cfg.meta.offset_first!r} must be null or a number >= 0")
+    if cfg.meta.offset_first is not None and cfg.task == "ctr" and not cfg.model.item_popularity:
+        problems.append("meta.offset_first: fits the popularity offset's bias per task; set "
+                        "model.item_popularity: true")
+    if not isinstance(cfg.meta.inner_loss_prior, (int, float)) or cfg.meta.inner_loss_prior < 0:
+        problems.append(f"meta.inner_loss_prior: {cfg.meta.inner_loss_prior!r} must be a number >= 0")
     for pattern, scale in cfg.meta.inner_lr_scale.items():
         _positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
     if cfg.task == "text":
@@ -459,6 +493,10 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         if cfg.eval.split == "valid":
             problems.append("eval.finetune_search: chooses on the validation users, so it needs "
                             "eval.split: test (not valid)")
+    _one_of(problems, "data.long_tasks", cfg.data.long_tasks, ("skip", "train"))
+    if cfg.data.resample and cfg.data.split == "time":
+        problems.append("data.resample: redraws each task's query at random, which would break "
+                        "data.split: time (query = the latest rows); use data.split: random")
     if cfg.eval.baseline_epochs < 0:
         problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
     _one_of(problems, "train.nonfinite", cfg.train.nonfinite, ("abort", "skip"))

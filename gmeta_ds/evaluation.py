@@ -22,7 +22,7 @@ from gmeta_ds.models.popularity import net_logits
 def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: tuple, xq) -> Tensor:
     def one(xs, ys, ms, xq):
         fast, _ = inner.adapt_func(theta, lrs, xs, ys, ms)
-        return inner.logits(fast, xq)
+        return inner.query_logits(theta, fast, xs, ys, ms, xq)
 
     return vmap(one)(*support, xq)
 

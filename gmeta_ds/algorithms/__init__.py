@@ -26,7 +26,8 @@ def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int =
     tasks = cfg.tasks_per_micro_batch if isinstance(cfg.tasks_per_micro_batch, int) else DEFAULT_MICRO_BATCH
     vectorize = choose_vectorize(cfg.vectorize, bytes_per_task, tasks, cfg.vectorize_budget_mb)
     return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, vectorize, kind,
-                                     cfg.split_body, cfg.inner_lr_scale)
+                                     cfg.split_body, cfg.inner_lr_scale, cfg.inner_loss_prior,
+                                     cfg.offset_first, cfg.support_level)
 
 
 __all__ = ["ALGORITHMS", "FOMAML", "MAML", "MetaAlgorithm", "MetaLearner", "MetaOutput",

@@ -58,6 +58,17 @@ def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[
     return chosen, rows
 
 
+def _optional_prior(key: str, value, kind: str) -> "float | None":
+    """A per-task offset prior (None, or a number >= 0, for binary or rating labels)."""
+    if value is None:
+        return None
+    if not (isinstance(value, (int, float)) and value >= 0):
+        raise ConfigError([f"{key}: {value!r} must be null or a number >= 0"])
+    if kind not in ("binary", "regression"):
+        raise ConfigError([f"{key}: fits a per-task offset for binary or regression labels, not {kind!r}"])
+    return float(value)
+
+
 class MetaAlgorithm:
     """Base: adapt the matched parameters for ``inner_steps`` SGD steps of ``inner_lr``.
 
@@ -69,12 +80,21 @@ class MetaAlgorithm:
 
     def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
                  kind: str = "binary", split_body: "bool | str" = "auto",
-                 inner_lr_scale: "dict[str, float] | None" = None):
+                 inner_lr_scale: "dict[str, float] | None" = None, inner_loss_prior: float = 0.0,
+                 offset_first: "float | None" = None, support_level: "float | None" = None):
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self.adapt = list(adapt)
         # meta.inner_lr_scale: glob over adapted names -> multiplier of inner_lr (first match)
         self.inner_lr_scale = dict(inner_lr_scale or {})
+        # meta.inner_loss_prior: support loss = sum / (rows + prior) (`InnerLoop.support_loss`)
+        if not inner_loss_prior >= 0.0:
+            raise ConfigError([f"meta.inner_loss_prior: {inner_loss_prior!r} must be a number >= 0"])
+        self.inner_loss_prior = float(inner_loss_prior)
+        # meta.offset_first: the prior λ of the per-task offset set before the inner steps
+        # (`InnerLoop.offset_first`); meta.support_level: that of `InnerLoop.level_shift`
+        self.offset_first = _optional_prior("meta.offset_first", offset_first, kind)
+        self.support_level = _optional_prior("meta.support_level", support_level, kind)
         self.vectorize = vectorize
         self.kind = kind  # "binary" (click, BCE) or "regression" (rating, MSE)
         self.split_body = split_body  # meta.split_body: auto | true | false (`MetaLearner.prepare_engine`)
@@ -100,7 +120,9 @@ class MetaAlgorithm:
         return InnerLoop(module, steps or self.inner_steps,
                          self.first_order if first_order is None else first_order,
                          loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields, prefix=prefix,
-                         offset=getattr(learner.net, "popularity", None))
+                         offset=getattr(learner.net, "popularity", None),
+                         support_prior=self.inner_loss_prior, offset_prior=self.offset_first,
+                         kind=self.kind, level_prior=self.support_level)
 
     def run(self, learner: "MetaLearner", theta: Params, support: tuple, query: tuple,
             query_fast=lambda f: f) -> TaskOutputs:
@@ -167,6 +189,13 @@ class MetaLearner(nn.Module):
         if unmatched:
             raise ConfigError([f"meta.inner_lr_scale: {unmatched!r} matches no adapted parameter; adapted: "
                                f"{', '.join(names)}"])
+        if algorithm.support_level is not None and getattr(net, "popularity", None) is None:
+            raise ConfigError(["meta.support_level: sets each task's level from the item-popularity "
+                               "offset; set model.item_popularity: true"])
+        if algorithm.offset_first is not None and "popularity.bias" not in names:
+            raise ConfigError(["meta.offset_first: sets each task's popularity.bias before the inner steps, "
+                               "so it needs model.item_popularity: true and popularity.bias adapted "
+                               f"(meta.adapt, e.g. \"popularity.*\"); adapted: {', '.join(names)}"])
         algorithm.init_learner(self)
 
     def adapted_names(self) -> list[str]:

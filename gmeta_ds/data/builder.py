@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
 from gmeta_ds.data.stream import (build_lock, build_store, check_raw_ids, file_source, log_source,
-                                  open_store, row_order_key)
+                                  long_task_chunks, open_store, row_order_key)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
 CACHE_VERSION = 4  # 4: within-task order by `stream.row_order_key`; the store replaces the .npz
@@ -64,7 +64,9 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
     """Hash of everything the tasks depend on: data config (not the synthetic section), seed,
     and each log file's name, size and modification time."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
-                if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length")}
+                if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length", "resample")}
+    if settings["long_tasks"] == "skip":  # the key of stores built before long_tasks existed
+        settings.pop("long_tasks")
     if not settings["raw_ids"]:  # the key of stores built before raw_ids existed
         settings.pop("raw_ids")
     else:
@@ -114,8 +116,9 @@ def _encode(values: np.ndarray, vocab: tuple[np.ndarray, np.ndarray]) -> np.ndar
 
 
 def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(rows of kept tasks, grouped by task and ordered within it; task id of every row).
-    Records kept/dropped task counts in ``stats``."""
+    """(rows of kept tasks, grouped by task and ordered within it; task id of every row; per
+    kept row, whether its task may be held out: not a long task's chunk under
+    ``data.long_tasks: train``). Records kept/dropped task counts in ``stats``."""
     keys = np.asarray(log.frame.data.column(log.schema.task_key).to_numpy(zero_copy_only=False)).astype(str)
     uniq, task_of_row = np.unique(keys, return_inverse=True)
     lengths = np.bincount(task_of_row, minlength=len(uniq))
@@ -126,6 +129,7 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
                         f"{cfg.min_interactions} interactions (data.min_interactions), e.g. "
                         f"{log.schema.task_key} {examples}; set data.short_tasks: skip to drop them")
     keep = ~short & (lengths <= cfg.max_interactions)
+    long = (lengths > cfg.max_interactions) if cfg.long_tasks == "train" else np.zeros_like(keep)
     stats.update(tasks_read=len(uniq), tasks_too_short=int((lengths < cfg.min_interactions).sum()),
                  tasks_too_long=int((lengths > cfg.max_interactions).sum()), tasks_kept=int(keep.sum()))
     if not keep.any():
@@ -139,8 +143,16 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
         within = log.frame.data.column(log.schema.timestamp).to_numpy().astype(np.int64)
     else:
         within = row_order_key(np.arange(len(keys)), seed)
+    user_of_row = task_of_row
+    if long.any():  # data.long_tasks: train -- each long task becomes `long_task_chunks` tasks
+        stats["long_tasks_trained"] = int(long.sum())
+        chunks = long_task_chunks(lengths, long, cfg.max_interactions)
+        chunk = row_order_key(np.arange(len(keys)), seed) % chunks[task_of_row].astype(np.uint64)
+        task_of_row = task_of_row.astype(np.int64) * int(chunks.max()) + chunk.astype(np.int64)
     rows = np.lexsort((within, task_of_row))
-    return rows[keep[task_of_row[rows]]], task_of_row
+    rows = rows[(keep | long)[user_of_row[rows]]]
+    # the rows of tasks that may be held out (long tasks train only)
+    return rows, task_of_row, keep[user_of_row[rows]]
 
 
 TRAIN, VALID, TEST = 0, 1, 2
@@ -215,9 +227,9 @@ def tasks_from_log(log: InteractionLog, cfg: DataConfig, seed: int) -> TaskData:
     if len(log) == 0:
         raise DataError(f"{log.source}: the log holds no interactions")
     stats: dict = {"source": log.source, "interactions_read": len(log)}
-    rows, task_of_row = _users(log, cfg, seed, stats)
-    kept_tasks, first = np.unique(task_of_row[rows], return_index=True)
-    kept_tasks = task_of_row[rows][np.sort(first)]
+    rows, task_of_row, candidate = _users(log, cfg, seed, stats)
+    kept_tasks, first = np.unique(task_of_row[rows][candidate], return_index=True)
+    kept_tasks = task_of_row[rows][candidate][np.sort(first)]
     split_of_task = np.zeros(task_of_row.max() + 1, dtype=np.int8)
     split_of_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, cfg.valid_fraction, seed)
     split_of_row = split_of_task[task_of_row[rows]]

@@ -24,17 +24,22 @@ def padding_efficiency(batch: TaskBatch) -> float:
 class TaskLoader:
     """Iterates meta-steps: each item is this rank's list of GAS `TaskBatch` micro-batches.
 
-    ``prefetch``: collate the next meta-step in a background thread.
+    ``prefetch``: collate the next meta-step in a background thread. ``resample``
+    (``data.resample``): each task's support and query are redrawn from its rows at every
+    meta-step that draws it, keyed by (sampler seed, meta-step), so a resumed run and any world
+    size see the same episodes.
     """
 
-    def __init__(self, tasks: TaskSet, sampler: MetaBatchSampler, prefetch: bool = True):
-        self.tasks, self.sampler = tasks, sampler
+    def __init__(self, tasks: TaskSet, sampler: MetaBatchSampler, prefetch: bool = True,
+                 resample: bool = False):
+        self.tasks, self.sampler, self.resample = tasks, sampler, resample
         self.next_step = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gmeta-prefetch") if prefetch else None
         self._pending: tuple[int, Future] | None = None
 
     def _collate(self, step: int) -> list[TaskBatch]:
-        return [collate(self.tasks, mb) for mb in self.sampler.micro_batches(step)]
+        key = (self.sampler.seed, step) if self.resample else None
+        return [collate(self.tasks, mb, resample=key) for mb in self.sampler.micro_batches(step)]
 
     def next(self) -> list[TaskBatch]:
         """The micro-batches of meta-step ``next_step``; starts collating the one after."""

@@ -76,6 +76,13 @@ def row_order_key(rows: np.ndarray, seed: int) -> np.ndarray:
     return x ^ (x >> np.uint64(16))
 
 
+def long_task_chunks(lengths: np.ndarray, long: np.ndarray, max_interactions: int) -> np.ndarray:
+    """Chunks per task under ``data.long_tasks: train``: a task with n > max_interactions rows
+    (``long``) is cut into ceil(n / max_interactions) training tasks, row r going to chunk
+    ``row_order_key(r) mod chunks``; every other task is one chunk."""
+    return np.where(long, -(-lengths // max_interactions), 1).astype(np.int64)
+
+
 def _order_key_sql(seed: int) -> tuple[str, list[str]]:
     """(final expression, helper columns) of `row_order_key` over the column ``_row``."""
     m = _M32
@@ -423,9 +430,12 @@ class _Build:
                             f"{cfg.min_interactions} interactions (data.min_interactions), e.g. "
                             f"{s.task_key} {examples}; set data.short_tasks: skip to drop them")
         keep = ~short & (lengths <= cfg.max_interactions)
+        long = (lengths > cfg.max_interactions) if cfg.long_tasks == "train" else np.zeros_like(keep)
         self.stats.update(tasks_read=len(lengths), tasks_too_short=int(short.sum()),
                           tasks_too_long=int((lengths > cfg.max_interactions).sum()),
                           tasks_kept=int(keep.sum()))
+        if long.any():
+            self.stats["long_tasks_trained"] = int(long.sum())
         if not keep.any():
             raise DataError(f"{self.source.what}: no task has between {cfg.min_interactions} and "
                             f"{cfg.max_interactions} interactions ({len(lengths)} tasks read); "
@@ -437,9 +447,22 @@ class _Build:
 
         kept = np.flatnonzero(keep)
         split = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
-        self.con.register("task_split", pa.table({
-            "t": keys.filter(pa.array(keep)), "task": pa.array(kept.astype(np.int64)),
-            "split": pa.array(split.astype(np.int8))}))
+        chunk_of = ""
+        if long.any():  # data.long_tasks: train -- long tasks join the training split in chunks
+            chunks = long_task_chunks(lengths, long, cfg.max_interactions)
+            width = int(chunks.max())
+            both = np.flatnonzero(keep | long)
+            split = np.full(len(both), TRAIN, dtype=np.int8)
+            split[np.isin(both, kept)] = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
+            self.con.register("task_split", pa.table({
+                "t": keys.filter(pa.array(keep | long)), "task": pa.array(both.astype(np.int64) * width),
+                "split": pa.array(split), "chunks": pa.array(chunks[both].astype(np.int64))}))
+            key, steps = _order_key_sql(self.seed)
+            chunk_of = (f" + CAST(({key}) % ts.chunks AS BIGINT)", "".join(f", {x}" for x in steps))
+        else:
+            self.con.register("task_split", pa.table({
+                "t": keys.filter(pa.array(keep)), "task": pa.array(kept.astype(np.int64)),
+                "split": pa.array(split.astype(np.int8))}))
         new_item = "FALSE"
         if cfg.four_state:
             y = s.release_year
@@ -448,8 +471,15 @@ class _Build:
                                 "this log has no release-year column")
             new_item = (f"(regexp_full_match(CAST(n.\"{y}\" AS VARCHAR), '[0-9]+') AND "
                         f"TRY_CAST(n.\"{y}\" AS HUGEINT) >= {int(cfg.new_item_year)})")
-        self.con.execute(f'CREATE TEMP VIEW j AS SELECT n.*, ts.task, ts.split, {new_item} AS new_item '
-                         f'FROM n JOIN task_split ts ON n."{s.task_key}" = ts.t')
+        if chunk_of:  # a long task's rows go to chunk (row order key mod chunks), as `long_task_chunks`
+            add, helpers = chunk_of
+            self.con.execute(
+                f'CREATE TEMP VIEW j AS SELECT n.* EXCLUDE (z0, z1, z2, z3, z4), ts.task{add.replace("z4", "n.z4")} AS task, '
+                f'ts.split, {new_item} AS new_item FROM (SELECT *{helpers} FROM n) n '
+                f'JOIN task_split ts ON n."{s.task_key}" = ts.t')
+        else:
+            self.con.execute(f'CREATE TEMP VIEW j AS SELECT n.*, ts.task, ts.split, {new_item} AS new_item '
+                             f'FROM n JOIN task_split ts ON n."{s.task_key}" = ts.t')
         self.masks = {"train": f"split = {TRAIN}", "valid": f"split = {VALID}", "test": f"split = {TEST}"}
         if cfg.four_state:
             m = self.masks

@@ -148,29 +148,35 @@ class TaskBatch:
         return self.support_ids.shape[0]
 
 
-def _pad(task_set: TaskSet, slices: list[slice]) -> tuple[torch.Tensor, ...]:
-    width = max(s.stop - s.start for s in slices)
+def _rows_len(rows: slice | np.ndarray) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
+
+
+def _pad(task_set: TaskSet, parts: list[slice | np.ndarray]) -> tuple[torch.Tensor, ...]:
+    """Pad each part (a slice of rows, or an array of row indices) to the longest one."""
+    width = max(_rows_len(r) for r in parts)
     n_fields = task_set.ids.shape[1]
-    ids = np.zeros((len(slices), width, n_fields), dtype=np.int64)
+    ids = np.zeros((len(parts), width, n_fields), dtype=np.int64)
     raw = [j for j, f in enumerate(single_fields(task_set.fields)) if f.raw]
     ids[:, :, raw] = PAD_ID  # raw-id padding: never admitted or counted by a dynamic table
-    labels = np.zeros((len(slices), width), dtype=np.float32)
-    mask = np.zeros((len(slices), width), dtype=np.float32)
-    for i, rows in enumerate(slices):
-        n = rows.stop - rows.start
+    labels = np.zeros((len(parts), width), dtype=np.float32)
+    mask = np.zeros((len(parts), width), dtype=np.float32)
+    for i, rows in enumerate(parts):
+        n = _rows_len(rows)
         ids[i, :n] = task_set.ids[rows]
         labels[i, :n] = task_set.labels[rows]
         mask[i, :n] = 1.0
     return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask)
 
 
-def _pad_multi(task_set: TaskSet, slices: list[slice], width: int) -> dict:
-    """Multi-hot bags of the padded rows (len(slices) * width rows, row-major) as Jagged."""
+def _pad_multi(task_set: TaskSet, parts: list[slice | np.ndarray], width: int) -> dict:
+    """Multi-hot bags of the padded rows (len(parts) * width rows, row-major) as Jagged."""
     out = {}
     for name, (values, offsets) in task_set.multi.items():
-        rows = np.full(len(slices) * width, -1, dtype=np.int64)
-        for i, sl in enumerate(slices):
-            rows[i * width: i * width + sl.stop - sl.start] = np.arange(sl.start, sl.stop)
+        rows = np.full(len(parts) * width, -1, dtype=np.int64)
+        for i, part in enumerate(parts):
+            picked_rows = np.arange(part.start, part.stop) if isinstance(part, slice) else part
+            rows[i * width: i * width + len(picked_rows)] = picked_rows
         real = rows >= 0
         lengths = np.zeros(len(rows), dtype=np.int64)
         lengths[real] = offsets[rows[real] + 1] - offsets[rows[real]]
@@ -180,21 +186,53 @@ def _pad_multi(task_set: TaskSet, slices: list[slice], width: int) -> dict:
     return out
 
 
-def collate(task_set: TaskSet, tasks: np.ndarray | list[int]) -> TaskBatch:
+RESAMPLE_TAG = 0x5E5A  # keeps the episode streams apart from the sampler's epoch permutations
+
+
+def resampled_split(task_set: TaskSet, task: int, key: tuple[int, ...], position: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Episode resampling: the rows of ``task`` re-split at random into a support of the task's
+    own support size and a query of the rest, drawn from ``(*key, task)``. ``position`` is where
+    the task's rows lie in ``task_set`` when it is a subset (default: ``task``)."""
+    where = task if position is None else position
+    start, end = int(task_set.offsets[where]), int(task_set.offsets[where + 1])
+    order = start + np.random.default_rng([RESAMPLE_TAG, *key, int(task)]).permutation(end - start)
+    mid = int(task_set.support_len[where])
+    return np.sort(order[:mid]), np.sort(order[mid:])
+
+
+def collate(task_set: TaskSet, tasks: np.ndarray | list[int],
+            resample: tuple[int, ...] | None = None) -> TaskBatch:
     """Pad the given tasks of ``task_set`` into one `TaskBatch`. From a task store (arrays read
     on demand) the tasks' rows are first read once per task and array (`TaskSet.subset`), then
-    padded from memory."""
+    padded from memory.
+
+    ``resample`` (``data.resample``): a key of non-negative ints, e.g. (run seed, meta-step);
+    each task's support and query are then redrawn from all its rows (`resampled_split`, same
+    sizes), the same for the same key and task whatever the batch or world size."""
+    tasks = np.asarray(tasks, dtype=np.int64)
     if not isinstance(task_set.ids, np.ndarray):
-        batch = collate(task_set.subset(np.asarray(tasks, dtype=np.int64)), np.arange(len(tasks)))
-        batch.task_ids = torch.as_tensor(np.asarray(tasks, dtype=np.int64))
+        sub = task_set.subset(tasks)
+        if resample is None:
+            batch = collate(sub, np.arange(len(tasks)))
+        else:
+            parts = [resampled_split(sub, int(t), resample, position=i) for i, t in enumerate(tasks)]
+            batch = _collate_parts(sub, parts, np.arange(len(tasks)))
+        batch.task_ids = torch.as_tensor(tasks)
         return batch
-    splits = [task_set.split(int(t)) for t in tasks]
-    s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in splits])
-    q_ids, q_y, q_mask = _pad(task_set, [q for _, q in splits])
-    return TaskBatch(s_ids, s_y, s_mask, q_ids, q_y, q_mask,
-                     torch.as_tensor(np.asarray(tasks, dtype=np.int64)),
-                     _pad_multi(task_set, [s for s, _ in splits], s_ids.shape[1]),
-                     _pad_multi(task_set, [q for _, q in splits], q_ids.shape[1]))
+    if resample is None:
+        parts = [task_set.split(int(t)) for t in tasks]
+    else:
+        parts = [resampled_split(task_set, int(t), resample) for t in tasks]
+    return _collate_parts(task_set, parts, tasks)
+
+
+def _collate_parts(task_set: TaskSet, parts: list[tuple], tasks: np.ndarray) -> TaskBatch:
+    s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in parts])
+    q_ids, q_y, q_mask = _pad(task_set, [q for _, q in parts])
+    return TaskBatch(s_ids, s_y, s_mask, q_ids, q_y, q_mask, torch.as_tensor(tasks),
+                     _pad_multi(task_set, [s for s, _ in parts], s_ids.shape[1]),
+                     _pad_multi(task_set, [q for _, q in parts], q_ids.shape[1]))
 
 
 BAG_SAMPLE = 1 << 20  # values read per multi-hot field to estimate its id frequencies

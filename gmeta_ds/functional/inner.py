@@ -27,6 +27,23 @@ from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
 OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
+NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on real supports)
+
+
+def map_offset(z: Tensor, y: Tensor, mask: Tensor, prior: float, kind: str = "binary") -> Tensor:
+    """The scalar b maximising sum_rows loglik(y | z + b) - prior * b^2 / 2 over the rows
+    where ``mask`` is 1 (the popularity baseline's per-user offset, gmeta_ds/baselines.py):
+    binary labels `NEWTON_STEPS` Newton steps from 0, ratings (Gaussian) the closed form
+    sum(y - z) / (rows + prior). Differentiable and vmap-compatible."""
+    if kind == "regression":
+        return ((y - z) * mask).sum() / (mask.sum() + prior)
+    b = torch.zeros((), dtype=z.dtype, device=z.device)
+    for _ in range(NEWTON_STEPS):
+        p = torch.sigmoid(z + b)
+        grad = ((y - p) * mask).sum() - prior * b
+        hess = (p * (1.0 - p) * mask).sum() + prior
+        b = b + grad / hess
+    return b
 # A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
 LearningRates = Mapping[str, "float | Tensor"]
 
@@ -82,6 +99,18 @@ class InnerLoop:
     # inputs are (x, statistic (N,)) and the logits get ``offset(statistic)`` added, with the
     # offset's parameters (``popularity.*``) taken from the adapted ones when they adapt.
     offset: torch.nn.Module | None = None
+    # meta.inner_loss_prior k: the support loss is sum / (rows + k) instead of the mean, so a
+    # task with n support rows takes steps n / (n + k) as long (shrinkage of small supports).
+    support_prior: float = 0.0
+    # meta.offset_first λ (needs ``offset`` and popularity.bias adapted): before the inner
+    # steps, each task's offset bias is moved to the MAP of its support (`offset_first`);
+    # None = off. ``kind``: binary (Newton on the log-likelihood) or regression (closed form).
+    offset_prior: float | None = None
+    kind: str = "binary"
+    # meta.support_level λ (needs ``offset``): after the inner steps, a task's logits are
+    # shifted by one constant so that their mean over its support equals that of the popularity
+    # offset plus the task's MAP offset (`level_shift`); None = off.
+    level_prior: float | None = None
 
     def __post_init__(self) -> None:
         # functional_call re-checks weight tying on every call by walking every parameter
@@ -113,6 +142,54 @@ class InnerLoop:
         """Loss of one task with the adapted parameters ``fast``."""
         return self.loss_fn(self.logits(fast, x), y, mask)
 
+    def support_loss(self, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
+        """The inner (adaptation) loss: `task_loss`, times n / (n + ``support_prior``) for a
+        task with n real support rows."""
+        loss = self.task_loss(fast, x, y, mask)
+        if not self.support_prior:
+            return loss
+        n = mask.sum().clamp(min=1.0)
+        return loss * (n / (n + self.support_prior))
+
+    def offset_first(self, fast: Params, x, y: Tensor, mask: Tensor) -> Params:
+        """``fast`` with ``popularity.bias`` moved by the per-task offset the popularity baseline
+        fits (gmeta_ds/baselines.py), relative to the model's own logits z at ``fast``: b
+        maximises sum_support loglik(y | z + b) - λ b^2 / 2 (binary: `NEWTON_STEPS` Newton
+        steps from 0; regression: sum of residuals / (rows + λ)). So the user's level is
+        explained before the inner steps, which then adapt the rest on what is left."""
+        key = OFFSET_PREFIX + "bias"
+        z = self.logits(fast, x).detach() if self.first_order else self.logits(fast, x)
+        b = map_offset(z, y, mask, float(self.offset_prior), self.kind)
+        if self.first_order:
+            b = b.detach()
+        out = dict(fast)
+        out[key] = fast[key] + b.to(fast[key].dtype)
+        return out
+
+    def level_shift(self, theta: Params, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
+        """``meta.support_level``: the constant added to a task's adapted logits. With r the
+        popularity offset at ``theta`` (weight * s + bias) on the support rows and b the task's
+        MAP offset on them (prior precision λ, `map_offset`), it is mean_support(r + b) minus
+        mean_support of the adapted logits: the adapted model ranks a task's items, the
+        popularity statistic shrunk by the prior sets its level. Only support rows are used;
+        the reference (r + b) carries no gradient."""
+        inputs, statistic = x
+        own = {n[len(OFFSET_PREFIX):]: v.detach() for n, v in theta.items() if n.startswith(OFFSET_PREFIX)}
+        own.pop("feature", None)
+        ref = functional_call(self.offset, own, (statistic.to(y.dtype),)).detach()
+        ref = ref + map_offset(ref, y, mask, float(self.level_prior), self.kind)
+        z = self.logits(fast, x)
+        n = mask.sum().clamp(min=1.0)
+        return ((ref - z) * mask).sum() / n
+
+    def query_logits(self, theta: Params, fast: Params, xs, ys: Tensor, ms: Tensor, xq) -> Tensor:
+        """Adapted logits of the query rows ``xq``, shifted by `level_shift` when
+        ``level_prior`` is set."""
+        out = self.logits(fast, xq)
+        if self.level_prior is None:
+            return out
+        return out + self.level_shift(theta, fast, xs, ys, ms)
+
     def _update(self, fast: Params, grads: Params, lrs: LearningRates) -> Params:
         if self.first_order:
             grads = {n: g.detach() for n, g in grads.items()}
@@ -124,7 +201,9 @@ class InnerLoop:
 
         Returns (fast params, support loss before the first step)."""
         fast, first_loss = dict(theta), None
-        step_fn = grad_and_value(self.task_loss)
+        if self.offset_prior is not None:
+            fast = self.offset_first(fast, x, y, mask)
+        step_fn = grad_and_value(self.support_loss)
         for _ in range(self.steps):
             grads, loss = step_fn(fast, x, y, mask)
             first_loss = loss if first_loss is None else first_loss
@@ -135,8 +214,12 @@ class InnerLoop:
                        mask: Tensor) -> tuple[Params, Tensor]:
         """Adapt with `torch.autograd.grad` (one task, no vmap). Same results as `adapt_func`."""
         fast, first_loss = dict(theta), None
+        if self.offset_prior is not None:
+            # New graph nodes: the inner gradient is then w.r.t. these values alone, not also
+            # through the offset's dependence on theta (as `adapt_func`'s grad_and_value).
+            fast = {n: v.view_as(v) for n, v in self.offset_first(fast, x, y, mask).items()}
         for _ in range(self.steps):
-            loss = self.task_loss(fast, x, y, mask)
+            loss = self.support_loss(fast, x, y, mask)
             first_loss = loss if first_loss is None else first_loss
             names = [n for n, p in fast.items() if p.requires_grad]
             grads = torch.autograd.grad(loss, [fast[n] for n in names],
@@ -160,7 +243,10 @@ class TaskOutputs:
 def _one_task(inner: InnerLoop, theta: Params, lrs: LearningRates, query_fast: Callable,
               adapt: Callable, xs, ys, ms, xq, yq, mq):
     fast, support_loss = adapt(theta, lrs, xs, ys, ms)
-    query_loss = inner.task_loss(query_fast(fast), xq, yq, mq)
+    if inner.level_prior is None:
+        query_loss = inner.task_loss(query_fast(fast), xq, yq, mq)
+    else:
+        query_loss = inner.loss_fn(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
     return query_loss, support_loss, fast
 
 

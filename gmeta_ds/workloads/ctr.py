@@ -59,7 +59,7 @@ class CTRWorkload(Workload):
         lengths = task_lengths(train) if cfg.data.bucket_by_length else None
         sampler = MetaBatchSampler(len(train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
                                    plan.world_size, rank, cfg.seed, lengths)
-        return TaskLoader(train, sampler, cfg.data.prefetch)
+        return TaskLoader(train, sampler, cfg.data.prefetch, resample=cfg.data.resample)
 
     def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
         with run_phase(cfg, "final gather"):

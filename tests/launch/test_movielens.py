@@ -112,3 +112,28 @@ def test_missing_file_is_reported_with_its_name(tmp_path):
     proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path)], expect_ok=False)
     assert proc.returncode == 2
     assert "u.user" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow  # CI runs it (make test-slow)
+def test_shipped_recipe_options_two_ranks_equal_one_process(tmp_path):
+    """The shipped ml-100k recipe's data and level options through the real launcher: warm
+    users trained in chunks (data.long_tasks: train, here users above 25 ratings), episodes
+    redrawn every meta-step (data.resample) and the support level (meta.support_level) give
+    the same model and scores on 2 ranks as in 1 process; the held-out users are those of
+    data.long_tasks: skip."""
+    extra = ["--set", "data.max_interactions=25", "--set", "data.long_tasks=train", "--set", "data.resample=true",
+             "--set", "model.item_popularity=true", "--set", "meta.adapt=[mlp.*, popularity.*]",
+             "--set", "meta.support_level=3.0", "--set", "meta.algorithm=reptile"]
+    one = ml_config(tmp_path / "one")
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(one), *extra])
+    two = ml_config(tmp_path / "two")
+    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(two), *extra))
+    a, b = summary(one), summary(two)
+    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    for key in ("auc", "auc_per_task", "logloss", "baseline_finetune_auc", "baseline_popularity_auc"):
+        assert b["eval"][key] == pytest.approx(a["eval"][key], rel=1e-5), key
+    skip = ml_config(tmp_path / "skip")
+    run([str(BIN / "gmeta-ds"), "train", "--config", str(skip), "--set", "data.max_interactions=25",
+         "--set", "eval.baseline=false"])
+    assert summary(skip)["eval"]["query_rows"] == a["eval"]["query_rows"] > 0

@@ -248,6 +248,25 @@ def test_row_adaptation_with_pooled_multi_hot_columns():
         torch.testing.assert_close(compose_rows(fast, (rows_q[i], index_q[i]), {1: "item"}), rows_q[i])
 
 
+def reptile_reference(learner, batch, rate) -> dict:
+    """Reptile's meta-gradient theta - mean phi by an independent loop: 2 plain SGD steps per
+    task with ``rate(name, support rows)`` as each adapted parameter's step size."""
+    phis = {n: [] for n in learner.adapted}
+    for t in range(batch.num_tasks):
+        n_rows = batch.support_mask[t].sum().item()
+        copy_ = copy.deepcopy(learner.net)
+        rows_s = copy_.embed(batch.support_ids[t]).detach()
+        for _ in range(2):
+            loss = masked_bce(copy_(rows_s), batch.support_y[t], batch.support_mask[t])
+            gs = torch.autograd.grad(loss, [copy_.get_parameter(n) for n in learner.adapted])
+            with torch.no_grad():
+                for n, g in zip(learner.adapted, gs):
+                    copy_.get_parameter(n).sub_(rate(n, n_rows) * g)
+        for n in learner.adapted:
+            phis[n].append(copy_.get_parameter(n))
+    return {n: (learner.net.get_parameter(n) - torch.stack(phis[n]).mean(0)).detach() for n in learner.adapted}
+
+
 def test_inner_lr_scale_gives_each_matched_parameter_its_own_rate():
     """meta.inner_lr_scale: Reptile's meta-gradient is theta - mean phi with phi adapted at
     inner_lr x the first matching glob's multiplier (x1 for the rest), by an independent loop."""
@@ -260,21 +279,9 @@ def test_inner_lr_scale_gives_each_matched_parameter_its_own_rate():
                                    "mlp.2.bias": 0.9}, rel=1e-12)
     batch = as_double(tiny_batch())
     grads, _ = meta_grads(learner, batch)
-    phis = {n: [] for n in learner.adapted}
-    for t in range(batch.num_tasks):
-        copy_ = copy.deepcopy(learner.net)
-        rows_s = copy_.embed(batch.support_ids[t]).detach()
-        for _ in range(2):
-            loss = masked_bce(copy_(rows_s), batch.support_y[t], batch.support_mask[t])
-            gs = torch.autograd.grad(loss, [copy_.get_parameter(n) for n in learner.adapted])
-            with torch.no_grad():
-                for n, g in zip(learner.adapted, gs):
-                    copy_.get_parameter(n).sub_(rates[n] * g)
-        for n in learner.adapted:
-            phis[n].append(copy_.get_parameter(n))
+    expected = reptile_reference(learner, batch, lambda n, rows: rates[n])
     for n in learner.adapted:
-        expected = learner.net.get_parameter(n) - torch.stack(phis[n]).mean(0)
-        torch.testing.assert_close(grads[f"net.{n}"], expected.detach(), rtol=1e-9, atol=1e-12, msg=n)
+        torch.testing.assert_close(grads[f"net.{n}"], expected[n], rtol=1e-9, atol=1e-12, msg=n)
 
 
 def test_inner_lr_scale_sets_meta_sgd_initial_rates_and_refuses_unmatched_globs():
@@ -290,3 +297,19 @@ def test_inner_lr_scale_sets_meta_sgd_initial_rates_and_refuses_unmatched_globs(
                                           r"parameter; adapted: mlp\.0\.weight"):
         MetaLearner(tiny_melu(embed_dim=3, hidden=[5]), Reptile(1, 0.1, ["mlp.*"], True,
                                                                  inner_lr_scale={"popularity.*": 2.0}))
+
+
+def test_inner_loss_prior_shrinks_each_tasks_steps_by_its_support_size():
+    """meta.inner_loss_prior k: the inner loss is sum / (n + k), so Reptile's adapted
+    parameters equal an independent loop's with each task's rate times n / (n + k)."""
+    torch.manual_seed(0)
+    k = 3.0
+    learner = MetaLearner(tiny_melu(embed_dim=3, hidden=[5]).double(),
+                          Reptile(2, 0.3, ["mlp.*"], True, inner_loss_prior=k)).double()
+    batch = as_double(tiny_batch())
+    grads, _ = meta_grads(learner, batch)
+    expected = reptile_reference(learner, batch, lambda n, rows: 0.3 * rows / (rows + k))
+    for n in learner.adapted:
+        torch.testing.assert_close(grads[f"net.{n}"], expected[n], rtol=1e-9, atol=1e-12, msg=n)
+    with pytest.raises(ConfigError, match="meta.inner_loss_prior: -1.0 must be a number >= 0"):
+        Reptile(1, 0.1, ["mlp.*"], True, inner_loss_prior=-1.0)

@@ -62,3 +62,61 @@ def test_state_dict_resumes_exactly(tasks):
         other.load_state_dict(state)
     first.close()
     resumed.close()
+
+
+def _rows_of(batch, t, part):
+    """(label, first id) pairs of task slot t's real support or query rows."""
+    ids, y, mask = ((batch.support_ids, batch.support_y, batch.support_mask) if part == "s"
+                    else (batch.query_ids, batch.query_y, batch.query_mask))
+    real = mask[t].bool()
+    return sorted(zip(y[t][real].tolist(), map(tuple, ids[t][real].tolist())))
+
+
+def test_resampled_episodes_redraw_support_and_query_from_the_tasks_rows(tasks):
+    """data.resample: at each meta-step a task's support and query are a fresh split of its
+    own rows, with its support size; the same (seed, step) gives the same episodes at any
+    world size, on a resumed loader and with prefetch off; evaluation's collate is unchanged."""
+    from gmeta_ds.data.tasks import collate
+
+    def make(world=1, rank=0, gas=4, prefetch=True):
+        return TaskLoader(tasks, MetaBatchSampler(len(tasks), 8, gas, world, rank, 3, task_lengths(tasks)),
+                          prefetch, resample=True)
+
+    first, second = make().next(), None
+    drawn = {}
+    for batch in first:
+        fixed = collate(tasks, batch.task_ids.numpy())
+        for slot, task in enumerate(batch.task_ids.tolist()):
+            s, q = _rows_of(batch, slot, "s"), _rows_of(batch, slot, "q")
+            fs, fq = _rows_of(fixed, slot, "s"), _rows_of(fixed, slot, "q")
+            assert sorted(s + q) == sorted(fs + fq) and len(s) == len(fs) and len(q) == len(fq)
+            drawn[task] = (s, q)
+    assert sum(drawn[t][1] != _rows_of(collate(tasks, [t]), 0, "q") for t in drawn) > len(drawn) // 2
+    # same episodes: two ranks, a resumed loader, no prefetch
+    ranks = [b for r in range(2) for b in make(world=2, rank=r, gas=2).next()]
+    resumed = make(prefetch=False)
+    resumed.load_state_dict({"next_step": 0, "seed": 3, "tasks": len(tasks)})
+    for other in (ranks, resumed.next()):
+        for batch in other:
+            for slot, task in enumerate(batch.task_ids.tolist()):
+                assert (_rows_of(batch, slot, "s"), _rows_of(batch, slot, "q")) == drawn[task]
+    # the next time a task is drawn, its episode differs
+    loader_ = make()
+    changed, seen = 0, 0
+    for _ in range(len(tasks) // 32 + 1):
+        loader_.next()
+    for batch in loader_.next():
+        for slot, task in enumerate(batch.task_ids.tolist()):
+            if task in drawn:
+                seen += 1
+                changed += (_rows_of(batch, slot, "q") != drawn[task][1])
+    assert seen == 0 or changed > seen // 2
+
+
+def test_resample_refuses_a_time_split():
+    from gmeta_ds.config import config_from_dict
+    from gmeta_ds.errors import ConfigError
+    with pytest.raises(ConfigError, match="data.resample: redraws each task's query at random"):
+        config_from_dict({"data": {"resample": True, "split": "time"}})
+    with pytest.raises(ConfigError, match="data.long_tasks: 'keep' is not one of skip, train"):
+        config_from_dict({"data": {"long_tasks": "keep"}})

@@ -325,3 +325,48 @@ def test_raw_id_columns_keep_their_values_in_memory_and_out_of_core(tmp_path):
         tasks_from_log(read_log(cfg), table_cfg(path, tmp_path, raw_ids=["tags"]), seed=3)
     with pytest.raises(DataError, match="data.raw_ids: 'price' is not a feature column"):
         build_tasks(table_cfg(path, tmp_path, raw_ids=["price"]), seed=3)
+
+
+@pytest.mark.parametrize("kw", [{}, {"split": "time"}, {"valid_fraction": 0.2}])
+def test_long_tasks_train_chunks_long_users_into_training_only(tmp_path, kw):
+    """data.long_tasks: train keeps the users above max_interactions for training only, each cut
+    into ceil(n / max) chunks; the held-out users and their rows are those of skip, and the
+    out-of-core build equals the in-memory one."""
+    path = tmp_path / "log.parquet"
+    df = frame(n_users=80, seed=2)
+    df.to_parquet(path)
+    skip_cfg = table_cfg(path, tmp_path, max_interactions=20, **kw)
+    cfg = table_cfg(path, tmp_path, max_interactions=20, long_tasks="train", **kw)
+    reference = tasks_from_log(read_log(cfg), cfg, seed=3)
+    assert_same(reference, build_tasks(cfg, seed=3))
+    skipped = build_tasks(skip_cfg, seed=3)
+    lengths = df.groupby("user").size()
+    long_users = lengths[lengths > 20]
+    assert len(long_users) and reference.stats["long_tasks_trained"] == len(long_users)
+    # held-out users: the same tasks, the same rows, labels and order as with skip
+
+    for name in ("test", "valid"):
+        a, b = getattr(skipped, name), getattr(reference, name)
+        if a is None:
+            continue
+        np.testing.assert_array_equal(np.asarray(a.labels), np.asarray(b.labels))
+        np.testing.assert_array_equal(np.asarray(a.offsets), np.asarray(b.offsets))
+        np.testing.assert_array_equal(np.asarray(a.support_len), np.asarray(b.support_len))
+
+    # training: every row of every long user is in it, in tasks of at most ~max rows
+    train = reference.train
+    extra_rows = train.num_interactions - skipped.train.num_interactions
+    assert extra_rows == int(long_users.sum())
+    chunk_tasks = len(train) - len(skipped.train)
+    assert chunk_tasks == int(sum(-(-n // 20) for n in long_users))  # no chunk too short here
+    assert np.diff(np.asarray(train.offsets)).max() <= 2 * 20
+
+
+def test_long_tasks_skip_keeps_the_cache_key_and_resample_does_not_enter_it(tmp_path):
+    from gmeta_ds.data.builder import cache_key
+
+    path = tmp_path / "log.parquet"
+    frame().to_parquet(path)
+    base = table_cfg(path, tmp_path)
+    assert cache_key(table_cfg(path, tmp_path, resample=True), 0) == cache_key(base, 0)
+    assert cache_key(table_cfg(path, tmp_path, long_tasks="train"), 0) != cache_key(base, 0)

@@ -274,3 +274,116 @@ def test_vmap_and_loop_agree_with_the_popularity_feature(name, algorithm):
     torch.testing.assert_close(o_bare.task_query_loss, ov.task_query_loss, rtol=1e-12, atol=1e-14)
     for n, g in g_bare.items():
         torch.testing.assert_close(g, gv[n], rtol=1e-10, atol=1e-13, msg=n)
+
+
+def _support_logits(learner, b, t, fast=None):
+    """The model's logits of task t's support rows at ``fast`` (default: theta)."""
+    from gmeta_ds.algorithms.base import embed_batch, embedder
+    rows_s, rows_q = embed_batch(embedder(learner.net), b)
+    theta, support, _ = learner.task_inputs(b, rows_s, rows_q)
+    inner = learner.algorithm.inner_loop(learner)
+    from torch.utils._pytree import tree_map
+    pick = lambda v: v[t]  # noqa: E731
+    return inner, theta, tree_map(pick, support[0]), support[1][t], support[2][t]
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0, 5.0])
+def test_offset_first_sets_the_bias_to_the_map_of_the_support(lam):
+    """meta.offset_first: the bias moves by b maximising sum loglik(y | z + b) - lam b^2 / 2
+    (z the model's logits at theta): the penalised score is zero there, by hand."""
+    learner = pop_learner("melu", "reptile", True)
+    learner.algorithm.offset_first = lam
+    b = batch()
+    inner, theta, xs, ys, ms = _support_logits(learner, b, 0)
+    assert inner.offset_prior == lam
+    theta = {n: v.detach() for n, v in theta.items()}
+    moved = inner.offset_first(theta, xs, ys, ms)
+    shift = (moved["popularity.bias"] - theta["popularity.bias"]).item()
+    z = inner.logits(theta, xs).detach()
+    p = torch.sigmoid(z + shift)
+    score = ((ys - p) * ms).sum().item() - lam * shift
+    assert abs(score) < 1e-9 and abs(shift) > 1e-3
+    assert all(torch.equal(moved[n], theta[n]) for n in theta if n != "popularity.bias")
+
+
+def maml_vmap_equals_loop(b, **options):
+    """Second-order MAML with the algorithm's ``options`` set: the vmap and loop paths give the
+    same query losses and meta-gradients; returns the vmap path's output."""
+    out = {}
+    for vectorize in (True, False):
+        learner = pop_learner("melu", "maml", vectorize)
+        for key, value in options.items():
+            setattr(learner.algorithm, key, value)
+        out[vectorize] = meta_grads(learner, b)
+    (gv, ov), (gl, ol) = out[True], out[False]
+    torch.testing.assert_close(ov.task_query_loss, ol.task_query_loss, rtol=1e-10, atol=1e-12)
+    for n in gv:
+        torch.testing.assert_close(gv[n], gl[n], rtol=1e-9, atol=1e-12, msg=n)
+    return ov
+
+
+def test_offset_first_vmap_equals_loop_and_changes_the_meta_gradient():
+    b = batch()
+    ov = maml_vmap_equals_loop(b, offset_first=1.0)
+    _, plain = meta_grads(pop_learner("melu", "maml", True), b)
+    assert not torch.allclose(plain.task_query_loss, ov.task_query_loss)
+
+
+def test_offset_first_needs_the_adapted_bias_and_binary_or_rating_labels():
+    from gmeta_ds.algorithms import Reptile
+    with pytest.raises(ConfigError, match="meta.offset_first: sets each task's popularity.bias"):
+        MetaLearner(pop_net("melu"), Reptile(1, 0.1, ["mlp.*"], True, offset_first=1.0))
+    with pytest.raises(ConfigError, match="meta.offset_first: -1 must be null or a number >= 0"):
+        Reptile(1, 0.1, ["mlp.*"], True, offset_first=-1)
+    with pytest.raises(ConfigError, match="not 'multiclass'"):
+        Reptile(1, 0.1, ["mlp.*"], True, "multiclass", offset_first=1.0)
+    with pytest.raises(ConfigError, match="meta.offset_first: fits the popularity offset's bias"):
+        config_from_dict({"meta": {"offset_first": 1.0}})
+
+
+def test_support_level_shifts_each_task_to_the_map_level_of_its_support():
+    """meta.support_level: after adaptation a task's logits move by one constant c with
+    mean_support(adapted + c) = mean_support(r + b), r the offset at theta (weight * s + bias)
+    and b the MAP offset of the support under prior λ (zero penalised score), by hand."""
+    from gmeta_ds.functional.inner import map_offset
+    learner = pop_learner("melu", "reptile", True)
+    learner.algorithm.support_level = 2.0
+    b = batch()
+    inner, theta, xs, ys, ms = _support_logits(learner, b, 1)
+    assert inner.level_prior == 2.0
+    theta = {n: v.detach() for n, v in theta.items()}
+    fast, _ = inner.adapt_func(theta, learner.algorithm.learning_rates(learner), xs, ys, ms)
+    shift = inner.level_shift(theta, fast, xs, ys, ms)
+    stat = xs[1]
+    r = theta["popularity.weight"] * stat + theta["popularity.bias"]
+    off = map_offset(r, ys, ms, 2.0)
+    p = torch.sigmoid(r + off)
+    assert abs(((ys - p) * ms).sum().item() - 2.0 * off.item()) < 1e-9
+    z = inner.logits(fast, xs)
+    n = ms.sum()
+    assert (((z + shift) * ms).sum() / n).item() == pytest.approx((((r + off) * ms).sum() / n).item(), abs=1e-12)
+    torch.testing.assert_close(inner.query_logits(theta, fast, xs, ys, ms, xs), z + shift)
+
+
+def test_support_level_moves_predictions_by_a_constant_per_task_in_every_path():
+    """evaluation.predict: with support_level each task's adapted logits differ from those
+    without by one constant per task; the MAML meta-gradient with it agrees between vmap and
+    the loop; a net without the offset is refused."""
+    from gmeta_ds.algorithms import Reptile
+    tasks = task_set(4, seed=3)
+    plain = pop_learner("melu", "reptile", True)
+    level = pop_learner("melu", "reptile", True)
+    level.algorithm.support_level = 1.0
+    a = predict(plain, plain.algorithm.learning_rates(plain), tasks, 2)
+    c = predict(level, level.algorithm.learning_rates(level), tasks, 2)
+    diff = np.log(c["adapted"] / (1 - c["adapted"])) - np.log(a["adapted"] / (1 - a["adapted"]))
+    for t in np.unique(a["task"]):
+        d = diff[a["task"] == t]
+        assert np.ptp(d) < 1e-9
+    assert np.abs(diff).max() > 1e-3
+    np.testing.assert_array_equal(a["plain"], c["plain"])
+    maml_vmap_equals_loop(batch(), support_level=1.0)
+    with pytest.raises(ConfigError, match="meta.support_level: sets each task's level from the item-popularity"):
+        MetaLearner(make_net("melu"), Reptile(1, 0.1, ["mlp.*"], True, support_level=1.0))
+    with pytest.raises(ConfigError, match="meta.support_level: sets each task's level"):
+        config_from_dict({"meta": {"support_level": 1.0}})
