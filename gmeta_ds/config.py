@@ -451,12 +451,12 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
                         "feeds in)")
     if cfg.meta.support_level is not None and cfg.meta.support_level < 0:
         problems.append(f"meta.support_level: {cfg.meta.support_level!r} must be null or a number >= 0")
-    if cfg.meta.support_level is not None and cfg.task == "ctr" and not cfg.model.item_popularity:
+    if cfg.meta.support_level is not None and (cfg.task != "ctr" or not cfg.model.item_popularity):
         problems.append("meta.support_level: sets each task's level from the item-popularity offset; "
                         "set model.item_popularity: true")
     if cfg.meta.offset_first is not None and cfg.meta.offset_first < 0:
         problems.append(f"meta.offset_first: {cfg.meta.offset_first!r} must be null or a number >= 0")
-    if cfg.meta.offset_first is not None and cfg.task == "ctr" and not cfg.model.item_popularity:
+    if cfg.meta.offset_first is not None and (cfg.task != "ctr" or not cfg.model.item_popularity):
         problems.append("meta.offset_first: fits the popularity offset's bias per task; set "
                         "model.item_popularity: true")
     if not isinstance(cfg.meta.inner_loss_prior, (int, float)) or cfg.meta.inner_loss_prior < 0:

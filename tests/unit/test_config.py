@@ -281,3 +281,13 @@ def test_inner_lr_scale_parses_from_an_override_and_refuses_non_positive_multipl
         config_from_dict({"meta": {"inner_lr_scale": {"mlp.*": 0}}})
     with pytest.raises(ConfigError, match=r"meta.inner_lr_scale: expected dict"):
         config_from_dict({"meta": {"inner_lr_scale": [2.0]}})
+
+
+def test_per_task_offset_options_need_the_popularity_offset_of_a_ctr_model():
+    for key in ("support_level", "offset_first"):
+        with pytest.raises(ConfigError, match=f"meta.{key}: "):
+            config_from_dict({"task": "text", "model": {"item_popularity": True}, "meta": {key: 1.0}})
+        cfg = config_from_dict({"model": {"item_popularity": True}, "meta": {key: 1.0}})
+        assert getattr(cfg.meta, key) == 1.0
+        with pytest.raises(ConfigError, match=f"meta.{key}: expected float or NoneType, got 'x'"):
+            config_from_dict({"model": {"item_popularity": True}, "meta": {key: "x"}})
