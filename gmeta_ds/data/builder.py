@@ -115,7 +115,8 @@ def _encode(values: np.ndarray, vocab: tuple[np.ndarray, np.ndarray]) -> np.ndar
     return np.where(known[pos] == values, ids[pos], 0).astype(np.int32)
 
 
-def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tuple[np.ndarray, np.ndarray]:
+def _users(log: InteractionLog, cfg: DataConfig, seed: int,
+           stats: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows of kept tasks, grouped by task and ordered within it; task id of every row; per
     kept row, whether its task may be held out: not a long task's chunk under
     ``data.long_tasks: train``). Records kept/dropped task counts in ``stats``."""
@@ -147,7 +148,8 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int, stats: dict) -> tupl
     if long.any():  # data.long_tasks: train -- each long task becomes `long_task_chunks` tasks
         stats["long_tasks_trained"] = int(long.sum())
         chunks = long_task_chunks(lengths, long, cfg.max_interactions)
-        chunk = row_order_key(np.arange(len(keys)), seed) % chunks[task_of_row].astype(np.uint64)
+        order = within if cfg.split != "time" else row_order_key(np.arange(len(keys)), seed)
+        chunk = order % chunks[task_of_row].astype(np.uint64)
         task_of_row = task_of_row.astype(np.int64) * int(chunks.max()) + chunk.astype(np.int64)
     rows = np.lexsort((within, task_of_row))
     rows = rows[(keep | long)[user_of_row[rows]]]

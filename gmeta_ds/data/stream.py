@@ -447,8 +447,8 @@ class _Build:
 
         kept = np.flatnonzero(keep)
         split = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
-        chunk_of = ""
-        if long.any():  # data.long_tasks: train -- long tasks join the training split in chunks
+        chunked = bool(long.any())
+        if chunked:  # data.long_tasks: train -- long tasks join the training split in chunks
             chunks = long_task_chunks(lengths, long, cfg.max_interactions)
             width = int(chunks.max())
             both = np.flatnonzero(keep | long)
@@ -457,8 +457,6 @@ class _Build:
             self.con.register("task_split", pa.table({
                 "t": keys.filter(pa.array(keep | long)), "task": pa.array(both.astype(np.int64) * width),
                 "split": pa.array(split), "chunks": pa.array(chunks[both].astype(np.int64))}))
-            key, steps = _order_key_sql(self.seed)
-            chunk_of = (f" + CAST(({key}) % ts.chunks AS BIGINT)", "".join(f", {x}" for x in steps))
         else:
             self.con.register("task_split", pa.table({
                 "t": keys.filter(pa.array(keep)), "task": pa.array(kept.astype(np.int64)),
@@ -471,12 +469,13 @@ class _Build:
                                 "this log has no release-year column")
             new_item = (f"(regexp_full_match(CAST(n.\"{y}\" AS VARCHAR), '[0-9]+') AND "
                         f"TRY_CAST(n.\"{y}\" AS HUGEINT) >= {int(cfg.new_item_year)})")
-        if chunk_of:  # a long task's rows go to chunk (row order key mod chunks), as `long_task_chunks`
-            add, helpers = chunk_of
+        if chunked:  # a long task's rows go to chunk (row order key mod chunks), as `long_task_chunks`
+            key, steps = _order_key_sql(self.seed)
+            keyed = f"SELECT *, {', '.join(steps)}, {key} AS _chunk_key FROM n"
             self.con.execute(
-                f'CREATE TEMP VIEW j AS SELECT n.* EXCLUDE (z0, z1, z2, z3, z4), ts.task{add.replace("z4", "n.z4")} AS task, '
-                f'ts.split, {new_item} AS new_item FROM (SELECT *{helpers} FROM n) n '
-                f'JOIN task_split ts ON n."{s.task_key}" = ts.t')
+                f'CREATE TEMP VIEW j AS SELECT n.* EXCLUDE (z0, z1, z2, z3, z4, _chunk_key), '
+                f'ts.task + CAST(n._chunk_key % ts.chunks AS BIGINT) AS task, ts.split, {new_item} AS new_item '
+                f'FROM ({keyed}) n JOIN task_split ts ON n."{s.task_key}" = ts.t')
         else:
             self.con.execute(f'CREATE TEMP VIEW j AS SELECT n.*, ts.task, ts.split, {new_item} AS new_item '
                              f'FROM n JOIN task_split ts ON n."{s.task_key}" = ts.t')

@@ -370,3 +370,13 @@ def test_long_tasks_skip_keeps_the_cache_key_and_resample_does_not_enter_it(tmp_
     base = table_cfg(path, tmp_path)
     assert cache_key(table_cfg(path, tmp_path, resample=True), 0) == cache_key(base, 0)
     assert cache_key(table_cfg(path, tmp_path, long_tasks="train"), 0) != cache_key(base, 0)
+
+
+def test_long_tasks_with_four_states_equal_in_memory_builder(tmp_path):
+    write_ml100k(tmp_path / "ml")
+    cfg = DataConfig(source="movielens-100k", path=str(tmp_path / "ml"), cache_dir=str(tmp_path / "c"),
+                     min_interactions=15, max_interactions=25, query_size=5, four_state=True,
+                     new_item_year=1996, long_tasks="train")
+    reference = tasks_from_log(read_log(cfg), cfg, seed=0)
+    assert reference.stats["long_tasks_trained"] > 0
+    assert_same(reference, build_tasks(cfg, seed=0))
