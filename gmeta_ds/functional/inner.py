@@ -27,6 +27,8 @@ from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
 OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
+# A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
+LearningRates = Mapping[str, "float | Tensor"]
 NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on real supports)
 
 
@@ -44,8 +46,6 @@ def map_offset(z: Tensor, y: Tensor, mask: Tensor, prior: float, kind: str = "bi
         hess = (p * (1.0 - p) * mask).sum() + prior
         b = b + grad / hess
     return b
-# A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
-LearningRates = Mapping[str, "float | Tensor"]
 
 
 def masked_bce(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
@@ -173,7 +173,7 @@ class InnerLoop:
         mean_support of the adapted logits: the adapted model ranks a task's items, the
         popularity statistic shrunk by the prior sets its level. Only support rows are used;
         the reference (r + b) carries no gradient."""
-        inputs, statistic = x
+        statistic = x[1]
         own = {n[len(OFFSET_PREFIX):]: v.detach() for n, v in theta.items() if n.startswith(OFFSET_PREFIX)}
         own.pop("feature", None)
         ref = functional_call(self.offset, own, (statistic.to(y.dtype),)).detach()
