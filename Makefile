@@ -21,7 +21,7 @@ install: $(VENV)/.installed
 # interpreter it finds there (and offload configs' CPU Adam op is rebuilt when PATH changes).
 demo: export PATH := $(abspath $(VENV))/bin:$(PATH)
 demo: install
-	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml
+	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml --overwrite
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu and not docs"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from torch import nn
 
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
+from gmeta_ds.algorithms.base import check_id_columns, check_row_fields, shown_candidates, unmatched_patterns
 from gmeta_ds.config import RunConfig, config_from_dict
 from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.readers import LogSchema, log_from_frame, read_table
@@ -45,13 +47,48 @@ from gmeta_ds.data.tasks import FieldSpec, TaskBatch, TaskSet, collate, model_fi
 from gmeta_ds.ds_config import BatchPlan, resolve_ds_config, zero_stage
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.embedding.dynamic import EVICTIONS
+from gmeta_ds.embedding.tables import EXCHANGES, EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import destroy_process_group, init_process_group
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import predict, score
 from gmeta_ds.functional.inner import LOSSES
-from gmeta_ds.registry import PLANS
+from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
+
+
+# ---------------------------------------------------------------------------- argument checks
+# Every public function checks its arguments before any work: a wrong type or value is a
+# `ConfigError` naming the argument, the value and what is expected (as the config's keys are),
+# never a torch error later or a value silently taken for another (a str read per character).
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or isinstance(value, (float, np.floating))
+
+
+def _int_at_least(problems: list[str], name: str, value, low: int) -> None:
+    if not (_is_int(value) and value >= low):
+        problems.append(f"{name}: {value!r} is not an integer >= {low}")
+
+
+def _finite(problems: list[str], name: str, value, low: float = 0.0, strict: bool = True) -> None:
+    """``value`` must be a finite number > ``low`` (>= with ``strict=False``); NaN and inf fail."""
+    if not (_is_number(value) and math.isfinite(value) and (value > low if strict else value >= low)):
+        problems.append(f"{name}: {value!r} is not a finite number {'>' if strict else '>='} {low:g}")
+
+
+def _one_of(problems: list[str], name: str, value, allowed) -> None:
+    allowed = list(allowed)
+    if not isinstance(value, str) or value not in allowed:
+        problems.append(f"{name}: {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _check(problems: list[str], where: str) -> None:
+    if problems:
+        raise ConfigError(problems, where)
 
 
 # ---------------------------------------------------------------------------- tasks
@@ -69,6 +106,20 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
     ``test_fraction``, ``split``...). Vocabularies come from the training tasks only (id 0
     is out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
     ``stats``), the same at every rank for the same seed."""
+    keys = (("task_key", task_key), ("item_key", item_key), ("label", label))
+    problems = [f"{name}: {value!r} is not a column name (str)" for name, value in keys
+                if not isinstance(value, str)]
+    if timestamp is not None and not isinstance(timestamp, str):
+        problems.append(f"timestamp: {timestamp!r} is not None or a column name (str)")
+    for name, columns in (("user_features", user_features), ("item_features", item_features)):
+        listed = not isinstance(columns, str) and hasattr(columns, "__iter__")
+        if not listed or not all(isinstance(c, str) for c in columns):
+            problems.append(f"{name}: {columns!r} is not a list of column names (str)")
+    if multi_hot is not None and not (isinstance(multi_hot, dict) and all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in multi_hot.items())):
+        problems.append(f"multi_hot: {multi_hot!r} is not a dict of column -> separator (non-empty str)")
+    _int_at_least(problems, "seed", seed, 0)
+    _check(problems, "gmeta_ds.build_tasks")
     if "label_kind" in options:
         options["label"] = options.pop("label_kind")
     where = str(source) if isinstance(source, (str, Path)) else f"<{type(source).__name__}>"
@@ -114,6 +165,19 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr
     owners and sends one partial sum per bag back, ``rows`` sends every distinct row, ``auto``
     keeps rows here (``gmeta-ds train`` picks by the expected bytes of the data's bags,
     `gmeta_ds.embedding.plan.choose_exchange`); single-hot fields always exchange rows."""
+    problems = []
+    if not isinstance(fields, (list, tuple)) or not all(isinstance(f, FieldSpec) for f in fields):
+        problems.append("fields: expected the FieldSpec list of a task set (data.fields from gm.build_tasks)")
+    _int_at_least(problems, "dim", dim, 1)
+    _one_of(problems, "optimizer", optimizer, SPARSE_OPTIMIZERS.names())
+    _finite(problems, "lr", lr)
+    _finite(problems, "init_std", init_std, strict=False)
+    if capacity is not None:
+        _int_at_least(problems, "capacity", capacity, 1)
+    _int_at_least(problems, "admit_after", admit_after, 1)
+    _one_of(problems, "eviction", eviction, EVICTIONS)
+    _one_of(problems, "exchange", exchange, EXCHANGES)
+    _check(problems, "gmeta_ds.tables_for")
     raw = [f.name for f in fields if f.raw]
     if raw and capacity is None:
         raise ConfigError([f"tables_for: field(s) {', '.join(map(repr, raw))} hold raw ids and need dynamic "
@@ -153,29 +217,87 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     offset is first set to the MAP of its support (prior precision λ), then the inner steps run.
     ``support_level`` (λ, with the popularity offset): after the inner steps each task's logits
     are shifted so their support mean equals popularity + the task's MAP offset (prior λ)."""
-    if split_body not in (True, False, "auto"):
-        raise ConfigError([f"split_body: {split_body!r} is not one of True, False, 'auto'"])
-    if loss not in LOSSES:
-        raise ConfigError([f"loss: {loss!r} is not one of {', '.join(LOSSES)}"])
-    if adapt is None:
-        adapt = getattr(model, "default_adapt", ("mlp.*",))
-    names = {id(p): n for n, p in model.named_parameters()}
-    patterns = []
-    for item in adapt:
-        if isinstance(item, nn.Parameter):
-            if id(item) not in names:
-                raise ConfigError(["adapt: a parameter passed is not one of the model's parameters"])
-            patterns.append(names[id(item)])
-        else:
-            patterns.append(str(item))
+    where = "gmeta_ds.meta_learner"
+    if not isinstance(model, nn.Module):
+        raise ConfigError([f"model: expected a torch.nn.Module, got {type(model).__name__}"], where)
+    problems = _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body,
+                                 inner_lr_scale, inner_loss_prior)
+    _check(problems, where)
+    patterns = _adapt_patterns(model, adapt, where)
     if isinstance(algorithm, MetaAlgorithm):
         algo = algorithm
     else:
-        if algorithm not in ALGORITHMS:
-            raise ConfigError([f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)}"])
         algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body,
                                      inner_lr_scale, inner_loss_prior, offset_first, support_level)
     return MetaLearner(model, algo)
+
+
+def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body, inner_lr_scale,
+                      inner_loss_prior) -> list[str]:
+    """What is wrong with `meta_learner`'s arguments (the inner loop's: only when the
+    algorithm is built here from its name)."""
+    problems = []
+    if not (split_body is True or split_body is False or split_body == "auto"):
+        problems.append(f"split_body: {split_body!r} is not one of True, False, 'auto'")
+    if not isinstance(loss, str) or loss not in LOSSES:
+        problems.append(f"loss: {loss!r} is not one of {', '.join(LOSSES)}")
+    if isinstance(algorithm, MetaAlgorithm):
+        return problems
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        problems.append(f"algorithm: {algorithm!r} is not one of {', '.join(ALGORITHMS)} "
+                        "(or a gm.MetaAlgorithm)")
+    # 0 inner steps would train without adaptation (and leave no support loss): as meta.inner_steps.
+    _int_at_least(problems, "inner_steps", inner_steps, 1)
+    _finite(problems, "inner_lr", inner_lr)
+    if not isinstance(vectorize, bool):
+        problems.append(f"vectorize: {vectorize!r} is not True (vmap over tasks) or False (a loop)")
+    if inner_lr_scale is not None:
+        if not isinstance(inner_lr_scale, dict):
+            problems.append(f"inner_lr_scale: {inner_lr_scale!r} is not a dict of glob -> multiplier")
+        else:
+            for glob, scale in inner_lr_scale.items():
+                if not isinstance(glob, str):
+                    problems.append(f"inner_lr_scale: key {glob!r} is not a glob (str)")
+                _finite(problems, f"inner_lr_scale[{glob!r}]", scale)
+    _finite(problems, "inner_loss_prior", inner_loss_prior, strict=False)
+    return problems
+
+
+def _adapt_patterns(model: nn.Module, adapt, where: str) -> list[str]:
+    """``adapt`` as glob patterns: one glob (a str is one pattern, never read per character),
+    a parameter of the model, or a list of them; None: the model's ``default_adapt``. Every
+    glob given must select something (a pattern that matches nothing is a typo)."""
+    if adapt is None:
+        return list(getattr(model, "default_adapt", ("mlp.*",)))
+    if isinstance(adapt, (str, nn.Parameter)):
+        adapt = [adapt]
+    try:
+        items = list(adapt)
+    except TypeError:
+        raise ConfigError([f"adapt: {adapt!r} is not a glob (str), a parameter of the model or a list of "
+                           "them"], where) from None
+    names = {id(p): n for n, p in model.named_parameters()}
+    patterns, problems = [], []
+    for item in items:
+        if isinstance(item, nn.Parameter):
+            if id(item) not in names:
+                problems.append("adapt: a parameter passed is not one of the model's parameters")
+            else:
+                patterns.append(names[id(item)])
+        elif isinstance(item, str):
+            patterns.append(item)
+        else:
+            problems.append(f"adapt: {item!r} ({type(item).__name__}) is not a glob (str) or a parameter of "
+                            "the model")
+    if not items:
+        problems.append("adapt: empty; give at least one glob over the model's parameter names, "
+                        "e.g. 'head.*'")
+    unmatched = unmatched_patterns(model, patterns) if not problems else []
+    if unmatched:
+        problems.append(f"meta.adapt: {unmatched!r} matches nothing; candidates are: "
+                        f"{shown_candidates(model)}")
+    _check(problems, where)
+    return patterns
 
 
 # ---------------------------------------------------------------------------- engine
@@ -222,6 +344,10 @@ class MetaEngine:
         keyed by (seed, step)."""
         from gmeta_ds.data.loader import task_lengths
 
+        problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.train), got "
+                                                          f"{type(tasks).__name__}"]
+        _int_at_least(problems, "step", step, 0)
+        _check(problems, "MetaEngine.batches")
         lengths = task_lengths(tasks) if bucket_by_length else None
         sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
                                    self.plan.world_size, self.rank, self.seed, lengths)
@@ -237,6 +363,13 @@ class MetaEngine:
         if len(batches) != self.plan.grad_accum_steps:
             raise ValueError(f"meta_step: got {len(batches)} micro-batches, expected "
                              f"{self.plan.grad_accum_steps} (gradient_accumulation_steps) per rank")
+        from gmeta_ds.text.data import TextEpisodes  # the text workload's micro-batches
+
+        if not all(isinstance(b, (TaskBatch, TextEpisodes)) for b in batches):
+            raise ConfigError(["batches: expected a list of gm.TaskBatch (engine.batches(tasks, step))"],
+                              "MetaEngine.meta_step")
+        if self.embeddings is not None:  # the lookup reads the id columns by row_fields
+            check_id_columns(self.learner.net, batches[0])
         stats = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
         return StepResult(stats.query_loss, stats.support_loss, stats.skipped, stats.padding_efficiency)
@@ -277,10 +410,19 @@ class MetaEngine:
         ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
         per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
         adaptation (``*_no_adapt``). The tasks are split over the ranks; every rank returns
-        the same dict (collective)."""
+        the same dict (collective). ``inner_steps=0`` scores without adapting (the adapted
+        metrics then equal the ``*_no_adapt`` ones). A metric that is undefined on these tasks
+        (AUC when every query label is one class) is None, with the reason under ``warnings``
+        (`gmeta_ds.evaluation.score`)."""
+        problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
+                                                          f"{type(tasks).__name__}"]
+        if inner_steps is not None:
+            _int_at_least(problems, "inner_steps", inner_steps, 0)
+        _int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
+        _check(problems, "MetaEngine.evaluate")
         learner = self.single_process_learner()
         lrs = learner.algorithm.learning_rates(learner)
-        steps = inner_steps or learner.algorithm.inner_steps
+        steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
         mine = predict(learner, lrs, tasks, steps, tasks_per_batch,
                        np.arange(self.rank, len(tasks), self.world_size))
         parts = [mine]
@@ -299,7 +441,13 @@ class MetaEngine:
     def save_checkpoint(self, output_dir: str | Path, keep_last: int = 2) -> Path:
         """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
         files, every rank's table rows by global id and sparse-optimizer state, a manifest
-        with every file's SHA-256; ``latest`` moves only once all of it is on disk."""
+        with every file's SHA-256; ``latest`` moves only once all of it is on disk.
+        ``keep_last``: complete checkpoints kept (0: all)."""
+        problems = []
+        _int_at_least(problems, "keep_last", keep_last, 0)
+        if not (isinstance(output_dir, Path) or isinstance(output_dir, str) and output_dir.strip()):
+            problems.append(f"output_dir: {output_dir!r} is not a directory path (str or Path)")
+        _check(problems, "MetaEngine.save_checkpoint")
         return checkpoint.save(self.engine, self.embeddings, {"step": self.step}, self.step, output_dir,
                                keep_last, self.checkpoint_meta())
 
@@ -331,8 +479,9 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process),
     and then also tears it down at interpreter exit."""
     plans = (*PLANS.names(), "auto", "dense")
-    if sharding not in plans:
+    if not isinstance(sharding, str) or sharding not in plans:
         raise ConfigError([f"sharding: {sharding!r} is not one of {', '.join(plans)}"])
+    tables = _check_engine_inputs(learner, tables, lr, resume, output_dir)
     run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
                       nonfinite, collective_timeout_s)
     from gmeta_ds.engine.dist import env_world
@@ -340,7 +489,6 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     ds_config, plan = resolve_ds_config(run, env_world()[1])
     ds_engine.check_device_support(ds_config)
     ds_engine.check_ds_config(ds_config)
-    tables = list(tables or [])
     net = learner.net
     if sharding == "dense" and tables and getattr(net, "embedding", None) is None:
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
@@ -373,6 +521,38 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     if found is not None:
         meta.step = checkpoint.load(found, manifest, engine, embeddings, universal)["step"]
     return meta
+
+
+def _check_engine_inputs(learner, tables, lr, resume, output_dir) -> list[TableConfig]:
+    """`initialize`'s learner and tables against the model contract (docs/api.md): one dim
+    for every table (rows are stacked into (N, F, d)), the model's own ``embed_dim`` if it
+    states one, ``row_fields`` among the tables' features. Returns the tables as a list."""
+    where = "gmeta_ds.initialize"
+    if not isinstance(learner, MetaLearner):
+        raise ConfigError([f"learner: expected the result of gm.meta_learner(model, ...), got "
+                           f"{type(learner).__name__}"], where)
+    problems = []
+    _finite(problems, "lr", lr)
+    for name, value in (("resume", resume), ("output_dir", output_dir)):
+        if value is not None and not (isinstance(value, Path) or isinstance(value, str) and value.strip()):
+            problems.append(f"{name}: {value!r} is not None or a directory path (str or Path)")
+    if tables is None:
+        tables = []
+    elif not isinstance(tables, (list, tuple)) or not all(isinstance(t, TableConfig) for t in tables):
+        problems.append("tables: expected a list of gm.TableConfig (gm.tables_for(data.fields, dim))")
+    _check(problems, where)
+    tables = list(tables)
+    dims = {t.name: t.dim for t in tables}
+    if len(set(dims.values())) > 1:
+        problems.append(f"tables: every table must have the same dim (rows are stacked into (N, F, d)); got "
+                        f"{', '.join(f'{n}: {d}' for n, d in dims.items())}")
+    want = getattr(learner.net, "embed_dim", None)
+    if dims and _is_int(want) and len(set(dims.values())) == 1 and want != next(iter(dims.values())):
+        problems.append(f"tables: dim {next(iter(dims.values()))} but the model's embed_dim is {want}")
+    _check(problems, where)
+    if tables:
+        check_row_fields(learner.net, {f for t in tables for f in t.features})
+    return tables
 
 
 def _checkpoint_meta(learner: MetaLearner, embeddings) -> dict:

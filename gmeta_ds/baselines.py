@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,12 @@ POPULARITY_METRICS = {"binary": ("auc", "auc_per_task", "logloss"), "regression"
 # eval.finetune_search's grid: inner learning rate x fine-tuning steps.
 SEARCH_LRS = (0.01, 0.03, 0.1, 0.3, 1.0)
 SEARCH_STEPS = (1, 2, 5, 10)
+
+
+def _null(value):
+    """None for an undefined (NaN) metric: summaries hold JSON null, never a bare NaN (the
+    meta-learned model's scores of the same query rows say why, `evaluation.defined`)."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
 @dataclass
@@ -139,7 +146,7 @@ def popularity_scores(pop: Popularity, tasks: TaskSet) -> dict:
         return {}
     out = popularity_predict(pop, tasks)
     scores = score_tasks(out["labels"], out["pred"], out["task"], pop.kind)
-    return {f"baseline_popularity_{name}": scores[name] for name in POPULARITY_METRICS[pop.kind]}
+    return {f"baseline_popularity_{name}": _null(scores[name]) for name in POPULARITY_METRICS[pop.kind]}
 
 
 def _headline(kind: str) -> tuple[str, float]:
@@ -159,7 +166,8 @@ def finetune_search(baseline: MetaLearner, valid: TaskSet, tasks_per_batch: int 
                     lrs=SEARCH_LRS, steps=SEARCH_STEPS) -> tuple[float, int, dict]:
     """(lr, steps, {"lr=..,steps=..": metric}) of the grid point whose fine-tuning scores best
     on the validation users ``valid`` (ties: the first in grid order, lr-major). Points whose
-    predictions are not finite (fine-tuning diverged) score nan and are never chosen."""
+    predictions are not finite (fine-tuning diverged) or whose metric is undefined score None
+    in the table and are never chosen."""
     if valid is None or len(valid) == 0:
         raise ValueError("eval.finetune_search needs validation users (data.valid_fraction > 0)")
     kind = baseline.algorithm.kind
@@ -168,11 +176,11 @@ def finetune_search(baseline: MetaLearner, valid: TaskSet, tasks_per_batch: int 
     for lr in lrs:
         for n in steps:
             out = finetune_predict(baseline, valid, float(lr), int(n), tasks_per_batch)
-            value = float("nan")
+            value = None
             if np.isfinite(out["adapted"]).all():
-                value = score(out, kind)[name]
+                value = score(out, kind, warn=False)[name]
             table[f"lr={lr:g},steps={n}"] = value
-            if np.isfinite(value) and (best is None or sign * value > sign * best[0]):
+            if value is not None and (best is None or sign * value > sign * best[0]):
                 best = (value, float(lr), int(n))
     if best is None:
         raise ValueError(f"eval.finetune_search: no grid point gave a finite validation {name}")
@@ -187,6 +195,6 @@ def finetune_scores(baseline: MetaLearner, tasks: TaskSet, lr: float, steps: int
     kind = baseline.algorithm.kind
     out = finetune_predict(baseline, tasks, lr, steps, tasks_per_batch)
     if not np.isfinite(out["adapted"]).all():
-        return {f"baseline_finetune_tuned_{n}": float("nan") for n in POPULARITY_METRICS[kind]}
-    scores = score(out, kind)
+        return {f"baseline_finetune_tuned_{n}": None for n in POPULARITY_METRICS[kind]}
+    scores = score(out, kind, warn=False)
     return {f"baseline_finetune_tuned_{n}": scores[n] for n in POPULARITY_METRICS[kind]}

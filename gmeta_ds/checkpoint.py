@@ -9,7 +9,7 @@ Layout under ``OUTPUT_DIR/checkpoints``::
       rank00000.safetensors             per rank: its embedding rows with their global ids, the
                                         sparse optimizers' per-row state, this rank's RNG states
       manifest.json                     rank 0, last: step, world size, plan, loader position,
-                                        the SHA-256 of every file above
+                                        the SHA-256 and size of every file above
     latest                              the tag of the newest complete checkpoint
 
 A checkpoint is complete when its manifest exists: rank 0 writes it after a barrier that every
@@ -20,7 +20,12 @@ directory without a manifest, which loading never picks and the next save remove
 Embedding rows are saved by global id, so a checkpoint loads at any world size and plan
 (resharding). Every file is verified against the manifest's hashes before anything is
 deserialised, and DeepSpeed's pickled files are first opened with ``weights_only=True``, so a
-file crafted to run code on unpickling is refused.
+file crafted to run code on unpickling is refused. Before any file is hashed, the manifest's
+keys are type-checked, its files must be exactly the regular files inside the checkpoint
+directory (no absolute path, no ``..``, no symbolic link, nothing unlisted) with the sizes it
+records, and ``latest`` must name a ``step_*`` directory of its own folder: a damaged or
+forged manifest is a `ConfigError` naming the file and the key, and hashing costs no more
+than reading the checkpoint itself.
 """
 from __future__ import annotations
 
@@ -28,18 +33,22 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
-from pathlib import Path
+import stat
+import subprocess
+import tempfile
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from gmeta_ds.engine import ds_engine, ds_internals
-from gmeta_ds.engine.dist import is_collective_timeout, on_wire
+from gmeta_ds.engine.dist import group_timeouts, is_collective_timeout, on_wire
 from gmeta_ds.engine.ds_engine import save_weights
-from gmeta_ds.errors import CheckpointWriteError, ConfigError
+from gmeta_ds.errors import CheckpointWriteError, CollectiveTimeout, ConfigError
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -49,6 +58,8 @@ FAULT_ENV = "GMETA_DS_FAULT_KILL_IN_SAVE"
 # so that its writes meet a real ENOSPC (tests only).
 FAULT_FILL_ENV = "GMETA_DS_FAULT_FILL_DISK_AT"
 MANIFEST = "manifest.json"
+TAG = re.compile(r"step_[0-9]{8,20}")  # what `tag_of` writes, and all `latest` may name
+MANIFEST_MAX_BYTES = 64 << 20  # far above any real manifest (a few KiB per thousand parameters)
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -66,10 +77,26 @@ def _barrier() -> None:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# (real path, device, inode, size, mtime, ctime) -> SHA-256 of the files this process hashed.
+# The CLI verifies a checkpoint before the process group starts (`trainer.completed_run`) and
+# again after (`verify`): the second time costs a stat per file, so no rank hashes while a peer
+# waits in a collective. Any write changes the ctime, which no user can set back.
+_HASHED: dict[tuple, str] = {}
+
+
+def _verified_sha256(path: Path) -> str:
+    info = os.stat(path, follow_symlinks=False)
+    key = (os.path.realpath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns,
+           info.st_ctime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = _sha256(path)
+    return _HASHED[key]
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -331,7 +358,7 @@ def _abandon(root: Path, ckpt: Path, step: int, failures: list[str]) -> None:
         (root / (LATEST + ".tmp")).unlink(missing_ok=True)
         shutil.rmtree(ckpt, ignore_errors=True)
     latest = root / LATEST
-    previous = (f"the last complete checkpoint is {root / latest.read_text().strip()} "
+    previous = (f"the last complete checkpoint is {root / latest.read_text(errors='replace').strip()[:80]} "
                 f"({latest} still names it)") if latest.is_file() else "no earlier checkpoint exists"
     raise CheckpointWriteError(
         f"checkpoint step {step} could not be written under {root}:\n  "
@@ -417,7 +444,8 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
             files = sorted(p for p in ckpt.rglob("*") if p.is_file())
             manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world,
                         "loader": loader_state, **meta,
-                        "files": {str(p.relative_to(ckpt)): _sha256(p) for p in files}}
+                        "files": {p.relative_to(ckpt).as_posix(): _sha256(p) for p in files},
+                        "sizes": {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in files}}
             _write_json(ckpt / MANIFEST, manifest)
             tmp = root / (LATEST + ".tmp")
             tmp.write_text(tag + "\n")
@@ -447,8 +475,8 @@ def find(resume: str, output_dir: str | Path) -> Path | None:
     """The checkpoint directory ``train.resume`` names: ``auto`` = the run's ``latest`` (None
     when there is none yet), a checkpoints root (its ``latest``), or one checkpoint directory."""
     path = checkpoint_root(output_dir) if resume == "auto" else Path(resume)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    if os.path.lexists(path / LATEST):
+        path = _latest(path)
     elif resume == "auto":
         return None
     if not (path / MANIFEST).is_file():
@@ -457,27 +485,190 @@ def find(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
-def read_manifest(ckpt: Path) -> dict:
-    """The manifest, with every listed file present and matching its SHA-256."""
+def _latest(root: Path) -> Path:
+    """The checkpoint directory ``root/latest`` names: one line ``step_NNNNNNNN``, a real
+    directory of ``root`` (never a path elsewhere, a link, or undecodable bytes)."""
+    latest = root / LATEST
+    expected = f"expected one line naming a step_* directory of {root} (as gmeta-ds writes it)"
+    if latest.is_symlink() or not latest.is_file():
+        raise ConfigError([f"{latest}: a symbolic link or not a regular file; {expected}"])
+    with open(latest, "rb") as f:
+        raw = f.read(256)
     try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError([f"{latest}: not text (undecodable bytes); {expected}"]) from None
+    if not TAG.fullmatch(tag):
+        shown = repr(tag[:60]) if tag else "empty"
+        raise ConfigError([f"{latest}: {shown} is not a checkpoint tag; {expected}"])
+    path = root / tag
+    if path.is_symlink():
+        raise ConfigError([f"{latest}: names {path}, a symbolic link; {expected}"])
+    return path
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value < 2**63
+
+
+def _load_manifest(where: Path) -> dict:
+    """``manifest.json`` parsed: a regular file (not a link) of bounded size holding a JSON
+    object; anything else a `ConfigError` naming it."""
+    try:
+        info = os.stat(where, follow_symlinks=False)
+    except FileNotFoundError:
+        raise ConfigError([f"{where}: missing ({where.parent} is not a complete checkpoint)"]) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError([f"{where}: a symbolic link or not a regular file; expected the manifest "
+                           "gmeta-ds wrote"])
+    if info.st_size > MANIFEST_MAX_BYTES:
+        raise ConfigError([f"{where}: {info.st_size} bytes, more than a manifest can be "
+                           f"({MANIFEST_MAX_BYTES} bytes)"])
+    try:
+        manifest = json.loads(where.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError([f"{where}: not valid JSON (undecodable bytes)"]) from None
     except json.JSONDecodeError as exc:
-        raise ConfigError([f"{ckpt / MANIFEST}: not valid JSON ({exc.msg})"]) from exc
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise ConfigError([f"{ckpt / MANIFEST}: expected a JSON object with a 'files' mapping "
+        raise ConfigError([f"{where}: not valid JSON ({exc.msg})"]) from None
+    except (ValueError, RecursionError) as exc:  # a number too long, nesting too deep
+        raise ConfigError([f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:120]})"]) from None
+    if not isinstance(manifest, dict):
+        raise ConfigError([f"{where}: expected a JSON object with a 'files' mapping "
                            f"(file -> SHA-256), got {type(manifest).__name__}"])
+    if not isinstance(manifest.get("files"), dict):
+        what = f"got {_show(manifest['files'])}" if "files" in manifest else "it is missing"
+        raise ConfigError([f"{where}: key 'files': expected an object (file -> SHA-256), {what}"])
     if manifest.get("format") != FORMAT_VERSION:
-        raise ConfigError([f"{ckpt / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}"])
+        raise ConfigError([f"{where}: format {_show(manifest.get('format'))}, expected {FORMAT_VERSION}"])
+    return manifest
+
+
+def _is_table(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and (value[0] == "dynamic" or _is_int(value[0], 1))
+            and _is_int(value[1], 1))
+
+
+def _is_loader(value) -> bool:
+    # next_step / tasks / step (a position or count) and seed, where a loader saved them
+    return isinstance(value, dict) and all(
+        _is_int(value[k], 0) for k in ("next_step", "tasks", "step") if k in value) and (
+        "seed" not in value or _is_int(value["seed"], -2**63))
+
+
+# key -> (check, what is expected): the manifest keys a resume or an export reads.
+_KEYS = {
+    "step": (lambda v: _is_int(v, 0), "an integer >= 0 (the meta-step)"),
+    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "loader": (_is_loader, "an object (the data position: integer next_step, seed, tasks)"),
+    "algorithm": (lambda v: isinstance(v, str), "a string"),
+    "fields": (lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of strings"),
+    "tables": (lambda v: isinstance(v, dict), "an object {table: [rows, dim]}"),
+    "dense_shapes": (lambda v: isinstance(v, dict), "an object {parameter: [sizes]}"),
+}
+# the entries of the mapping keys: (check, what is expected)
+_ENTRIES = {
+    "tables": (_is_table, '[rows (an integer >= 1, or "dynamic"), dim (an integer >= 1)]'),
+    "dense_shapes": (lambda s: isinstance(s, list) and all(_is_int(n, 0) for n in s),
+                     "a list of sizes, each an integer >= 0"),
+}
+
+
+def _key_problems(manifest: dict, where: Path) -> list[str]:
     problems = []
-    for name, digest in manifest["files"].items():
-        path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{path}: listed in the manifest but missing")
-        elif _sha256(path) != digest:
-            problems.append(f"{path}: contents differ from the manifest's SHA-256 (modified or truncated)")
-    unlisted = [p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST
-                and str(p.relative_to(ckpt)) not in manifest["files"]]
-    problems += [f"{p}: not part of the checkpoint (not in the manifest)" for p in unlisted]
+    for key, (check, expected) in _KEYS.items():
+        if key not in manifest:
+            problems.append(f"{where}: key {key!r} is missing (expected {expected})")
+        elif not check(manifest[key]):
+            problems.append(f"{where}: key {key!r}: expected {expected}, got {_show(manifest[key])}")
+        elif key in _ENTRIES:
+            check, expected = _ENTRIES[key]
+            problems += [f"{where}: key '{key}.{name}': expected {expected}, got {_show(value)}"
+                         for name, value in manifest[key].items() if not check(value)]
+    return problems
+
+
+def _bad_name(name) -> bool:
+    """Whether a manifest's file name could lead outside the checkpoint directory (or is not
+    the normalised relative path `save` writes)."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        return True
+    path = PurePosixPath(name)
+    return (path.is_absolute() or str(path) != name or any(p in ("..", ".") for p in path.parts)
+            or name == MANIFEST)
+
+
+def _file_problems(manifest: dict, where: Path, ckpt: Path) -> list[str]:
+    """The manifest's files and sizes against the checkpoint directory: every name a relative
+    path inside it, exactly the regular files found there (no link, nothing else), each of the
+    recorded size, and every rank's file and ``dense.safetensors`` among them."""
+    files, sizes = manifest["files"], manifest.get("sizes")
+    problems = [f"{where}: key 'files': {_show(n)} is not a file inside {ckpt} (an absolute path, "
+                "'..', or not normalised)" for n in files if _bad_name(n)]
+    problems += [f"{where}: key 'files.{n}': expected a SHA-256 (64 hex digits), got {_show(d)}"
+                 for n, d in files.items() if not (isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d))]
+    if sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(files)
+                                  and all(_is_int(v, 0) for v in sizes.values())):
+        problems.append(f"{where}: key 'sizes': expected an object with an integer >= 0 for each "
+                        "file of 'files' and nothing else")
+        sizes = None
+    if problems:
+        return problems
+    on_disk: dict[str, int] = {}
+    base = ckpt.resolve()
+    for folder, dirs, names in os.walk(base, followlinks=False):
+        for name in dirs + names:
+            path = Path(folder, name)
+            info = os.stat(path, follow_symlinks=False)
+            rel = path.relative_to(base).as_posix()
+            if stat.S_ISREG(info.st_mode):
+                if rel != MANIFEST:
+                    on_disk[rel] = info.st_size
+            elif not stat.S_ISDIR(info.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+                problems.append(f"{ckpt / rel}: {kind}; a checkpoint holds only the files it wrote")
+    problems += [f"{ckpt / n}: listed in the manifest but missing" for n in files if n not in on_disk]
+    problems += [f"{ckpt / n}: not part of the checkpoint (not in the manifest)"
+                 for n in on_disk if n not in files]
+    if sizes is not None:
+        problems += [f"{ckpt / n}: contents differ from the manifest's SHA-256 (modified or truncated: "
+                     f"{on_disk[n]} bytes, the manifest's 'sizes' records {sizes[n]}; not hashed)"
+                     for n in files if n in on_disk and on_disk[n] != sizes[n]]
+    world = manifest["world_size"]
+    required = {"dense.safetensors", *(f"rank{r:05d}.safetensors" for r in range(world))}
+    lacking = sorted(required - set(files))
+    if lacking:
+        more = " ..." if len(lacking) > 4 else ""
+        problems.append(f"{where}: key 'files' lacks {len(lacking)} of the files a checkpoint of "
+                        f"world_size={world} holds: {', '.join(lacking[:4])}{more}")
+    problems += [f"{where}: key 'files.{n}': a rank file beyond world_size={world}"
+                 for n in files if re.fullmatch(r"rank[0-9]+\.safetensors", n) and n not in required]
+    return problems
+
+
+def read_manifest(ckpt: Path) -> dict:
+    """The manifest, with every listed file present and matching its SHA-256.
+
+    Checked before any file is hashed, each failure a `ConfigError` naming the file and the
+    key: the manifest's keys and types (`_KEYS`), then its files: relative paths inside
+    ``ckpt``, exactly the regular files there (a symbolic link or an unlisted file is
+    refused), of the sizes it records (manifests written before sizes were recorded are
+    checked by hash alone). So a manifest cannot make a resume read anything but the
+    checkpoint's own files, and never more bytes than they hold."""
+    where = ckpt / MANIFEST
+    manifest = _load_manifest(where)
+    problems = _key_problems(manifest, where)
+    if problems:
+        raise ConfigError(problems, str(ckpt))
+    problems = _file_problems(manifest, where, ckpt)
+    if problems:
+        raise ConfigError(problems, str(ckpt))
+    problems = [f"{ckpt / name}: contents differ from the manifest's SHA-256 (modified or truncated)"
+                for name, digest in manifest["files"].items() if _verified_sha256(ckpt / name) != digest]
     if problems:
         raise ConfigError(problems, str(ckpt))
     return manifest
@@ -534,33 +725,88 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
     another run in the same output directory, or planted) would be trusted without any check.
     It is written under a name tied to the source manifest's SHA-256, into a temporary folder
     renamed into place, and its pickles pass `check_pickles` on every rank before DeepSpeed
-    opens them."""
-    import subprocess
-
+    opens them. The converter runs isolated from the working directory (`_convert`); the
+    other ranks wait for it in one all-reduce, so rank 0 gives the converter less than the
+    process group's timeout and every rank's error says what it waited for."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     root = checkpoint_root(output_dir) / "universal"
     target = root / f"{ckpt.name}-{digest}"
     rank = dist.get_rank() if dist.is_initialized() else 0
+    timeout_s = _group_timeout_s()
     failure = ""
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)  # any earlier conversion is never reused
         root.mkdir(parents=True)
         tmp = root / (target.name + ".tmp")
-        done = subprocess.run(ds_internals.universal_conversion_command(ckpt, tmp),
-                              capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
+        # Leave the waiting ranks time to hear of a failure before their all-reduce gives up.
+        limit = 3600.0 if timeout_s is None else max(1.0, timeout_s - min(30.0, timeout_s / 5))
+        failure = _convert(ckpt, tmp, limit, timeout_s)
+        if failure:
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            failure = failure[0]
         else:
             os.replace(tmp, target)
     flag = on_wire(torch.tensor([1.0 if failure else 0.0]))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag)
+        try:
+            dist.all_reduce(flag)
+        except RuntimeError as exc:
+            if not is_collective_timeout(exc):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise CollectiveTimeout(
+                f"resume from {ckpt}: rank {rank} waited train.collective_timeout_s={timeout_s:g} s for rank "
+                "0 to convert its ZeRO partitions (written at another world size) with DeepSpeed's "
+                f"universal checkpoint converter, in vain: rank 0 is stuck or gone [{type(exc).__name__}: "
+                f"{first}]") from None
     if flag.item():
-        raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed: {failure or 'on rank 0'}")
+        raise ConfigError([f"{ckpt}: converting it to a universal checkpoint (its ZeRO optimizer "
+                           f"partitions were written at world size {manifest['world_size']}) failed: "
+                           f"{failure or 'on rank 0 (its error says why)'}"])
     check_pickles(target)
     return target
+
+
+def _group_timeout_s() -> float | None:
+    """The shortest timeout of this rank's process groups, seconds (None without peers)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    timeouts = [t.total_seconds() for t in group_timeouts().values()]
+    return min(timeouts) if timeouts else dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+def _convert(ckpt: Path, out: Path, limit_s: float, timeout_s: float | None) -> str:
+    """Run DeepSpeed's ``ds_to_universal`` on ``ckpt`` into ``out``; '' when it succeeded,
+    else why not. It runs from an empty directory of its own with ``python -P``
+    (`ds_internals.universal_conversion_command`): nothing in the directory the run was started
+    from (a planted ``deepspeed/`` package) is imported. Killed, with its workers, after
+    ``limit_s`` seconds."""
+    command = ds_internals.universal_conversion_command(ckpt, out)
+    with tempfile.TemporaryDirectory(prefix="gmeta_ds_convert_") as empty:
+        proc = subprocess.Popen(command, cwd=empty, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            bound = ("" if timeout_s is None else
+                     f", what train.collective_timeout_s={timeout_s:g} s leaves while the other ranks wait;"
+                     " raise it")
+            return f"DeepSpeed's universal checkpoint converter did not finish within {limit_s:g} s{bound}"
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+    if proc.returncode != 0:
+        return (output.strip().splitlines()[-1:] or ["(no output)"])[0][:500]
+    return ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s session (the converter and its worker processes) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+    proc.communicate()
 
 
 def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = None) -> dict:

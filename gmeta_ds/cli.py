@@ -1,11 +1,11 @@
 """``gmeta-ds``: parse -> validate -> build -> run -> always tear down.
 
-    gmeta-ds train    --config FILE.yaml [--set dotted.key=value ...]
-    gmeta-ds validate --config FILE.yaml [--set ...] [--world-size N]
+    gmeta-ds train    --config FILE.yaml [--set dotted.key=value ...] [--overwrite]
+    gmeta-ds validate --config FILE.yaml [--set ...] [--world-size N] [--overwrite]
     gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH]
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
-    gmeta-ds export   CHECKPOINT OUT.safetensors
+    gmeta-ds export   CHECKPOINT OUT.safetensors [--overwrite]
     gmeta-ds data synthesize --interactions N --out DIR [--shards K] [--seed S] [--items M]
 
 ``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
@@ -15,9 +15,16 @@ Runs unchanged as one plain process or under a launcher (``deepspeed``, ``torchr
 ``accelerate launch``); the ``--local_rank=N`` the deepspeed launcher inserts before the
 subcommand is accepted and ignored (LOCAL_RANK in the environment is what counts).
 
-Exit codes: 0 done; 2 bad input (config, data, arguments; the problems on stderr); 3 a
-collective timed out (``train.collective_timeout_s``: a peer rank is stuck or gone; stderr
-names the meta-step or phase and the last complete checkpoint); anything else: a bug.
+``--overwrite`` (= ``--set train.overwrite=true``): a run that does not resume the output_dir's
+own checkpoint may replace an earlier run's outputs there (refused otherwise, exit 2); they are
+removed only once every check has passed, just before meta-step 1.
+
+Exit codes: 0 done; 2 bad input (config, data, arguments, an output_dir holding an earlier
+run; the problems on stderr); 3 a collective timed out (``train.collective_timeout_s``: a peer
+rank is stuck or gone; stderr names the meta-step or phase and the last complete checkpoint);
+4 the file system refused a write (full disk, quota, read-only; stderr names the file or
+folder); 5 the outer loss was NaN/inf (``train.nonfinite: abort``; stderr names the meta-step,
+ranks and tasks; nothing was updated in that meta-step); anything else: a bug.
 """
 from __future__ import annotations
 
@@ -58,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="accepted for DeepSpeed's argument convention (DeepSpeed is always on)")
         p.add_argument("--deepspeed_config", "--deepspeed-config", default=None, metavar="FILE",
                        help="DeepSpeed JSON; overrides the run config's 'deepspeed:' key")
+        if name in ("train", "validate"):
+            p.add_argument("--overwrite", action="store_true",
+                           help="replace an earlier run's outputs in output_dir (= --set "
+                           "train.overwrite=true); removed only after every check passed")
         if name == "validate":
             p.add_argument("--world-size", type=int, default=None,
                            help="world size to plan for (default: WORLD_SIZE or 1)")
@@ -70,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="safetensors file (default: OUTPUT_DIR/model.safetensors)")
     p = sub.add_parser("export", help="one safetensors file (dense + full tables) from a checkpoint")
     p.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints (its latest) or one step_* directory")
-    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("out", help="the .safetensors file to write (outside the checkpoints folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
@@ -134,14 +146,14 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
-    from gmeta_ds.engine.ds_engine import check_ds_config
+    from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
 
+    check_device_support(ds_config)  # train refuses fp16 without a GPU: so does validate
     check_ds_config(ds_config)
     check_output_dir(cfg.output_dir, create=False)
-    if cfg.train.resume:
-        from gmeta_ds import checkpoint
+    from gmeta_ds.outputs import check_earlier_run
 
-        checkpoint.find(cfg.train.resume, cfg.output_dir)
+    replaced = check_earlier_run(cfg)  # what train refuses, validate refuses
     workload = get_workload(cfg.task)
     workload.preflight(cfg, world)  # what train checks before its first collective
     lines = workload.describe(cfg, ds_config, plan)
@@ -153,6 +165,9 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     print(f"batch: {plan.describe().replace('tasks', workload.noun)}")
     for line in lines:
         print(line)
+    if replaced:
+        print(f"output_dir {cfg.output_dir}: train.overwrite: the earlier run's {', '.join(replaced)} "
+              "will be removed once every check has passed")
     print("config OK")
     return 0
 
@@ -161,7 +176,8 @@ def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
-    from gmeta_ds.trainer import completed_run, rss_mib, train
+    from gmeta_ds.outputs import check_earlier_run
+    from gmeta_ds.trainer import NonFiniteLoss, completed_run, rss_mib, train
     from gmeta_ds.workloads import get_workload
 
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data
@@ -174,6 +190,7 @@ def _cmd_train(cfg: RunConfig) -> int:
         if env_world()[0] == 0:
             print(f"gmeta-ds train: {done}")
         return 0
+    check_earlier_run(cfg)  # an earlier run in output_dir: refused unless train.overwrite
     check_output_dir(cfg.output_dir)
     workload = get_workload(cfg.task)
     prepared = workload.preflight(cfg, plan.world_size)
@@ -186,6 +203,10 @@ def _cmd_train(cfg: RunConfig) -> int:
         summary = train(cfg, ds_config, plan, rank, workload, prepared, runtime_rss)
         if rank == 0:
             print("\n".join(workload.report(summary, cfg.output_dir)))
+    except NonFiniteLoss as exc:  # every rank raises it, before any update of that meta-step
+        destroy_process_group(clean_exit=False)
+        print(f"gmeta-ds train: {exc}", file=sys.stderr)
+        return 5
     except BaseException:
         destroy_process_group(clean_exit=False)  # peers may be inside a collective
         raise
@@ -212,7 +233,7 @@ def _cmd_plot(run_dir: str, out: str | None) -> int:
     return 0
 
 
-def _cmd_export(checkpoint_path: str, out: str) -> int:
+def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
     from safetensors import SafetensorError
 
     from gmeta_ds import checkpoint
@@ -230,6 +251,7 @@ def _cmd_export(checkpoint_path: str, out: str) -> int:
     if Path(out).is_dir():
         raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors "
                            "file to write"])
+    _check_export_target(ckpt, Path(out), overwrite)
     check_output_dir(Path(out).parent, key="OUT's folder")
     try:
         path = checkpoint.export(ckpt, Path(out))
@@ -240,6 +262,21 @@ def _cmd_export(checkpoint_path: str, out: str) -> int:
                            f"checkpoint ({type(exc).__name__}: {exc})"]) from exc
     print(f"wrote {path} (checkpoint {ckpt})")
     return 0
+
+
+def _check_export_target(ckpt: Path, out: Path, overwrite: bool) -> None:
+    """OUT may not lie inside the checkpoint it is read from, nor inside its checkpoints
+    folder (symlinks resolved: it would replace a file the checkpoint is made of, or plant one
+    its manifest does not list); an existing OUT is replaced only with ``--overwrite`` (and
+    then atomically: a failed export leaves it as it was)."""
+    target, ckpt = out.resolve(), ckpt.resolve()
+    root = ckpt.parent if (ckpt.parent / "latest").is_file() or ckpt.parent.name == "checkpoints" else ckpt
+    for folder, what in ((ckpt, "the checkpoint it reads"), (root, "that checkpoint's checkpoints folder")):
+        if target.is_relative_to(folder):
+            raise ConfigError([f"OUT {str(out)!r} is inside {what} ({str(folder)!r}); write the export "
+                               f"outside it, e.g. {str(root.parent / 'export.safetensors')!r}"])
+    if out.exists() and not overwrite:
+        raise ConfigError([f"OUT {str(out)!r} exists; pass --overwrite to replace it, or another path"])
 
 
 def _no_checkpoint_hint(source: Path) -> str:
@@ -292,12 +329,14 @@ def check_output_dir(path: str | Path, create: bool = True, key: str = "output_d
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    """``--set`` overrides plus the DeepSpeed config the launcher imposes, if any."""
+    """``--set`` overrides plus ``--overwrite`` and the DeepSpeed config the launcher
+    imposes, if any."""
     from gmeta_ds.launchers import launcher_ds_config
 
+    overrides = [*args.overrides, *(["train.overwrite=true"] if getattr(args, "overwrite", False) else [])]
     imposed = launcher_ds_config(args.deepspeed_config)
     if imposed is None:
-        return args.overrides
+        return overrides
     from gmeta_ds.ds_config import shipped_ds_config
 
     def where(name: str) -> Path:  # a shipped name outside a checkout is the package's copy
@@ -309,7 +348,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         if key.strip() == "deepspeed" and where(value.strip()) != where(imposed):
             raise ConfigError([f"--set deepspeed={value.strip()} contradicts the launcher's DeepSpeed "
                                f"config {imposed!r}; pass one of them"])
-    return [*args.overrides, f"deepspeed={Path(imposed).resolve()}"]
+    return [*overrides, f"deepspeed={Path(imposed).resolve()}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
         if args.command == "export":
-            return _cmd_export(args.checkpoint, args.out)
+            return _cmd_export(args.checkpoint, args.out, args.overwrite)
         if args.command == "data":
             return _cmd_data(args)
         cfg = load_config(args.config, _overrides(args))

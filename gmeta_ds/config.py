@@ -258,6 +258,9 @@ class TrainConfig:
     keep_last: int = 2                        # complete checkpoints kept (0 = all)
     # Resume: null, "auto" (OUTPUT_DIR/checkpoints/latest when there is one), or a checkpoint path.
     resume: Union[str, None] = None
+    # A new (not resumed) run into an output_dir holding an earlier run's outputs: refused unless
+    # true (CLI --overwrite); then they are removed once every check passed, before meta-step 1.
+    overwrite: bool = False
     # Per-phase time per rank (gmeta_ds/profiling.py): profile this many meta-steps after
     # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).
     profile_steps: int = 0
@@ -415,6 +418,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
             kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", problems)
         elif isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{dotted}: {value!r} is not a finite number")
+        elif tp is float and isinstance(value, int) and abs(value) > MAX_FLOAT:  # float() may overflow
+            problems.append(f"{dotted}: {_short(value)} is too large; at most {MAX_FLOAT:g}")
         elif _type_ok(value, tp):
             kwargs[key] = float(value) if tp is float else value
         else:
@@ -435,7 +440,155 @@ def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = Fals
         problems.append(f"{key}: {value!r} is not {allowed}")
 
 
+# Upper bounds of numeric keys (their magnitude): past them a value is a mistake that would
+# otherwise end deep in numpy, torch or datetime with an overflow or a MemoryError. Keys not
+# listed: integers up to MAX_COUNT (an int32 index: ids, rows, users, steps), floats up to
+# MAX_FLOAT. ``*`` stands for a table name or glob.
+MAX_COUNT = 2**31 - 1
+MAX_FLOAT = 1e12
+MAX_WIDTH = 2**16
+MAX_LAYERS = 1024
+BOUNDS: dict[str, tuple[int, str]] = {
+    "seed": (2**32 - 1, "2**32 - 1 (numpy's largest seed)"),
+    "train.collective_timeout_s": (7 * 24 * 3600, "604800 (7 days)"),
+    "train.threads": (4096, "4096 threads per rank"),
+    "model.embed_dim": (4096, "4096 floats per row"),
+    "model.hidden": (MAX_WIDTH, f"{MAX_WIDTH} units per layer"),
+    "model.bottom_hidden": (MAX_WIDTH, f"{MAX_WIDTH} units per layer"),
+    "model.tower_hidden": (MAX_WIDTH, f"{MAX_WIDTH} units per layer"),
+    "model.cross_layers": (MAX_LAYERS, f"{MAX_LAYERS} layers"),
+    "data.synthetic.latent_dim": (MAX_WIDTH, f"{MAX_WIDTH} dimensions"),
+    "meta.inner_steps": (10_000, "10000 steps"),
+    "eval.inner_steps": (10_000, "10000 steps"),
+    "meta.tasks_per_micro_batch": (2**20, "2**20 tasks"),
+    "meta.tasks_per_meta_step": (2**30, "2**30 tasks"),
+    "text.model.vocab_size": (2**24, "2**24 tokens"),
+    "text.data.max_length": (2**16, "2**16 tokens"),
+    "data.new_item_year": (9999, "9999"),
+}
+# In-memory synthetic data costs ~36 bytes per interaction.
+MAX_SYNTHETIC_INTERACTIONS = 2**31
+
+
+def _short(value: Any) -> str:
+    """A number for a message: a huge integer as ``~10**90``, not 91 digits (Python refuses to
+    print more than 4300)."""
+    if isinstance(value, int) and abs(value) > 10**15:
+        digits = int(abs(value).bit_length() * 0.30103) + 1  # str() refuses over 4300 digits
+        digits += abs(value) >= 10**digits
+        digits -= abs(value) < 10**(digits - 1)
+        return f"~{'-' if value < 0 else ''}10**{digits - 1}"
+    return repr(value)
+
+
+def _bound(schema_key: str, value: Any) -> tuple[float, str]:
+    if schema_key in BOUNDS:
+        return BOUNDS[schema_key]
+    if isinstance(value, float):
+        return MAX_FLOAT, f"{MAX_FLOAT:g}"
+    return MAX_COUNT, "2**31 - 1 (int32)"
+
+
+def _check_bounds(node: Any, dotted: str, schema_key: str, problems: list[str]) -> None:
+    """Every number under ``node`` (a config dataclass, one of its dicts of tables or globs, a
+    list of widths) against its `BOUNDS` entry; free-form dicts (``deepspeed``,
+    ``text.model.config``) are checked by their owners."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            if not f.metadata.get("internal"):
+                join = f"{dotted}.{f.name}" if dotted else f.name
+                _check_bounds(getattr(node, f.name), join, f"{schema_key}.{f.name}" if schema_key else f.name,
+                              problems)
+    elif isinstance(node, dict) and schema_key in ("embedding.tables", "meta.inner_lr_scale"):
+        for name, value in node.items():
+            _check_bounds(value, f"{dotted}.{name}", f"{schema_key}.*", problems)
+    elif isinstance(node, list) and node and all(isinstance(v, (int, float)) for v in node):
+        if len(node) > MAX_LAYERS:
+            problems.append(f"{dotted}: {len(node)} entries; at most {MAX_LAYERS}")
+        too_big = [v for v in node if not isinstance(v, bool) and abs(v) > _bound(schema_key, v)[0]]
+        if too_big:
+            limit = _bound(schema_key, too_big[0])[1]
+            problems.append(f"{dotted}: {_short(too_big[0])} is too large; at most {limit}")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        limit, text = _bound(schema_key, node)
+        if abs(node) > limit:
+            problems.append(f"{dotted}: {_short(node)} is too large; at most {text}")
+
+
+# data.* keys that only interaction logs read (synthetic data has its own in data.synthetic),
+# and those that only one log source reads. Not here: the machine's settings (cache_dir,
+# memory_limit) and data.synthetic.* under a log source, so that one list of ``--set`` (a
+# site's, a test harness's) serves every source.
+LOG_ONLY_KEYS = ("path", "query_size", "split", "min_interactions", "max_interactions", "short_tasks",
+                 "long_tasks", "min_count", "raw_ids", "test_fraction", "label", "threshold",
+                 "four_state", "new_item_year")
+SOURCE_ONLY_KEYS = {"dataset_name": "recbole", "format": "table", "sep": "table", "schema": "table"}
+# model.name -> its default meta.adapt where that is not MetaConfig's ["mlp.*"] (the class's
+# ``default_adapt``; tests/unit/test_input_matrix.py keeps the two equal).
+MODEL_DEFAULT_ADAPT = {"two_tower": ("user_tower.*",)}
+
+
+def _changed(section: Any, default: Any, names) -> list[str]:
+    """The names among ``names`` whose value in ``section`` differs from ``default``'s."""
+    return [n for n in names if getattr(section, n) != getattr(default, n)]
+
+
+def _not_applying(problems: list[str], keys: list[str], why: str) -> None:
+    for key in keys:
+        problems.append(f"{key}: set, but {why}; remove it")
+
+
+def _validate_applies(cfg: RunConfig, data: dict, problems: list[str]) -> None:
+    """Keys set to a non-default value where the chosen source, model, table kind or task
+    never reads them: refused, since a run would silently do something else than asked."""
+    if cfg.task == "text":
+        machine = {"cache_dir": cfg.data.cache_dir, "memory_limit": cfg.data.memory_limit}
+        for name in ("model", "embedding", "data"):
+            default = type(getattr(cfg, name))(**(machine if name == "data" else {}))
+            if getattr(cfg, name) != default:
+                _not_applying(problems, [name], "task: text reads text.* (this section is the CTR task's)")
+        return
+    if cfg.text != TextConfig():
+        _not_applying(problems, ["text"], "task: ctr does not read it (it configures task: text)")
+    d, default = cfg.data, DataConfig()
+    if d.source == "synthetic":
+        keys = _changed(d, default, (*LOG_ONLY_KEYS, *SOURCE_ONLY_KEYS))
+        _not_applying(problems, [f"data.{n}" for n in keys],
+                      "data.source: synthetic does not read it (its settings are data.synthetic.*)")
+    else:
+        for name, source in SOURCE_ONLY_KEYS.items():
+            if d.source != source and _changed(d, default, [name]):
+                _not_applying(problems, [f"data.{name}"], f"only data.source: {source} reads it")
+        if d.label == "regression" and _changed(d, default, ["threshold"]):
+            _not_applying(problems, ["data.threshold"],
+                          "data.label: regression keeps the rating (no click threshold)")
+        if not d.four_state and _changed(d, default, ["new_item_year"]):
+            _not_applying(problems, ["data.new_item_year"], "it applies with data.four_state: true")
+    m = cfg.model
+    if not m.item_popularity and _changed(m, ModelConfig(), ["popularity_prior"]):
+        _not_applying(problems, ["model.popularity_prior"], "it applies with model.item_popularity: true")
+    given = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    default_adapt = tuple(cfg.meta.adapt) == tuple(MetaConfig().adapt)
+    if "adapt" in given and m.name in MODEL_DEFAULT_ADAPT and default_adapt:  # not replaced unseen
+        problems.append(f"meta.adapt: {cfg.meta.adapt!r} is given, but model.name: {m.name} has no mlp; "
+                        f"leave meta.adapt out for its default {list(MODEL_DEFAULT_ADAPT[m.name])} or "
+                        "name its parameters")
+    for name, table in cfg.embedding.tables.items():
+        if table.kind != "dynamic":
+            keys = _changed(table, TableOverride(), ("admit_after", "eviction"))
+            _not_applying(problems, [f"embedding.tables.{name}.{k}" for k in keys],
+                          "only kind: dynamic tables admit and evict ids")
+
+
 def _validate(cfg: RunConfig, problems: list[str]) -> None:
+    _check_bounds(cfg, "", "", problems)
+    syn = cfg.data.synthetic
+    sizes = (syn.num_users, syn.max_interactions)
+    if (cfg.data.source == "synthetic" and all(isinstance(v, int) for v in sizes)
+            and syn.num_users * syn.max_interactions > MAX_SYNTHETIC_INTERACTIONS):
+        problems.append(f"data.synthetic.num_users x max_interactions: {syn.num_users} x "
+                        f"{syn.max_interactions} interactions are too many; at most 2**31 (generated "
+                        "in memory, ~36 bytes each)")
     _one_of(problems, "task", cfg.task, WORKLOADS.names())
     if not cfg.output_dir.strip():
         problems.append("output_dir: empty; expected the directory the run writes its files to")
@@ -652,14 +805,70 @@ def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- public API
+MAX_CONFIG_BYTES = 2**20  # a run config is a few KB; more is a wrong file, or an attack
+# Nodes a document may hold with every alias expanded: a few hundred in any real config. An
+# alias is shared in the parsed object, but the checks and copies downstream walk it once per
+# use: ten lines of nested aliases ("billion laughs") make 10**9 nodes and exhaust memory.
+MAX_YAML_NODES = 100_000
+
+
 class YAMLLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that also reads exponent floats without a dot (``1e-3``, ``5E+2``,
-    ``1e3``) as floats, as YAML 1.2 does (PyYAML follows YAML 1.1, where they are strings)."""
+    ``1e3``) as floats, as YAML 1.2 does (PyYAML follows YAML 1.1, where they are strings).
+
+    Before building anything it refuses a mapping that repeats a key (PyYAML keeps the last
+    value silently, so a typo'd second ``lr:`` would win unseen) and a document whose aliases
+    expand past `MAX_YAML_NODES` nodes, each a `yaml.YAMLError` naming the key path and line."""
+
+    def construct_document(self, node):
+        _check_nodes(node)
+        try:
+            return super().construct_document(node)
+        except (ValueError, OverflowError) as exc:  # a 5000-digit int, a date like 2024-13-01
+            raise yaml.YAMLError(f"a value cannot be read ({exc})") from exc
 
 
 YAMLLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def _key_text(node: yaml.Node) -> str:
+    if isinstance(node, yaml.ScalarNode):
+        return str(node.value)
+    return f"<{node.id} on line {node.start_mark.line + 1}>"
+
+
+def _check_nodes(root: yaml.Node) -> None:
+    """Duplicate keys and the alias-expanded size of the tree under ``root`` (`YAMLLoader`).
+    Sizes are memoised per node, so the walk costs the nodes written, not their expansion."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, path: str) -> int:
+        if id(node) in sizes:  # an alias of a node already walked
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a recursive alias counts once (the constructor handles cycles)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple, int] = {}
+            for key, value in node.value:
+                name, line = _key_text(key), key.start_mark.line + 1
+                dotted = f"{path}.{name}" if path else name
+                if name != "<<" and (key.tag, name) in seen:  # merge keys may repeat
+                    raise yaml.YAMLError(f"{dotted}: duplicate key on line {line} (first on line "
+                                         f"{seen[key.tag, name]}); keep one")
+                seen.setdefault((key.tag, name), line)
+                total += size(key, dotted) + size(value, dotted)
+        elif isinstance(node, yaml.SequenceNode):
+            total += sum(size(item, f"{path}[{i}]") for i, item in enumerate(node.value))
+        if total > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"{path or 'the document'} (line {node.start_mark.line + 1}): its "
+                                 f"aliases (*name) expand to more than {MAX_YAML_NODES} values; a "
+                                 "config needs a few hundred, write them out")
+        sizes[id(node)] = total
+        return total
+
+    size(root, "")
 
 
 def load_yaml(text: str) -> Any:
@@ -677,8 +886,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError([f"--set {text!r}: empty key part in {key.strip()!r}; expected dotted.key=value"])
     try:
         return path, load_yaml(raw)
+    except RecursionError:
+        raise ConfigError([f"--set {text!r}: the value nests too deeply"]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([f"--set {text!r}: the value is not valid YAML ({exc.problem or exc})"]) from exc
+        raise ConfigError([f"--set {text!r}: the value is not valid YAML "
+                           f"({getattr(exc, 'problem', None) or exc})"]) from exc
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -700,6 +912,7 @@ def config_from_dict(data: dict, source: str | None = None, config_dir: str = ".
     problems: list[str] = []
     cfg = _build(RunConfig, data, "", problems)
     _validate(cfg, problems)  # values with a wrong type kept their defaults: safe to check
+    _validate_applies(cfg, data, problems)
     if problems:
         raise ConfigError(problems, source)
     cfg.config_dir = config_dir
@@ -713,7 +926,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         what = "is a directory, expected a YAML file" if path.is_dir() else "does not exist"
         raise ConfigError([f"config file {str(path)!r} {what}"])
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"config file {str(path)!r} holds {path.stat().st_size} bytes; a run config "
+                               f"is a few KB (at most {MAX_CONFIG_BYTES}): is it the right file?"])
         data = load_yaml(path.read_text())
+    except RecursionError:
+        raise ConfigError(["not valid as a config: its values nest too deeply"], str(path)) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], str(path)) from exc
     except (OSError, UnicodeDecodeError) as exc:

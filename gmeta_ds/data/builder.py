@@ -14,13 +14,15 @@ Steps, all deterministic given the config and seed:
 `tasks_from_log` runs the steps in memory on a log already read (frames from the Python API,
 and the reference the out-of-core path is tested against); `build_tasks` runs them out of core
 (`stream.py`) into a task store under ``cache_dir``, keyed by the data config, the seed and the
-log files' names, sizes and modification times, so a later run skips steps 1-5.
+log files' names, sizes, modification times and content (`store_check.content_fingerprint`:
+a tool can restore a changed file's size and mtime), so a later run skips steps 1-5.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,11 +32,13 @@ import pyarrow.compute as pc
 
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
-from gmeta_ds.data.stream import (build_lock, build_store, check_raw_ids, file_source, log_source,
-                                  long_task_chunks, open_store, row_order_key)
+from gmeta_ds.data.store_check import content_fingerprint
+from gmeta_ds.data.store_lock import STALL_S, build_lock
+from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
+                                  long_task_chunks, open_store, row_order_key, store_version)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
-CACHE_VERSION = 4  # 4: within-task order by `stream.row_order_key`; the store replaces the .npz
+CACHE_VERSION = 5  # 5: the key sees the log's content; 4: within-task order by `stream.row_order_key`
 
 
 @dataclass
@@ -62,7 +66,7 @@ def read_log(cfg: DataConfig) -> InteractionLog:
 
 def cache_key(cfg: DataConfig, seed: int) -> str:
     """Hash of everything the tasks depend on: data config (not the synthetic section), seed,
-    and each log file's name, size and modification time."""
+    and each log file's name, size, modification time and `content_fingerprint`."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
                 if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length", "resample")}
     if settings["long_tasks"] == "skip":  # the key of stores built before long_tasks existed
@@ -76,7 +80,7 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
         files = file_source(cfg.path, cfg.format).files  # a file, a folder of shards or a glob
     else:
         files = sorted(path.iterdir()) if path.is_dir() else [path]
-    stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns, content_fingerprint(f)) for f in files if f.is_file()]
     blob = json.dumps([CACHE_VERSION, settings, seed, stamps], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -186,19 +190,22 @@ def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
     return user, item, {c: "user" if c in s.user_features else "item" for c in s.multi_hot}
 
 
-def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
+def build_tasks(cfg: DataConfig, seed: int, timeout_s: float = STALL_S) -> TaskData:
     """Tasks for ``cfg`` from a task store under ``data.cache_dir`` (rows read on demand; built out
-    of core by `stream.build_store` the first time, by one process while the others wait;
-    reused by later runs with the same cache key); see the module docstring for the steps."""
+    of core by `stream.build_store` the first time, by one process while the others wait, at
+    most ``timeout_s`` (the run's ``train.collective_timeout_s``) past the builder's last sign
+    of life; reused by later runs with the same cache key); see the module docstring for the steps."""
     store = store_path(cfg, seed)
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"data.cache_dir: cannot make the task cache folder {store.parent} "
                         f"({exc.strerror}); set data.cache_dir to a writable directory") from None
-    if not (store / "manifest.json").is_file():
-        with build_lock(store):
-            if not (store / "manifest.json").is_file():
+    if _missing(store):
+        with build_lock(store, timeout_s):
+            if _missing(store):
+                if store.exists():  # an older gmeta_ds's store (no checksums) or a folder without manifest
+                    shutil.rmtree(store)
                 if cfg.source == "table":
                     source = file_source(cfg.path, cfg.format)
                     schema = table_schema(cfg)
@@ -210,6 +217,15 @@ def build_tasks(cfg: DataConfig, seed: int) -> TaskData:
                 data.stats.pop("cache")  # built by this call, not reused
                 return data
     return open_store(store)
+
+
+def _missing(store: Path) -> bool:
+    """Whether ``store`` is still to be built: no store, or one of an older `STORE_VERSION`
+    (a damaged or newer store is left to `open_store`, which says so)."""
+    if not (store / "manifest.json").is_file():
+        return True
+    version = store_version(store)
+    return type(version) is int and version < STORE_VERSION
 
 
 def store_path(cfg: DataConfig, seed: int) -> Path:

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from gmeta_ds.data.sampler import MetaBatchSampler
+from gmeta_ds.errors import ConfigError
 from gmeta_ds.data.tasks import TaskBatch, TaskSet, collate
 
 
@@ -59,8 +60,10 @@ class TaskLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state["next_step"]``; a different seed or task count is an error."""
         if state["seed"] != self.sampler.seed or state["tasks"] != len(self.tasks):
-            raise ValueError(f"loader state was saved for seed {state['seed']} and {state['tasks']} "
-                             f"tasks, not seed {self.sampler.seed} and {len(self.tasks)} tasks")
+            raise ConfigError([f"train.resume: the checkpoint was saved for seed {state['seed']} and "
+                               f"{state['tasks']} training tasks, but this run has seed {self.sampler.seed} "
+                               f"and {len(self.tasks)} training tasks (seed, data or its split changed); "
+                               "resume with the run's original seed and data, or start a fresh run"])
         self.next_step = int(state["next_step"])
         self._pending = None
 

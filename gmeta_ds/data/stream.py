@@ -21,13 +21,14 @@ the same group-bys but its out-of-core sort and memory limit are less explicit.
 The store (``tasks-<cache key>/``) is opened with `numpy.memmap`: every rank of a node maps
 the same files, so they share one copy in the page cache, and a rank reads only the rows of
 the tasks it collates. It is written into a temporary sibling folder and renamed into place
-when complete; ``manifest.json`` records ``STORE_VERSION`` and every array's dtype, shape
-and size, checked on open, so a half-written or foreign folder is never used.
+when complete; ``manifest.json`` records ``STORE_VERSION`` and every array's file, dtype,
+shape and checksum, all checked on open with the arrays' values (`store_check`), so a
+half-written, damaged, edited or foreign folder is never used. One process builds a store
+while the others wait on `store_lock.build_lock`, a bounded wait.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob as globlib
 import json
 import os
@@ -44,14 +45,15 @@ import pyarrow.parquet as pq
 
 from gmeta_ds.config import parse_memory
 from gmeta_ds.data.readers import MISSING, DataError, InteractionLog, LogSchema
+from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split
+from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet
 from gmeta_ds.embedding.dynamic import string_id
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: a checksum per file and the label kind (version 1 stores are rebuilt)
 TRAIN, VALID, TEST = 0, 1, 2
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
 BATCH_ROWS = 1 << 19
-LOCK_WAIT_S = 6 * 3600  # another process building the same store: wait at most this long
 # lowbias32 (Chris Wellons' 32-bit integer hash): the within-task order of data.split: random
 _MIX1, _MIX2, _M32 = 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
 
@@ -651,7 +653,8 @@ class _Writer:
 
     def close(self) -> dict:
         os.close(self.fd)
-        return {"file": self.path.name, "dtype": self.dtype.str, "shape": list(self.shape)}
+        return {"file": self.path.name, "dtype": self.dtype.str, "shape": list(self.shape),
+                HASH: file_digest(self.path)}
 
 
 class _Appender:
@@ -667,7 +670,7 @@ class _Appender:
 
     def close(self) -> dict:
         self.fh.close()
-        return {"file": self.path.name, "dtype": self.dtype.str, "shape": [self.n]}
+        return {"file": self.path.name, "dtype": self.dtype.str, "shape": [self.n], HASH: file_digest(self.path)}
 
 
 def _write_array(folder: Path, name: str, values: np.ndarray) -> dict:
@@ -755,7 +758,7 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
             con.close()
         shutil.rmtree(work / "spill", ignore_errors=True)
         shutil.rmtree(work / "staged", ignore_errors=True)
-        manifest = {"format": "gmeta_ds task store", "version": STORE_VERSION,
+        manifest = {"format": "gmeta_ds task store", "version": STORE_VERSION, "label": cfg.label,
                     "fields": [asdict(f) for f in b.fields], "stats": b.stats, "splits": splits}
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
         _fsync_tree(work)
@@ -815,7 +818,7 @@ class StoreArray:
         out = np.empty((stop - start, *self.shape[1:]), self.dtype)
         if stop > start:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
             offset = start * self.row_bytes
             n = os.preadv(self._fd, [out], offset)
             if n == out.nbytes:
@@ -874,63 +877,36 @@ class StoreArray:
 
 
 def open_store(store: Path):
-    """The `TaskData` of a finished store, its arrays memory-mapped read-only (checked
-    against the manifest: version, dtype, shape and file size)."""
+    """The `TaskData` of a finished store, its per-row arrays read on demand (`StoreArray`),
+    once `store_check` has verified the manifest and every file (names, dtypes, shapes,
+    checksums, values)."""
     from gmeta_ds.data.builder import TaskData
 
-    try:
-        manifest = json.loads((store / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{store}: not a task store (manifest.json unreadable: {exc}); delete the "
-                        "folder and the build runs again") from None
-    if manifest.get("format") != "gmeta_ds task store" or manifest.get("version") != STORE_VERSION:
-        raise DataError(f"{store}: task store version {manifest.get('version')!r}, this gmeta_ds reads "
-                        f"version {STORE_VERSION}; delete the folder and the build runs again")
-    fields = [FieldSpec(**f) for f in manifest["fields"]]
-
-    def arr(spec: dict, rows: bool = False):
-        path = store / spec["file"]
-        dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
-        size = int(np.prod(shape)) * dtype.itemsize
-        if not path.is_file() or path.stat().st_size != size:
-            raise DataError(f"{path}: expected {size} bytes ({dtype} {list(shape)}) as manifest.json "
-                            "says; the store is damaged: delete the folder and the build runs again")
-        if not size:
-            return np.zeros(shape, dtype)
-        return StoreArray(path, dtype, shape) if rows else np.array(np.memmap(path, dtype, "r", shape=shape))
-
+    manifest, fields = read_manifest(store, STORE_VERSION)
     parts = {}
-    for name, files in manifest["splits"].items():  # per-task arrays in memory, per-row ones read on demand
-        multi = {f.name: (arr(files[f"multi.{f.name}.values"], rows=True), arr(files[f"multi.{f.name}.offsets"], rows=True))
+    for name, entries in manifest["splits"].items():  # per-task arrays in memory, per-row ones read on demand
+        a = verify_split(store, name, entries, fields, manifest["label"])
+        multi = {f.name: (_rows(a[f"multi.{f.name}.values"]), _rows(a[f"multi.{f.name}.offsets"]))
                  for f in fields if f.multi_hot}
-        parts[name] = TaskSet(fields, arr(files["ids"], rows=True), arr(files["labels"], rows=True),
-                              arr(files["offsets"]), arr(files["support_len"]), arr(files["task_keys"]), multi)
+        parts[name] = TaskSet(fields, _rows(a["ids"]), _rows(a["labels"]), a["offsets"], a["support_len"],
+                              a["task_keys"], multi)
     states = {k: v for k, v in parts.items() if k in STATES}
     return TaskData(fields, parts["train"], parts["test"], {**manifest["stats"], "cache": str(store)},
                     states, parts.get("valid"))
 
 
-@contextlib.contextmanager
-def build_lock(store: Path, wait_s: float = LOCK_WAIT_S):
-    """Held while one process builds ``store``: the ranks of a node build it once, the
-    others wait and then open it."""
-    store.parent.mkdir(parents=True, exist_ok=True)
-    lock = store.with_name(f"{store.name}.lock")
-    with open(lock, "a") as fh:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DataError(f"{lock}: another process has been building this task store for "
-                                    f"{wait_s:.0f} s; if none is, delete the lock file") from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _rows(layout: tuple) -> StoreArray | np.ndarray:
+    """A verified per-row file (path, dtype, shape), read on demand."""
+    path, dtype, shape = layout
+    return StoreArray(path, dtype, shape) if int(np.prod(shape)) else np.zeros(shape, dtype)
+
+
+def store_version(store: Path) -> int | None:
+    """The version a store's manifest records (None: no readable manifest)."""
+    try:
+        return json.loads((store / "manifest.json").read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def mapped_store_mib() -> float | None:

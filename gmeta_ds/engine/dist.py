@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gmeta_ds.ds_config import MAX_WORLD
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
@@ -30,30 +31,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env_int(name: str, default: str, minimum: int) -> int:
+LAUNCHERS = "set by the launcher: deepspeed, torchrun, accelerate launch"
+
+
+def _env_int(name: str, default: str, minimum: int, maximum: int = MAX_WORLD) -> int:
     text = os.environ.get(name, default)
     try:
         value = int(text)
     except ValueError:
         value = None
-    if value is None or value < minimum:
+    if value is None or not minimum <= value <= maximum:
         raise ConfigError([f"environment variable {name}={text!r}: expected an integer >= {minimum} "
-                           "(set by the launcher: deepspeed, torchrun, accelerate launch)"])
+                           f"and <= {maximum} ({LAUNCHERS})"])
     return value
 
 
 def env_world() -> tuple[int, int, int]:
     """(rank, world size, local world size) as the launcher set them; (0, 1, 1) without one.
-    A value that is not a count (or a rank outside the world) is a `ConfigError` naming it."""
+    A value that is not a count, a rank outside the world (or LOCAL_RANK outside the node),
+    a node larger than the world or a port outside 1..65535 is a `ConfigError` naming the
+    variable: checked before any collective, where torch would end in a ValueError."""
     rank = _env_int("RANK", "0", 0)
     world = _env_int("WORLD_SIZE", "1", 1)
     # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
     local_name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE"
     local_world = _env_int(local_name, str(world), 1)
+    problems = []
     if rank >= world:
-        raise ConfigError([f"environment variables RANK={rank} and WORLD_SIZE={world}: the rank "
-                           "must be below the world size"])
+        problems.append(f"environment variables RANK={rank} and WORLD_SIZE={world}: the rank must be "
+                        "below the world size")
+    if local_world > world:
+        problems.append(f"environment variables {local_name}={local_world} and WORLD_SIZE={world}: the "
+                        "ranks on this node cannot outnumber the ranks of the job")
+    if "LOCAL_RANK" in os.environ:
+        local_rank = _env_int("LOCAL_RANK", "0", 0)
+        if local_rank >= local_world:
+            what = local_name if local_name in os.environ else "WORLD_SIZE"
+            problems.append(f"environment variables LOCAL_RANK={local_rank} and {what}={local_world}: "
+                            "the local rank must be below the ranks on this node")
+    if "MASTER_PORT" in os.environ:
+        _env_int("MASTER_PORT", "", 1, 65535)
+    if "MASTER_ADDR" in os.environ and not os.environ["MASTER_ADDR"].strip():
+        problems.append("environment variable MASTER_ADDR='': expected rank 0's host name or address "
+                        f"({LAUNCHERS})")
+    if problems:
+        raise ConfigError(problems)
     return rank, world, local_world
+
+
+def _check_rendezvous_env() -> None:
+    """torch's env:// rendezvous needs MASTER_ADDR and MASTER_PORT once RANK is set."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError([f"environment variable(s) {', '.join(missing)} not set, but RANK="
+                           f"{os.environ['RANK']} is: expected rank 0's address and a free port "
+                           f"({LAUNCHERS})"])
 
 
 def set_threads(threads: int | str) -> int:
@@ -82,15 +114,42 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         os.environ.update(single)
         _SET_BY_US.update(single)
+    started = dist.is_initialized()
+    if not started:  # before torch's rendezvous turns a bad value into a ValueError
+        _, world, _ = env_world()
+        _check_rendezvous_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     shm_skipped = backend == "gloo" and skip_deepspeed_shm_op()
     timeout = datetime.timedelta(seconds=timeout_s)
     inherit_timeout(timeout)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    if not started:
+        try:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+        except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError
+            if is_collective_timeout(exc):
+                raise _rendezvous_timeout(exc, world, timeout_s) from None
+            if isinstance(exc, getattr(dist, "DistError", ())):  # e.g. MASTER_PORT taken on rank 0
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ConfigError([f"process group start-up at MASTER_ADDR:MASTER_PORT="
+                                   f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                                   f"failed ({type(exc).__name__}: {first}); expected rank 0's reachable "
+                                   f"address and a free port ({LAUNCHERS})"]) from None
+            raise
         if backend == "gloo" and not shm_skipped:
             unlink_shm_buffers()  # this DeepSpeed built the op anyway: remove its buffers
     return dist.get_rank(), dist.get_world_size()
+
+
+def _rendezvous_timeout(exc: BaseException, world: int, timeout_s: int) -> CollectiveTimeout:
+    """The rendezvous did not gather every rank in time: a peer never started, died first,
+    or cannot reach (or is not told) rank 0's address."""
+    addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return CollectiveTimeout(
+        f"process group start-up: not all WORLD_SIZE={world} ranks joined the rendezvous at "
+        f"MASTER_ADDR:MASTER_PORT={addr} within train.collective_timeout_s={timeout_s} s (rank "
+        f"{os.environ.get('RANK')}); start every rank with the same MASTER_ADDR, MASTER_PORT and "
+        f"WORLD_SIZE, or raise the timeout [{type(exc).__name__}: {first}]")
 
 
 def inherit_timeout(timeout: datetime.timedelta) -> None:

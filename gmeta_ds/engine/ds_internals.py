@@ -200,10 +200,19 @@ UNIVERSAL_FLAGS = ("--inject_missing_state", "--num_extract_workers", "1", "--nu
 LOAD_UNIVERSAL = "load_universal"
 
 
+# ``python -m`` puts the working directory first on the child's sys.path, so a ``deepspeed/``
+# folder in the directory a user starts from would run instead of DeepSpeed: ``-P`` (Python
+# >= 3.11) leaves it out, and the caller also runs the command from an empty directory of its
+# own (`checkpoint.to_universal`), which covers older Pythons and relative PYTHONPATH entries.
+SAFE_PATH_FLAGS = ("-P",) if sys.version_info >= (3, 11) else ()
+
+
 def universal_conversion_command(src: str | Path, dst: str | Path) -> list[str]:
-    """The command converting the DeepSpeed checkpoint folder ``src`` into ``dst``."""
-    return [sys.executable, "-m", UNIVERSAL_CONVERTER, "--input_folder", str(src),
-            "--output_folder", str(dst), *UNIVERSAL_FLAGS]
+    """The command converting the DeepSpeed checkpoint folder ``src`` into ``dst`` (absolute
+    paths: it runs from another directory); it imports nothing from its working directory."""
+    return [sys.executable, *SAFE_PATH_FLAGS, "-m", UNIVERSAL_CONVERTER,
+            "--input_folder", os.path.abspath(src), "--output_folder", os.path.abspath(dst),
+            *UNIVERSAL_FLAGS]
 
 
 def with_load_universal(ds_config: dict) -> dict:

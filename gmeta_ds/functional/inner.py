@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, grad_and_value, vmap
 
+from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
@@ -77,6 +78,26 @@ def masked_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor
 from gmeta_ds.registry import LOSSES  # noqa: E402
 PREDICTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "binary": torch.sigmoid, "regression": lambda x: x, "multiclass": lambda x: x.softmax(-1)}
+
+
+MODEL_CONTRACT = ("the model contract (docs/api.md): model(rows) maps one task's rows (N, F, d) to "
+                  "one logit per row, shape (N,) ((N, C) for loss='multiclass'), and is a pure "
+                  "function of its parameters and input (no in-place updates of buffers)")
+
+
+def check_output(out, inputs, kind: str) -> None:
+    """Refuse a model output that is not one logit per input row: an (N, 1) output would
+    broadcast against (N,) labels (silently wrong under MSE). Shapes only (no data, no sync),
+    so it costs nothing per call and works under vmap (per-task shapes)."""
+    if not isinstance(out, Tensor) or not isinstance(inputs, Tensor):
+        return
+    want = 2 if kind == "multiclass" else 1
+    n = inputs.shape[0] if inputs.dim() else None
+    if out.dim() != want or out.shape[0] != n:
+        shape = f"({n},)" if want == 1 else f"({n}, C)"
+        hint = " (squeeze the last dimension: .squeeze(-1))" if out.shape == (n, 1) and want == 1 else ""
+        raise ConfigError([f"model output: model(rows) returned shape {tuple(out.shape)} for rows of shape "
+                           f"{tuple(inputs.shape)}; expected {shape}{hint}: {MODEL_CONTRACT}"])
 
 
 @dataclass
@@ -134,6 +155,7 @@ class InnerLoop:
             # model.popularity_feature: the statistic enters the item row (no-op without it)
             inputs = self.offset.with_feature(inputs, statistic, own.get("feature"))
         out = functional_call(self.module, params, (inputs,), tie_weights=self.tied)
+        check_output(out, inputs, self.kind)
         if statistic is None:
             return out
         return out + functional_call(self.offset, own, (statistic.to(out.dtype),))

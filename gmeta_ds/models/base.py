@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from gmeta_ds.config import EmbeddingConfig, ModelConfig
 from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.errors import ConfigError
 
 
 def field_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> list[TableConfig]:
@@ -23,6 +24,9 @@ def field_tables(fields: list[FieldSpec], dim: int, cfg: EmbeddingConfig) -> lis
     for f in fields:
         override = cfg.tables.get(f.name)
         dynamic = override is not None and override.kind == "dynamic"
+        if override is not None and override.exchange == "pooled" and not f.multi_hot:
+            raise ConfigError([f"embedding.tables.{f.name}.exchange: pooled, but {f.name!r} is a single-hot "
+                               "field (one id per row, nothing to pool); set it to rows or auto"])
         tables.append(TableConfig(
             f.name, max(1, f.num_ids), dim, (f.name,), pooling="mean" if f.multi_hot else "sum",
             init_std=cfg.init_std,

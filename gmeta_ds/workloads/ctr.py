@@ -106,7 +106,8 @@ class CTRWorkload(Workload):
         lines = [f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} tasks on "
                  f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
                  f"{summary['final_query_loss']:.4f}"]
-        ev = summary.get("eval", {})
+        # null: a metric undefined on these tasks (printed nan; why: ev["warnings"])
+        ev = {k: float("nan") if v is None else v for k, v in summary.get("eval", {}).items()}
         if ev and ev.get("tasks", 1):
             name = "auc" if "auc" in ev else "mae"
             parts = [f"meta-learned + adaptation {ev[name]:.4f}", f"without adaptation {ev[name + '_no_adapt']:.4f}"]
@@ -121,6 +122,7 @@ class CTRWorkload(Workload):
             if f"baseline_popularity_{name}" in ev:
                 parts.append(f"popularity + user offset {ev['baseline_popularity_' + name]:.4f}")
             lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
+            lines += [f"warning: {note}" for note in ev.get("warnings", [])]
         lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
         return lines
 
@@ -132,7 +134,7 @@ def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
     if cfg.data.source == "synthetic":
         data = generate_synthetic(cfg.data.synthetic, cfg.seed)
         return split_valid(data, cfg.data.valid_fraction, cfg.seed)
-    return build_tasks(data_config(cfg), cfg.seed)
+    return build_tasks(data_config(cfg), cfg.seed, cfg.train.collective_timeout_s)
 
 
 def data_config(cfg: RunConfig):
@@ -191,7 +193,7 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
             resolve_placement(plan, 0)
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
-    build_learner(cfg, fields, with_tables=False)
+    build_learner(cfg, fields, with_tables=False).check_split_body()
 
 
 def build_learner(cfg: RunConfig, fields, with_tables: bool = True, train=None) -> MetaLearner:

@@ -146,7 +146,9 @@ class TextWorkload(Workload):
     noun = "episodes"
 
     def preflight(self, cfg: RunConfig, world_size: int):
-        return build(cfg)  # tokenizer, episodes and learner: every rank, before any collective
+        prepared = build(cfg)  # tokenizer, episodes and learner: every rank, before any collective
+        prepared[2].check_split_body()
+        return prepared
 
     def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
         tokenizer, tasks, learner = prepared or build(cfg)

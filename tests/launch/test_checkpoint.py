@@ -116,7 +116,7 @@ def test_universal_conversion_is_never_reused_stale_or_planted(tmp_path):
     path = config(tmp_path, 2, 3)
     train(path, 2)
     train(path, 1, "train.meta_steps=6", "train.resume=auto")
-    train(path, 2, "seed=4")  # run B, fresh, same output directory
+    train(path, 2, "seed=4", "train.overwrite=true")  # run B, fresh, same output directory
     planted = tmp_path / "run" / "checkpoints" / "universal" / "step_00000003" / "zero" / "net.mlp.0.weight"
     planted.mkdir(parents=True, exist_ok=True)
 
@@ -173,7 +173,7 @@ def test_tampered_or_malicious_files_are_refused(saved, tmp_path):
 def test_requeue_of_a_finished_run_and_a_failed_fresh_run_leave_nothing_stale(saved, tmp_path):
     """A scheduler's requeue (same command + train.resume=auto) of a finished run exits 0
     and touches nothing; with train.meta_steps raised it continues; a fresh run that fails in
-    the same directory leaves none of the earlier run's results behind."""
+    the same directory (with --overwrite) leaves none of the earlier run's results behind."""
     import shutil
     out = tmp_path / "run"
     shutil.copytree(saved / "run", out)
@@ -191,7 +191,10 @@ def test_requeue_of_a_finished_run_and_a_failed_fresh_run_leave_nothing_stale(sa
     run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=4"])
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["meta_steps"] == 4 and resumed["resumed_from"]["step"] == 3
-    proc = run([*gmeta, "--set", "seed=9"], env={checkpoint.FAULT_ENV: "3:0"}, expect_ok=False)
+    proc = run([*gmeta, "--set", "seed=9"], expect_ok=False)  # a fresh run: refused, nothing touched
+    assert proc.returncode == 2 and "holds an earlier run's outputs" in proc.stderr
+    assert (out / "summary.json").is_file()
+    proc = run([*gmeta, "--set", "seed=9", "--overwrite"], env={checkpoint.FAULT_ENV: "3:0"}, expect_ok=False)
     assert proc.returncode != 0  # killed while saving its first checkpoint
     for stale in ("summary.json", "model.safetensors", "checkpoints/latest",
                   "checkpoints/step_00000004/manifest.json"):

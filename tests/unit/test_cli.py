@@ -84,8 +84,10 @@ def test_eval_without_weights_names_the_missing_file(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 runs where CUDA is")
-def test_fp16_without_a_gpu_is_refused_before_training(tmp_path, capsys):
-    args = ["train", "--config", write(tmp_path, TINY), "--set", "deepspeed=ds_configs/zero2_fp16.json"]
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_fp16_without_a_gpu_is_refused_before_training(tmp_path, capsys, command):
+    """train and validate agree: fp16 on a machine without CUDA is refused by both."""
+    args = [command, "--config", write(tmp_path, TINY), "--set", "deepspeed=ds_configs/zero2_fp16.json"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "deepspeed.fp16.enabled: fp16 needs a CUDA GPU" in err and "zero2_bf16.json" in err

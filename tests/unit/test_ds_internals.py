@@ -98,8 +98,9 @@ def test_small_helpers():
     assert ds_internals.shm_buffer_path(1, "127.0.0.1", "29500").name.startswith("deepspeed_allreduce_buffer_")
     assert str(ds_internals.shm_buffer_path(1, "127.0.0.1", "29500")).endswith("_127.0.0.1_29500_1")
     cmd = ds_internals.universal_conversion_command("a", "b")
-    assert cmd[1:3] == ["-m", "deepspeed.checkpoint.ds_to_universal"] and cmd[3:7] == [
-        "--input_folder", "a", "--output_folder", "b"]
+    assert cmd[1:-len(ds_internals.UNIVERSAL_FLAGS)] == [
+        *ds_internals.SAFE_PATH_FLAGS, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(Path("a").absolute()), "--output_folder", str(Path("b").absolute())]
     cfg = {"checkpoint": {"tag_validation": "Warn"}}
     assert ds_internals.with_load_universal(cfg) == {"checkpoint": {"tag_validation": "Warn", "load_universal": True}}
     assert cfg == {"checkpoint": {"tag_validation": "Warn"}}

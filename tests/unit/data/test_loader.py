@@ -9,6 +9,7 @@ from gmeta_ds.config import SyntheticConfig
 from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic
+from gmeta_ds.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_state_dict_resumes_exactly(tasks):
     resumed.load_state_dict(state)
     got = resumed.next()
     assert all(torch.equal(x.task_ids, y.task_ids) for x, y in zip(expected, got))
-    with pytest.raises(ValueError, match="saved for seed 3 and .* tasks, not seed 4"):
+    with pytest.raises(ConfigError, match="saved for seed 3 and .* training tasks, but this run has seed 4"):
         other = TaskLoader(tasks, MetaBatchSampler(len(tasks), 8, 4, 1, 0, 4), False)
         other.load_state_dict(state)
     first.close()

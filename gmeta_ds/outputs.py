@@ -1,0 +1,81 @@
+"""What a run leaves in ``output_dir``, and when a new run may replace it: nothing of an
+earlier run is removed or overwritten until the new run has passed every check, and a run
+that does not continue the folder's own checkpoint replaces a finished run's outputs only when
+asked (``train.overwrite``, CLI ``--overwrite``). Read-only checks run on every rank before the
+first collective (``train`` and ``validate`` alike); the removal runs on rank 0 right before
+meta-step 1."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gmeta_ds import checkpoint
+from gmeta_ds.config import RunConfig
+from gmeta_ds.errors import ConfigError
+
+WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`)
+
+# What a run leaves in output_dir (rank 0). A run that does not continue the folder's own
+# checkpoint refuses a folder holding any of them unless train.overwrite (`check_earlier_run`).
+EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "metrics.jsonl", "tensorboard", "checkpoints")
+
+
+def earlier_outputs(out_dir: Path) -> list[str]:
+    """The `EARLIER_OUTPUTS` ``out_dir`` holds (a folder when it is not empty; named with a
+    trailing ``/``)."""
+    held = []
+    for name in EARLIER_OUTPUTS:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            try:
+                if next(path.iterdir(), None) is not None:
+                    held.append(name + "/")
+            except OSError:  # unreadable: assume it holds something
+                held.append(name + "/")
+        elif path.exists() or path.is_symlink():
+            held.append(name)
+    return held
+
+
+def continues_run(cfg: RunConfig, found: Path | None) -> bool:
+    """Whether resuming from ``found`` continues the run in ``output_dir`` (its own checkpoint,
+    under ``OUTPUT_DIR/checkpoints``), not another run's."""
+    if found is None:
+        return False
+    return found.resolve().is_relative_to(checkpoint.checkpoint_root(cfg.output_dir).resolve())
+
+
+def check_earlier_run(cfg: RunConfig) -> list[str]:
+    """A run that does not continue ``output_dir``'s own checkpoint (no ``train.resume``,
+    ``auto`` finding none, or a checkpoint elsewhere) is refused when the folder holds an
+    earlier run's outputs, unless ``train.overwrite``: nothing of a finished run is replaced
+    unless asked. Read-only: every rank calls it before its first collective (``train``, and
+    ``validate`` so the two agree). Returns what the run will remove once every check passed
+    (`remove_earlier_outputs`), [] when nothing."""
+    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
+    held = [] if continues_run(cfg, found) else earlier_outputs(Path(cfg.output_dir))
+    if not held or cfg.train.overwrite:
+        return held
+    root = checkpoint.checkpoint_root(cfg.output_dir)
+    resume = ("--set train.resume=auto to continue it from its last checkpoint"
+              if (root / checkpoint.LATEST).is_file() else
+              "--set train.resume=auto to continue it (from a complete checkpoint: this folder has "
+              "none, train.checkpoint_every was 0 or no save completed)")
+    raise ConfigError([f"output_dir: {str(cfg.output_dir)!r} holds an earlier run's outputs "
+                       f"({', '.join(held)}) and this run would start afresh; nothing was changed. "
+                       f"Pass --overwrite (train.overwrite=true) to replace them (removed only once "
+                       f"this run has passed every check), {resume}, or choose another output_dir"])
+
+
+def remove_earlier_outputs(out_dir: Path, names: list[str]) -> None:
+    """With ``train.overwrite``: remove the earlier run's outputs `check_earlier_run` found
+    (rank 0, after every check and the engine start, before meta-step 1), so that this run's
+    files are never mixed with them (``gmeta-ds plot``, ``train.resume: auto``)."""
+    for name in names:
+        path = out_dir / name.rstrip("/")
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    print(f"gmeta-ds: train.overwrite: every check passed; removed the earlier run's "
+          f"{', '.join(names)} in {out_dir}", flush=True)

@@ -1,0 +1,299 @@
+"""The Python API refuses bad arguments and models that break the contract (docs/api.md)
+with a `ConfigError` naming the argument or the contract, and never reports a silently wrong
+evaluation (issue 32): in-process, tiny models, no process group."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gmeta_ds as gm
+from gmeta_ds.api import MetaEngine
+from gmeta_ds.evaluation import FEW_TASKS, MetricWarning, evaluate, score
+
+
+def _log(users: int = 24, click=None) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    rows = []
+    for u in range(users):
+        for i in rng.choice(20, size=16, replace=False):
+            label = float(rng.random() < 0.4) if click is None else click
+            rows.append((f"u{u}", f"i{i}", f"a{u % 3}", label))
+    return pd.DataFrame(rows, columns=["user", "item", "age", "click"])
+
+
+KEYS = dict(task_key="user", item_key="item", label="click", user_features=["age"],
+            label_kind="binary", threshold=0.5, query_size=4, seed=1)
+
+
+class Tower(nn.Module):
+    """Two single-hot fields of d = 4: rows (N, 2, 4) -> (N,)."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.row_fields = ["age", "item"]
+        self.body = nn.Linear(2 * dim, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, rows):
+        return self.head(torch.relu(self.body(rows.flatten(start_dim=-2)))).squeeze(-1)
+
+
+class ColumnOut(Tower):
+    """Breaks the contract: (N, 1) logits."""
+
+    def forward(self, rows):
+        return self.head(torch.relu(self.body(rows.flatten(start_dim=-2))))
+
+
+class Counting(Tower):
+    """Breaks the contract: a buffer updated in place inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, rows):
+        self.calls += 1
+        return super().forward(rows)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return gm.build_tasks(_log(), **KEYS)
+
+
+def _own_tables(model, data, dim: int = 4):
+    torch.manual_seed(0)
+    model.embedding = gm.EmbeddingCollection(gm.tables_for(data.fields, dim), seed=0)
+    return model
+
+
+def _engine(learner) -> MetaEngine:
+    """A MetaEngine over a learner with its own tables, without DeepSpeed or a process group
+    (what `evaluate` and the argument checks need)."""
+    plan = SimpleNamespace(world_size=1, tasks_per_micro_batch=2, grad_accum_steps=1)
+    return MetaEngine(SimpleNamespace(module=learner), None, [], plan, {}, 0, 0)
+
+
+# ------------------------------------------------------------------ 1. adapt
+def test_a_string_adapt_is_one_glob_not_its_characters(data):
+    learner = gm.meta_learner(Tower(), "maml", adapt="head.*")
+    assert learner.adapted == ["head.weight", "head.bias"]  # "*" alone would adapt body.* too
+
+
+def test_every_adapt_glob_must_match_something():
+    with pytest.raises(gm.ConfigError, match=r"meta.adapt: \['haed.\*'\] matches nothing; candidates are: "
+                                             r"body.weight, body.bias, head.weight"):
+        gm.meta_learner(Tower(), adapt=["head.*", "haed.*"])
+    with pytest.raises(gm.ConfigError, match=r"adapt: 3 \(int\) is not a glob \(str\) or a parameter"):
+        gm.meta_learner(Tower(), adapt=["head.*", 3])
+    with pytest.raises(gm.ConfigError, match="adapt: empty"):
+        gm.meta_learner(Tower(), adapt=[])
+
+
+# ------------------------------------------------------------------ 2. inner_steps = 0
+def test_evaluate_with_zero_inner_steps_does_not_adapt(data):
+    learner = gm.meta_learner(_own_tables(Tower(), data), "maml", inner_steps=3, inner_lr=0.5, adapt="head.*")
+    engine = _engine(learner)
+    with pytest.warns(MetricWarning):  # the few test users
+        none = engine.evaluate(data.test, inner_steps=0)
+        some = engine.evaluate(data.test)
+    assert none["auc"] == none["auc_no_adapt"] and none["logloss"] == none["logloss_no_adapt"]
+    assert some["logloss"] != some["logloss_no_adapt"]  # the default (3 steps) does adapt
+    lrs = learner.algorithm.learning_rates(learner)
+    with pytest.warns(MetricWarning):
+        assert evaluate(learner, lrs, data.test, 0)["logloss"] == none["logloss_no_adapt"]
+
+
+def test_training_needs_at_least_one_inner_step():
+    with pytest.raises(gm.ConfigError, match=r"inner_steps: 0 is not an integer >= 1"):
+        gm.meta_learner(Tower(), inner_steps=0, adapt="head.*")
+
+
+# ------------------------------------------------------------------ 3. argument types and values
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(inner_steps="2"), r"inner_steps: '2' is not an integer >= 1"),
+    (dict(inner_steps=True), r"inner_steps: True is not an integer >= 1"),
+    (dict(inner_lr=float("nan")), r"inner_lr: nan is not a finite number > 0"),
+    (dict(inner_lr=float("inf")), r"inner_lr: inf is not a finite number > 0"),
+    (dict(inner_lr=-0.1), r"inner_lr: -0.1 is not a finite number > 0"),
+    (dict(vectorize="yes"), r"vectorize: 'yes' is not True \(vmap over tasks\) or False"),
+    (dict(loss="hinge"), r"loss: 'hinge' is not one of binary, regression, multiclass"),
+    (dict(split_body="yes"), r"split_body: 'yes' is not one of True, False, 'auto'"),
+    (dict(inner_lr_scale={"head.*": float("nan")}), r"inner_lr_scale\['head.\*'\]: nan is not a finite"),
+    (dict(inner_loss_prior="x"), r"inner_loss_prior: 'x' is not a finite number >= 0"),
+])
+def test_meta_learner_refuses_bad_arguments_naming_them(kwargs, words):
+    with pytest.raises(gm.ConfigError, match=words) as info:
+        gm.meta_learner(Tower(), "maml", adapt="head.*", **kwargs)
+    assert "gmeta_ds.meta_learner" in str(info.value)
+
+
+def test_meta_learner_refuses_what_is_not_a_model_or_an_algorithm():
+    with pytest.raises(gm.ConfigError, match="model: expected a torch.nn.Module, got str"):
+        gm.meta_learner("model.pt")
+    with pytest.raises(gm.ConfigError, match=r"algorithm: 3 is not one of maml, fomaml"):
+        gm.meta_learner(Tower(), 3, adapt="head.*")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(optimizer="lion"), r"optimizer: 'lion' is not one of sgd, adagrad, rowwise_adagrad, adam"),
+    (dict(dim=0), r"dim: 0 is not an integer >= 1"),
+    (dict(dim=4.0), r"dim: 4.0 is not an integer >= 1"),
+    (dict(lr=float("nan")), r"lr: nan is not a finite number > 0"),
+    (dict(init_std=-1.0), r"init_std: -1.0 is not a finite number >= 0"),
+    (dict(eviction="fifo"), r"eviction: 'fifo' is not one of lru, lfu"),
+    (dict(exchange="bags"), r"exchange: 'bags' is not one of auto, rows, pooled"),
+])
+def test_tables_for_refuses_bad_arguments_naming_them(data, kwargs, words):
+    args = {"dim": 4, **kwargs}
+    with pytest.raises(gm.ConfigError, match=words):
+        gm.tables_for(data.fields, **args)
+
+
+def test_build_tasks_refuses_bad_column_names_and_seed():
+    with pytest.raises(gm.ConfigError, match=r"task_key: 3 is not a column name"):
+        gm.build_tasks(_log(), **{**KEYS, "task_key": 3})
+    with pytest.raises(gm.ConfigError, match=r"user_features: 'age' is not a list of column names"):
+        gm.build_tasks(_log(), **{**KEYS, "user_features": "age"})
+    with pytest.raises(gm.ConfigError, match=r"seed: -1 is not an integer >= 0"):
+        gm.build_tasks(_log(), **{**KEYS, "seed": -1})
+
+
+def test_engine_methods_refuse_bad_arguments(data):
+    engine = _engine(gm.meta_learner(_own_tables(Tower(), data), adapt="head.*"))
+    with pytest.raises(gm.ConfigError, match=r"inner_steps: '2' is not an integer >= 0"):
+        engine.evaluate(data.test, inner_steps="2")
+    with pytest.raises(gm.ConfigError, match=r"inner_steps: -1 is not an integer >= 0"):
+        engine.evaluate(data.test, inner_steps=-1)
+    with pytest.raises(gm.ConfigError, match=r"tasks_per_batch: 0 is not an integer >= 1"):
+        engine.evaluate(data.test, tasks_per_batch=0)
+    with pytest.raises(gm.ConfigError, match=r"tasks: expected a gm.TaskSet"):
+        engine.evaluate(data)
+    with pytest.raises(gm.ConfigError, match=r"step: -1 is not an integer >= 0"):
+        engine.batches(data.train, -1)
+    with pytest.raises(gm.ConfigError, match=r"keep_last: 1.5 is not an integer >= 0"):
+        engine.save_checkpoint("runs/x", keep_last=1.5)
+
+
+def test_initialize_refuses_bad_inputs_before_starting_anything(data):
+    """Checked before the process group or DeepSpeed start (none is started here)."""
+    tables = gm.tables_for(data.fields, 4)
+    learner = gm.meta_learner(Tower(), adapt="head.*")
+    with pytest.raises(gm.ConfigError, match=r"learner: expected the result of gm.meta_learner"):
+        gm.initialize(Tower(), tables=tables)
+    with pytest.raises(gm.ConfigError, match=r"lr: inf is not a finite number > 0"):
+        gm.initialize(learner, tables=tables, lr=float("inf"))
+    with pytest.raises(gm.ConfigError, match=r"resume: 3 is not None or a directory path"):
+        gm.initialize(learner, tables=tables, resume=3)
+    with pytest.raises(gm.ConfigError, match=r"tables: expected a list of gm.TableConfig"):
+        gm.initialize(learner, tables=tables[0])
+    mixed = [tables[0], gm.TableConfig("item", 30, 8, ("item",))]
+    with pytest.raises(gm.ConfigError, match=r"tables: every table must have the same dim .*age: 4, item: 8"):
+        gm.initialize(learner, tables=mixed)
+    zoo = gm.meta_learner(gm.MeLU(data.fields, embed_dim=8, hidden=[4]))
+    with pytest.raises(gm.ConfigError, match=r"tables: dim 4 but the model's embed_dim is 8"):
+        gm.initialize(zoo, tables=tables)
+    wrong = Tower()
+    wrong.row_fields = ["age", "itm"]
+    with pytest.raises(gm.ConfigError, match=r"model.row_fields: \['itm'\] are not features of the tables; "
+                                             r"the tables' features are: age, item"):
+        gm.initialize(gm.meta_learner(wrong, adapt="head.*"), tables=tables)
+    assert not torch.distributed.is_initialized()
+
+
+# ------------------------------------------------------------------ 4. undefined and thin scores
+def _preds(labels, tasks) -> dict:
+    labels = np.asarray(labels, dtype=np.float32)
+    p = np.linspace(0.1, 0.9, len(labels))
+    return {"labels": labels, "adapted": p, "plain": p[::-1].copy(),
+            "task": np.asarray(tasks, dtype=np.int64)}
+
+
+def test_one_class_labels_give_a_null_auc_with_the_reason():
+    with pytest.warns(MetricWarning, match="AUC undefined: the held-out query labels are all one class"):
+        out = score(_preds([0] * 12, np.repeat(np.arange(6), 2)))
+    assert out["auc"] is None and out["auc_no_adapt"] is None and out["auc_per_task"] is None
+    assert ("auc, auc_no_adapt: AUC undefined: the held-out query labels are all one class (all 0, 12 rows); "
+            "AUC needs both classes") in out["warnings"]
+    per_task = "auc_per_task, auc_per_task_no_adapt: per-task AUC undefined"
+    assert any(w.startswith(per_task) for w in out["warnings"])
+    assert math.isfinite(out["logloss"])
+    json.dumps(out, allow_nan=False)  # a summary never holds a bare NaN
+
+
+def test_one_class_held_out_users_end_to_end(data):
+    zeros = gm.build_tasks(_log(click=0.0), **KEYS)
+    engine = _engine(gm.meta_learner(_own_tables(Tower(), zeros), adapt="head.*"))
+    with pytest.warns(MetricWarning, match="AUC undefined"):
+        out = engine.evaluate(zeros.test)
+    assert out["auc"] is None and out["tasks"] == len(zeros.test)
+    json.dumps(out, allow_nan=False)
+
+
+def test_a_score_from_few_users_says_so():
+    few = r"only 1 task\(s\) scored: the AUC rests on the query rows of 1 user"
+    with pytest.warns(MetricWarning, match=few):
+        out = score(_preds([0, 1, 0, 1], [7, 7, 7, 7]))
+    assert out["tasks_scored"] == 1 and out["auc"] is not None
+    assert any("auc_per_task is the mean over only 1 task(s)" in w for w in out["warnings"])
+    many = score(_preds([0, 1] * FEW_TASKS, np.repeat(np.arange(FEW_TASKS), 2)), warn=False)
+    assert "warnings" not in many and many["tasks_scored"] == FEW_TASKS
+
+
+def test_the_run_report_prints_a_null_metric():
+    from gmeta_ds.workloads.ctr import CTRWorkload
+
+    summary = {"meta_steps": 2, "tasks_seen": 4, "world_size": 1, "elapsed_s": 1.0, "final_query_loss": 0.5,
+               "eval": {"tasks": 3, "auc": None, "auc_no_adapt": None, "warnings": ["auc: AUC undefined: x"]}}
+    lines = CTRWorkload().report(summary, "out")
+    assert "cold-start AUC: meta-learned + adaptation nan | without adaptation nan" in "\n".join(lines)
+    assert "warning: auc: AUC undefined: x" in lines
+
+
+# ------------------------------------------------------------------ 5. the model contract
+@pytest.mark.parametrize("loss", ["binary", "regression"])
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_column_shaped_logits_are_refused_naming_the_contract(data, loss, vectorize):
+    """Under MSE an (N, 1) output broadcast against (N,) labels trained silently."""
+    learner = gm.meta_learner(_own_tables(ColumnOut(), data), adapt="head.*", loss=loss, vectorize=vectorize)
+    words = (r"model output: model\(rows\) returned shape \(12, 1\) for rows of shape \(12, 2, 4\); "
+             r"expected \(12,\) \(squeeze the last dimension")
+    with pytest.raises(gm.ConfigError, match=words):
+        learner(gm.collate(data.train, [0, 1]))
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_a_buffer_updated_in_forward_is_refused_naming_it(data, vectorize):
+    learner = gm.meta_learner(_own_tables(Counting(), data), adapt="head.*", vectorize=vectorize)
+    with pytest.raises(gm.ConfigError, match=r"model: Counting.*(calls|tensor in place).*model contract"):
+        learner(gm.collate(data.train, [0, 1]))
+
+
+def test_a_table_dim_the_model_does_not_expect_names_the_rows_shape(data):
+    learner = gm.meta_learner(_own_tables(Tower(dim=4), data, dim=8), adapt="head.*")
+    words = (r"model: Tower\(rows\) failed on one task's rows of shape \(N, F, d\) = \(12, 2, 8\): "
+             r"F = 2 fields \(row_fields age, item\), d = 8 \(the tables' dim\): the rows' shape is not "
+             r"what the model's layers")
+    with pytest.raises(gm.ConfigError, match=words):
+        learner(gm.collate(data.train, [0, 1]))
+
+
+def test_row_fields_must_name_the_tables_features_and_every_id_column(data):
+    wrong = Tower()
+    wrong.row_fields = ["age", "itm"]
+    with pytest.raises(gm.ConfigError, match=r"model.row_fields: \['itm'\] are not features of the tables"):
+        gm.meta_learner(_own_tables(wrong, data), adapt="head.*")
+    short = Tower()
+    short.row_fields = ["item"]
+    learner = gm.meta_learner(_own_tables(short, data), adapt="head.*")
+    words = r"model.row_fields: names 1 field\(s\) \(item\) but the tasks have 2 single-hot id column\(s\)"
+    with pytest.raises(gm.ConfigError, match=words):
+        learner(gm.collate(data.train, [0, 1]))

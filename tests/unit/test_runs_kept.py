@@ -1,0 +1,237 @@
+"""Nothing of an earlier run is lost (issue 32, item 2): a run refused for any reason leaves the
+earlier run's folder byte-identical; a fresh run into a finished run's folder is refused unless
+``--overwrite`` (then the earlier outputs go only once every check passed); ``export`` never
+writes into the checkpoint it reads. Plus the CLI's exit codes for a non-finite loss and an
+unwritable TensorBoard folder. In-process (``cli.main``) where no engine starts, one tiny
+trained run shared; a run that starts DeepSpeed's engine is a subprocess (DeepSpeed keeps its
+process groups in module globals: a second engine in one process finds the first's)."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gmeta_ds import outputs, trainer
+from gmeta_ds.cli import main
+
+TINY = {"model": {"embed_dim": 4, "hidden": [8]},
+        "meta": {"tasks_per_micro_batch": 4, "tasks_per_meta_step": 8},
+        "data": {"synthetic": {"num_users": 60, "num_items": 40, "max_interactions": 25}},
+        "embedding": {"sharding": "sharded", "tables": {"item_id": {"kind": "dynamic", "capacity": 500}}},
+        "train": {"meta_steps": 2, "log_every": 1, "progress": False, "checkpoint_every": 2},
+        "eval": {"enabled": False},
+        "deepspeed": "ds_configs/zero0.json"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(folder: Path, out: Path) -> str:
+    cfg = {**TINY, "output_dir": str(out), "deepspeed": str(REPO / TINY["deepspeed"])}
+    path = folder / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``folder`` (and the set of its folders)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+def train(config: str, *args: str) -> int:
+    return main(["train", "--config", config, *[a for o in args for a in (("--set", o) if "=" in o else (o,))]])
+
+
+def train_apart(config: str, *args: str, spy: bool = False) -> subprocess.CompletedProcess:
+    """``gmeta-ds train`` in a subprocess; with ``spy``, it prints which of the earlier run's
+    outputs the folder holds right after `trainer.start_engine` (every check has passed)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from gmeta_ds import cli, trainer
+        start_engine = trainer.start_engine
+        def spy(cfg, *args, **kwargs):
+            result = start_engine(cfg, *args, **kwargs)
+            print("SPY", sorted(p.name for p in Path(cfg.output_dir).iterdir()), flush=True)
+            return result
+        if {spy!r}:
+            trainer.start_engine = spy
+        sys.exit(cli.main(sys.argv[1:]))""")
+    argv = ["train", "--config", config, *[a for o in args for a in (("--set", o) if "=" in o else (o,))]]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished run (2 meta-steps, a checkpoint, model, summary, metrics, TensorBoard)."""
+    root = tmp_path_factory.mktemp("finished")
+    train_apart(write_config(root, root / "run"))
+    held = outputs.earlier_outputs(root / "run")
+    assert held == ["summary.json", "model.safetensors", "metrics.jsonl", "tensorboard/", "checkpoints/"]
+    return root / "run"
+
+
+@pytest.fixture()
+def run_dir(finished, tmp_path) -> tuple[Path, str]:
+    """A copy of the finished run and a config that writes into it."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out, symlinks=True)
+    return out, write_config(tmp_path, out)
+
+
+def test_fresh_run_into_a_finished_run_is_refused_by_train_and_validate(run_dir, capsys):
+    out, config = run_dir
+    before = hashes(out)
+    for command in ("train", "validate"):
+        assert main([command, "--config", config]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gmeta-ds {command}: ")
+        assert f"output_dir: {str(out)!r} holds an earlier run's outputs (summary.json, " \
+               "model.safetensors, metrics.jsonl, tensorboard/, checkpoints/)" in err
+        assert "nothing was changed" in err and "--overwrite (train.overwrite=true)" in err
+        assert "--set train.resume=auto to continue it from its last checkpoint" in err
+        assert "another output_dir" in err and "Traceback" not in err
+        assert hashes(out) == before
+    assert main(["validate", "--config", config, "--overwrite"]) == 0
+    assert "will be removed once every check has passed" in capsys.readouterr().out
+    assert hashes(out) == before
+
+
+def test_a_folder_without_outputs_is_not_refused(tmp_path):
+    (tmp_path / "checkpoints").mkdir()  # empty: nothing of a run
+    (tmp_path / "notes.txt").write_text("mine")
+    assert outputs.earlier_outputs(tmp_path) == []
+
+
+@pytest.mark.parametrize("change, message", [
+    (["model.embed_dim=6"], "the run config does not match the checkpoint"),
+    (["meta.algorithm=fomaml"], "algorithm: checkpoint has 'maml'"),
+    (["embedding.tables={}"], "the checkpoint holds a dynamic table, the config builds a static one"),
+    ("tamper", "contents differ from the manifest's SHA-256"),
+])
+def test_a_refused_resume_leaves_the_run_byte_identical(run_dir, capsys, change, message):
+    """The checks of a resume run after the process group and the build; before the fix the
+    earlier summary.json and model.safetensors were removed before them."""
+    out, config = run_dir
+    if change == "tamper":
+        dense = out / "checkpoints" / "step_00000002" / "dense.safetensors"
+        dense.write_bytes(dense.read_bytes()[:-1] + b"\0")
+        change = []
+    before = hashes(out)
+    assert train(config, "train.resume=auto", "train.meta_steps=4", *change) == 2
+    assert message in capsys.readouterr().err
+    assert hashes(out) == before
+
+
+def test_overwrite_removes_the_earlier_run_only_after_every_check(run_dir, tmp_path, capsys):
+    out, config = run_dir
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(out / "checkpoints", elsewhere)
+    before = hashes(out)
+    # A check that fails at engine start (another run's checkpoint of another model): kept.
+    assert train(config, "--overwrite", f"train.resume={elsewhere}", "train.meta_steps=4",
+                 "model.embed_dim=6") == 2
+    assert "the run config does not match the checkpoint" in capsys.readouterr().err
+    assert hashes(out) == before
+
+    old_summary = (out / "summary.json").read_bytes()
+    proc = train_apart(config, "--overwrite", "seed=5", "train.checkpoint_every=0", "train.tensorboard=false",
+                       spy=True)
+    # When the last check has passed the earlier run is still whole; then it is removed.
+    assert "SPY ['checkpoints', 'metrics.jsonl', 'model.safetensors', 'summary.json', 'tensorboard']" \
+        in proc.stdout
+    assert "train.overwrite: every check passed; removed the earlier run's summary.json" in proc.stdout
+    assert (out / "summary.json").read_bytes() != old_summary
+    assert not (out / "checkpoints").exists() and not (out / "tensorboard").exists()
+
+
+def test_a_resume_keeps_the_earlier_summary_until_it_writes_its_own(run_dir):
+    out, config = run_dir
+    (out / "eval.json").write_text("{}")  # scored the earlier weights
+    proc = train_apart(config, "train.resume=auto", "train.meta_steps=3", spy=True)
+    spied = proc.stdout.split("SPY ", 1)[1].splitlines()[0]
+    assert all(name in spied for name in ("'summary.json'", "'model.safetensors'", "'eval.json'"))
+    assert json.loads((out / "summary.json").read_text())["meta_steps"] == 3
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert not (out / "eval.json").exists()
+
+
+def test_export_never_writes_into_the_checkpoint_it_reads(run_dir, tmp_path, capsys):
+    out, _ = run_dir
+    root = out / "checkpoints"
+    step = root / "step_00000002"
+    link = tmp_path / "link"
+    link.symlink_to(step)
+    before = hashes(out)
+    for target in (step / "dense.safetensors", step / "new.safetensors", root / "x.safetensors",
+                   link / "dense.safetensors"):
+        for source in (root, step):
+            assert main(["export", str(source), str(target)]) == 2, target
+            err = capsys.readouterr().err
+            assert f"OUT {str(target)!r} is inside" in err and "write the export outside it" in err
+            assert hashes(out) == before
+
+
+def test_export_replaces_an_existing_file_only_when_asked_and_atomically(run_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    out, _ = run_dir
+    target = tmp_path / "exported.safetensors"
+    target.write_bytes(b"an earlier export")
+    earlier = target.read_bytes()
+    assert main(["export", str(out / "checkpoints"), str(target)]) == 2
+    assert f"OUT {str(target)!r} exists; pass --overwrite" in capsys.readouterr().err
+    assert target.read_bytes() == earlier
+
+    import safetensors.torch
+
+    def full_disk(state, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert main(["export", str(out / "checkpoints"), str(target), "--overwrite"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert target.read_bytes() == earlier
+    monkeypatch.undo()
+    assert main(["export", str(out / "checkpoints"), str(target), "--overwrite"]) == 0
+    assert target.read_bytes() != earlier
+
+
+def test_nonfinite_loss_exits_5_with_its_message(tmp_path, monkeypatch, capsys):
+    def diverged(*args, **kwargs):
+        raise trainer.NonFiniteLoss("meta-step 3: non-finite outer loss on rank 0 (tasks [1, 2])")
+    monkeypatch.setattr(trainer, "train", diverged)
+    assert train(write_config(tmp_path, tmp_path / "run")) == 5
+    err = capsys.readouterr().err
+    assert "gmeta-ds train: meta-step 3: non-finite outer loss on rank 0 (tasks [1, 2])" in err
+    assert "Traceback" not in err
+
+
+def test_tensorboard_that_cannot_start_names_its_folder(tmp_path, monkeypatch, capsys):
+    import torch.utils.tensorboard
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")  # as TensorBoard's writer thread
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", FullDisk)
+    with pytest.raises(OSError) as info:
+        trainer.MetricsLog(tmp_path, True, tensorboard=True)
+    assert info.value.filename == str(tmp_path / "tensorboard") and info.value.errno == errno.ENOSPC
+    assert not list((tmp_path / "tensorboard").iterdir())  # the probe is gone
+
+    def start_tensorboard(*args, **kwargs):
+        trainer.MetricsLog(tmp_path, True, tensorboard=True)
+    monkeypatch.setattr(trainer, "train", start_tensorboard)
+    assert train(write_config(tmp_path, tmp_path / "run")) == 4
+    err = capsys.readouterr().err
+    assert f"could not access {tmp_path / 'tensorboard'}: No space left on device" in err
+    assert "Traceback" not in err
