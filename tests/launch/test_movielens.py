@@ -99,11 +99,11 @@ def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_po
     genres = next(line for line in out.splitlines() if line.strip().startswith("genres:"))
     assert "pooled on the owner (est." in genres and "B per bag as rows" in genres, out
     assert "pooled" not in next(line for line in out.splitlines() if line.strip().startswith("item_id:"))
-    bad = ml_config(tmp_path / "bad", embedding={**SHARDED, "tables": {"gender": {"plan": "replicated",
+    bad = ml_config(tmp_path / "bad", embedding={**SHARDED, "tables": {"genres": {"plan": "replicated",
                                                                                    "exchange": "pooled"}}})
     proc = run([str(BIN / "gmeta-ds"), "validate", "--config", str(bad)], expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "table 'gender': exchange pooled needs a row_wise or table_wise static table" in proc.stderr
+    assert "table 'genres': exchange pooled needs a row_wise or table_wise static table" in proc.stderr
 
 
 def test_missing_file_is_reported_with_its_name(tmp_path):
