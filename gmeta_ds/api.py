@@ -41,7 +41,8 @@ from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import check_id_columns, check_row_fields, shown_candidates, unmatched_patterns
 from gmeta_ds.config import RunConfig, config_from_dict
 from gmeta_ds.data.builder import TaskData, tasks_from_log
-from gmeta_ds.data.readers import LogSchema, log_from_frame, read_table
+from gmeta_ds.data.builder import build_tasks as build_task_store
+from gmeta_ds.data.readers import LogSchema, log_from_frame
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.tasks import FieldSpec, TaskBatch, TaskSet, collate, model_field_order, single_fields
 from gmeta_ds.ds_config import BatchPlan, resolve_ds_config, zero_stage
@@ -98,14 +99,20 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
                 seed: int = 0, **options) -> TaskData:
     """Cold-start tasks (one per ``task_key`` value) from an interaction log.
 
-    ``source``: a CSV / Parquet path, a pandas DataFrame, a pyarrow Table, a Hugging Face
-    ``datasets.Dataset`` or a dict of equal-length arrays, one row per interaction.
-    ``multi_hot``: column -> separator of its values in a string cell (list cells are taken
-    as they are). ``options``: any ``data.*`` key of the run config (``label`` is the label
-    kind there: pass ``label_kind=``; ``query_size``, ``min_interactions``, ``threshold``,
-    ``test_fraction``, ``split``...). Vocabularies come from the training tasks only (id 0
-    is out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
-    ``stats``), the same at every rank for the same seed."""
+    ``source``: a CSV / Parquet file, a folder of shards (as ``gmeta-ds data synthesize`` and
+    Spark write them) or a glob, built out of core into the task store under ``cache_dir``
+    (bounded memory, reused by later calls) as ``gmeta-ds train`` builds ``data.path``; or
+    rows in memory: a pandas DataFrame, a pyarrow Table, a Hugging Face ``datasets.Dataset``
+    or a dict of equal-length arrays, one row per interaction. ``multi_hot``: column ->
+    separator of its values in a string cell (list cells are taken as they are).
+    ``options``: any ``data.*`` key of the run config (``label`` is the label kind there:
+    pass ``label_kind=``; ``query_size``, ``min_interactions``, ``threshold``,
+    ``test_fraction``, ``split``, ``cache_dir``...). Labels (``label_kind="binary"``): a click
+    is ``label >= threshold``; a 0/1 column with ``threshold`` left at its default (4.0, for
+    ratings) is read as clicks as it is; a label set left with one class is a `DataError`
+    naming the column. Vocabularies come from the training tasks only (id 0 is
+    out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
+    ``stats``), the same at every rank for the same seed and the same for every kind of source."""
     keys = (("task_key", task_key), ("item_key", item_key), ("label", label))
     problems = [f"{name}: {value!r} is not a column name (str)" for name, value in keys
                 if not isinstance(value, str)]
@@ -122,15 +129,18 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
     _check(problems, "gmeta_ds.build_tasks")
     if "label_kind" in options:
         options["label"] = options.pop("label_kind")
-    where = str(source) if isinstance(source, (str, Path)) else f"<{type(source).__name__}>"
-    data_cfg = config_from_dict({"data": {"source": "table", "path": where, **options}},
-                                "gmeta_ds.build_tasks").data
     multi = dict(multi_hot or {})
     schema = LogSchema(task_key, item_key, label, timestamp, list(user_features), list(item_features), multi)
-    if isinstance(source, (str, Path)):
-        log = read_table(source, schema, data_cfg.format, data_cfg.sep)
-    else:
-        log = log_from_frame(_as_frame(source, schema), schema, f"{type(source).__name__} passed to build_tasks")
+    if isinstance(source, (str, Path)):  # the CLI's out-of-core build and task store (data.path)
+        columns = {"task_key": task_key, "item_key": item_key, "label": label, "timestamp": timestamp,
+                   "user_features": list(user_features), "item_features": list(item_features),
+                   "multi_hot": multi}
+        data_cfg = config_from_dict({"data": {"source": "table", "path": str(source), "schema": columns,
+                                              **options}}, "gmeta_ds.build_tasks").data
+        return build_task_store(data_cfg, seed)
+    data_cfg = config_from_dict({"data": {"source": "table", "path": f"<{type(source).__name__}>",
+                                          **options}}, "gmeta_ds.build_tasks").data
+    log = log_from_frame(_as_frame(source, schema), schema, f"{type(source).__name__} passed to build_tasks")
     return tasks_from_log(log, data_cfg, seed)
 
 

@@ -17,7 +17,7 @@ from torch.func import vmap
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_contract
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.embedding.tables import Jagged
-from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, masked_bce
+from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, check_output, masked_bce
 from gmeta_ds.metrics import score_tasks
 from gmeta_ds.models.popularity import net_logits
 
@@ -28,6 +28,18 @@ def _adapted_logits(inner: InnerLoop, theta: dict, lrs: LearningRates, support: 
         return inner.query_logits(theta, fast, xs, ys, ms, xq)
 
     return vmap(one)(*support, xq)
+
+
+def plain_logits(net: nn.Module, rows: Tensor, ids: Tensor, kind: str = "binary") -> Tensor:
+    """Unadapted logits of T tasks' rows (T, Q, F, d) with ids (T, Q, F_single): the model
+    contract (docs/api.md) promises ``model(rows)`` 3-D rows (N, F, d), so the task and row
+    dimensions are folded into N = T·Q for the call and unfolded after: (T, Q) or (T, Q, C).
+    An output that is not one logit per row is refused as in training (`check_output`)."""
+    t, q = rows.shape[:2]
+    folded = rows.reshape(t * q, *rows.shape[2:])
+    out = net_logits(net, folded, ids.reshape(t * q, *ids.shape[2:]))
+    check_output(out, folded, kind)
+    return out.reshape(t, q, *out.shape[1:])
 
 
 def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_steps: int,
@@ -51,7 +63,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
         with torch.no_grad():
             rows_s, rows_q = embed_batch(embedder(net), batch)
             with model_contract(net, rows_q):
-                plain = net_logits(net, rows_q, batch.query_ids)
+                plain = plain_logits(net, rows_q, batch.query_ids, learner.algorithm.kind)
             theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
         theta = {n: v.detach() for n, v in theta.items()}
         if inner_steps == 0:

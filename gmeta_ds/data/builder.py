@@ -1,7 +1,8 @@
 """Meta-IO: turn an `InteractionLog` (HF `datasets`, Arrow) into cold-start tasks.
 
 Steps, all deterministic given the config and seed:
-1. read the log (`readers.py`), label clicks (rating >= ``threshold``);
+1. read the log (`readers.py`), label clicks (rating >= ``threshold``; a 0/1 column under the
+   default threshold is read as clicks, `readers.click_threshold`; one class left is an error);
 2. group interactions by task key (one task per user), drop tasks outside
    [``min_interactions``, ``max_interactions``] (counted in ``stats``);
 3. split users into train and test (user cold-start, ``test_fraction``, seeded);
@@ -31,14 +32,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gmeta_ds.config import DataConfig
-from gmeta_ds.data.readers import DataError, InteractionLog, LogSchema, get_reader
+from gmeta_ds.data.readers import (DataError, InteractionLog, LogSchema, check_two_classes, click_threshold,
+                                   get_reader)
 from gmeta_ds.data.store_check import content_fingerprint
 from gmeta_ds.data.store_lock import STALL_S, build_lock
 from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
                                   long_task_chunks, open_store, row_order_key, store_version)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
 
-CACHE_VERSION = 5  # 5: the key sees the log's content; 4: within-task order by `stream.row_order_key`
+# 6: a 0/1 label under the default threshold is clicks (`readers.click_threshold`); 5: the key
+# sees the log's content; 4: within-task order by `stream.row_order_key`
+CACHE_VERSION = 6
 
 
 @dataclass
@@ -310,7 +314,10 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
         labels = ratings
         stats.update(mean_label=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
     else:
-        labels = (ratings >= cfg.threshold).astype(np.float32)
+        zero_one = bool(np.isin(ratings, (0.0, 1.0)).all())
+        threshold = click_threshold(cfg.threshold, zero_one)
+        labels = (ratings >= threshold).astype(np.float32)
+        check_two_classes(log.source, log.schema.label, threshold, int(labels.sum()), len(labels))
         stats.update(click_rate=float(labels.mean()), vocab={f.name: f.num_ids for f in fields})
     parts = {}
     for split, mask in masks.items():

@@ -455,3 +455,26 @@ def get_reader(name: str) -> Callable[..., InteractionLog]:
     if name not in readers:
         raise ValueError(f"unknown reader {name!r}; valid readers: {', '.join(readers)}")
     return DATA_SOURCES[name]
+
+
+# The click threshold when data.threshold is left at its default (`DataConfig.threshold`).
+DEFAULT_THRESHOLD = 4.0
+
+
+def click_threshold(threshold: float, zero_one: bool) -> float:
+    """The threshold that turns a label column into clicks (label >= threshold): a column whose
+    values are all 0 or 1 is already clicks, so with ``data.threshold`` left at its default
+    (a rating's 4.0) it is read as it is (threshold 1); any other threshold applies as given.
+    Without this, a click column under the rating default becomes all zeros, silently."""
+    return 1.0 if zero_one and threshold == DEFAULT_THRESHOLD else float(threshold)
+
+
+def check_two_classes(source: str, column: str, threshold: float, clicks: int, rows: int) -> None:
+    """A `DataError` when thresholding left one class only (no click, or only clicks): a model
+    trained on it learns a constant, and no AUC can be measured."""
+    if rows and clicks in (0, rows):
+        every = "0 (no click)" if clicks == 0 else "1 (a click)"
+        raise DataError(f"{source}: every label is {every} after thresholding column {column!r} at "
+                        f"data.threshold {threshold:g} (a click is {column} >= threshold), over {rows} "
+                        "interactions; set data.threshold (threshold= in gm.build_tasks) to a value "
+                        "between the column's values, or data.label: regression to keep them")

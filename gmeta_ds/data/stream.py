@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from gmeta_ds.config import parse_memory
-from gmeta_ds.data.readers import MISSING, DataError, InteractionLog, LogSchema
+from gmeta_ds.data.readers import (MISSING, DataError, InteractionLog, LogSchema, check_two_classes,
+                                   click_threshold)
 from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split
 from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet
@@ -489,6 +490,21 @@ class _Build:
                           "warm": f"{m['train']} AND NOT new_item", "user_cold": f"{m['test']} AND NOT new_item",
                           "item_cold": f"{m['train']} AND new_item", "user_item_cold": f"{m['test']} AND new_item"}
 
+    # -- the click threshold that applies to this log's labels
+    def labels(self) -> None:
+        """``cfg.threshold`` as `click_threshold` applies it to the kept rows' labels (a 0/1
+        column is clicks), checked to leave both classes (`check_two_classes`)."""
+        if self.cfg.label == "regression":
+            return
+        q = f'"{self.schema.label}"'
+        rows, other = self.con.sql(f"SELECT count(*), count(*) FILTER (WHERE {q} NOT IN (0, 1)) "
+                                   "FROM j").fetchall()[0]
+        threshold = click_threshold(self.cfg.threshold, other == 0)
+        clicks = self.con.sql(f"SELECT count(*) FILTER (WHERE {q} >= CAST({threshold!r} AS FLOAT)) "
+                              "FROM j").fetchall()[0][0]
+        check_two_classes(self.source.what, self.schema.label, threshold, int(clicks), int(rows))
+        self.cfg = replace(self.cfg, threshold=threshold)
+
     # -- vocabularies from training rows only
     def vocabularies(self) -> None:
         s, cfg = self.schema, self.cfg
@@ -733,6 +749,8 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
                 return out
             phase("check", b.view)
             phase("tasks", b.tasks)
+            phase("labels", b.labels)
+            cfg = b.cfg  # the threshold that applies (`click_threshold`)
             phase("vocabularies", b.vocabularies)
             splits = {}
             for name in b.masks:

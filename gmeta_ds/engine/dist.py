@@ -245,7 +245,9 @@ def collective_phase(phase: str, timeout_s: int, latest: Path | None = None):
         rank = dist.get_rank() if dist.is_initialized() else 0
         ckpt = "no checkpoint was completed (train.checkpoint_every)"
         if latest is not None and latest.is_file():
-            ckpt = f"the last complete checkpoint is {latest.parent / latest.read_text().strip()}"
+            with open(latest, "rb") as fh:  # a damaged `latest` must not hide the timeout
+                tag = fh.read(256).decode("utf-8", "replace").strip()
+            ckpt = f"the last complete checkpoint is {latest.parent / tag}"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CollectiveTimeout(
             f"{phase}: a collective did not complete within train.collective_timeout_s="

@@ -47,7 +47,7 @@ def test_build_tasks_is_the_same_from_every_kind_of_source(tmp_path):
 
     for source in (tmp_path / "log.csv", str(tmp_path / "log.parquet"), pa.Table.from_pandas(frame),
                    {c: frame[c].to_numpy() for c in frame}, datasets.Dataset.from_pandas(frame), listed):
-        _same(reference, gm.build_tasks(source, **KEYS))
+        _same(reference, gm.build_tasks(source, **KEYS, cache_dir=str(tmp_path / "cache")))
 
 
 def test_build_tasks_errors_name_the_problem():
