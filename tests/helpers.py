@@ -65,3 +65,17 @@ def write_ml100k(folder, users: int = 60, items: int = 80, seed: int = 0, min_le
         title = "Café Society (1996)" if i == 0 else f"Movie {i + 1} ({1990 + i % 9})"
         item_lines.append(f"{i + 1}|{title}|{date}||http://x|" + "|".join(map(str, flags)))
     (folder / "u.item").write_text("\n".join(item_lines) + "\n", encoding="latin-1")
+
+
+def click_log(users: int = 40, seed: int = 0, items: int = 30):
+    """A small click log (user, item, age, multi-hot tags, click) as a pandas DataFrame."""
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(users):
+        for i in rng.choice(items, size=16, replace=False):
+            tags = "|".join(f"t{t}" for t in rng.choice(5, size=2, replace=False))
+            rows.append((f"u{u}", f"i{i}", f"a{u % 3}", tags, float(rng.random() < 0.4)))
+    return pd.DataFrame(rows, columns=["user", "item", "age", "tags", "click"])

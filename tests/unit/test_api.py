@@ -6,19 +6,14 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
+from helpers import click_log
 from torch import nn
 
 import gmeta_ds as gm
 
 
 def _log(users: int = 40, seed: int = 0) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for u in range(users):
-        for i in rng.choice(30, size=16, replace=False):
-            tags = "|".join(f"t{t}" for t in rng.choice(5, size=2, replace=False))
-            rows.append((f"u{u}", f"i{i}", f"a{u % 3}", tags, float(rng.random() < 0.4)))
-    return pd.DataFrame(rows, columns=["user", "item", "age", "tags", "click"])
+    return click_log(users, seed)
 
 
 KEYS = dict(task_key="user", item_key="item", label="click", user_features=["age"],

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import click_log
 from torch import nn
 
 import gmeta_ds as gm
@@ -25,13 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:User
 
 
 def _log(users: int = 20) -> pd.DataFrame:
-    rng = np.random.default_rng(0)
-    rows = []
-    for u in range(users):
-        for i in rng.choice(20, size=16, replace=False):
-            tags = "|".join(f"t{t}" for t in rng.choice(5, size=2, replace=False))
-            rows.append((f"u{u}", f"i{i}", f"a{u % 3}", tags, float(rng.random() < 0.4)))
-    return pd.DataFrame(rows, columns=["user", "item", "age", "tags", "click"])
+    return click_log(users, 0, items=20)
 
 
 KEYS = {"task_key": "user", "item_key": "item", "label": "click", "user_features": ["age"],
