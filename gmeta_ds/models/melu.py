@@ -32,7 +32,7 @@ class MeLU(FieldModel):
     Parameter names: ``embedding.weights.<field>`` (when owned) and ``mlp.<i>.weight|bias``.
     """
 
-    def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int],
+    def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int] = (64, 32),
                  embedding: EmbeddingCollection | None = None):
         super().__init__(fields, embed_dim, embedding)
         self.hidden = list(hidden)

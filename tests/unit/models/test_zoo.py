@@ -236,3 +236,11 @@ def test_zero_init_output_zeroes_only_the_last_layer_of_mlp(name):
         torch.testing.assert_close(loop.logits(fast, (xs[0][0], xs[1][0])), net.popularity(xs[1][0]))
     else:
         assert zero(rows).abs().sum() > 0  # the wide / first-order and FM parts still speak
+
+
+@pytest.mark.parametrize("name", sorted(MODELS.names()))
+def test_every_zoo_model_builds_from_fields_and_embed_dim_alone(name):
+    """docs/api.md: the zoo's hyper-parameters are keywords with defaults (model.* defaults)."""
+    model = MODELS[name](FIELDS, embed_dim=4)
+    rows = torch.randn(7, len(FIELDS), 4)
+    assert model(rows).shape == (7,)
