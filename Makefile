@@ -27,13 +27,13 @@ test: install
 	$(PY) -m pytest -q -m "not slow and not gpu and not docs"
 
 # Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
-# copy of the tree (tests/docs/test_doc_commands.py; ~9 min on 2 shared cores). The venv's bin
+# copy of the tree (tests/docs/test_doc_commands.py; 12-19 min on 2 shared cores). The venv's bin
 # first on PATH, as for demo.
 test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-docs: install
 	$(PY) -m pytest -q -m docs tests/docs
 
-# Tests marked slow: further cases of paths the default run already covers (~5 min).
+# Tests marked slow: further cases of paths the default run already covers (15-25 min on 2 cores: 29 launches).
 test-slow: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-slow: install
 	$(PY) -m pytest -q -m "slow and not gpu"
