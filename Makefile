@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
+# With JUNIT_DIR set (.ci/run sets it), each pytest stage writes JUNIT_DIR/<stage>.xml.
+JUNIT_DIR ?=
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
 .PHONY: install demo test test-slow test-all test-docs bench wheel-check clean
 
@@ -24,19 +27,19 @@ demo: install
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml --overwrite
 
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu and not docs"
+	$(PY) -m pytest -q -m "not slow and not gpu and not docs" $(call junit,test)
 
 # Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
 # copy of the tree (tests/docs/test_doc_commands.py; 12-19 min on 2 shared cores). The venv's bin
 # first on PATH, as for demo.
 test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-docs: install
-	$(PY) -m pytest -q -m docs tests/docs
+	$(PY) -m pytest -q -m docs tests/docs $(call junit,test-docs)
 
 # Tests marked slow: further cases of paths the default run already covers (15-25 min on 2 cores: 29 launches).
 test-slow: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-slow: install
-	$(PY) -m pytest -q -m "slow and not gpu"
+	$(PY) -m pytest -q -m "slow and not gpu" $(call junit,test-slow)
 
 test-all: install
 	$(PY) -m pytest -q
