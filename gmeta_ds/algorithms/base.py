@@ -52,10 +52,15 @@ def adapt_candidates(net: nn.Module) -> tuple[list[str], list[str]]:
     return dense, list(getattr(net, "row_fields", []))
 
 
+def _candidate_names(net: nn.Module) -> list[str]:
+    """`adapt_candidates` as the names the globs match (rows as ``embedding.<field>``)."""
+    dense, fields = adapt_candidates(net)
+    return dense + [row_param_name(f) for f in fields]
+
+
 def shown_candidates(net: nn.Module) -> str:
     """The adapt candidates of ``net`` as one line (the first 12), for error messages."""
-    dense, fields = adapt_candidates(net)
-    candidates = dense + [row_param_name(f) for f in fields]
+    candidates = _candidate_names(net)
     more = f", ... ({len(candidates) - 12} more)" if len(candidates) > 12 else ""
     return ", ".join(candidates[:12]) + more
 
@@ -63,8 +68,7 @@ def shown_candidates(net: nn.Module) -> str:
 def unmatched_patterns(net: nn.Module, patterns: list[str]) -> list[str]:
     """The ``patterns`` that select no adapt candidate of ``net`` (a typo, or a glob of
     another model)."""
-    dense, fields = adapt_candidates(net)
-    names = dense + [row_param_name(f) for f in fields]
+    names = _candidate_names(net)
     return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
@@ -144,20 +148,21 @@ def check_id_columns(net: nn.Module, batch: TaskBatch) -> None:
 
 
 @contextmanager
-def model_contract(net: nn.Module, rows: Tensor):
+def model_contract(net: nn.Module, rows: Tensor, buffers: bool = True):
     """Run the inner loop of ``net`` on ``rows`` (T, N, F, d) and turn what a model that breaks
     the contract causes into a `ConfigError` naming the contract: the known torch errors of
-    `CONTRACT_ERRORS` (the original chained), and a buffer updated in place during the call
-    (which the loop path would do silently, so the vmap and loop paths would disagree).
-    Costs one dict of buffer version counters per call."""
-    before = _buffer_versions(net)
+    `CONTRACT_ERRORS` (the original chained), and with ``buffers`` a buffer updated in place
+    during the call (which the loop path would do silently, so the vmap and loop paths would
+    disagree). ``buffers`` costs two dicts of buffer version counters per call: a training
+    loop checks them on its first call only (a forward's code is the same every step)."""
+    before = _buffer_versions(net) if buffers else {}
     try:
         yield
     except RuntimeError as err:
         if type(err) is not RuntimeError:  # torch's own subclasses (out of memory, a dead peer) stay
             raise
         text = str(err)
-        changed = [n for n, v in _buffer_versions(net).items() if before.get(n) != v]
+        changed = [n for n, v in _buffer_versions(net).items() if before.get(n) != v] if buffers else []
         why = next((w for key, w in CONTRACT_ERRORS if key in text.lower()), None)
         if changed:
             why = f"forward updated buffer(s) {', '.join(changed)} in place"
@@ -166,6 +171,8 @@ def model_contract(net: nn.Module, rows: Tensor):
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         raise ConfigError([f"model: {type(net).__name__}(rows) failed on {_rows_text(rows, net)}: {why} "
                            f"(torch: {first}); {MODEL_CONTRACT}"]) from err
+    if not buffers:
+        return
     changed = [n for n, v in _buffer_versions(net).items() if before.get(n) != v]
     if changed:
         raise ConfigError([f"model: {type(net).__name__}.forward updated buffer(s) {', '.join(changed)} in "
@@ -431,8 +438,11 @@ class MetaLearner(nn.Module):
             check_id_columns(self.net, batch)
         rows_s, rows_q = rows if rows is not None else embed_batch(embedder(self.net), batch)
         theta, support, query = self.task_inputs(batch, rows_s, rows_q, training=True)
-        with model_contract(self.net, rows_s):
-            return self.outer_loss(theta, support, query)
+        first = not getattr(self, "_contract_checked", False)
+        with model_contract(self.net, rows_s, buffers=first):
+            out = self.outer_loss(theta, support, query)
+        self._contract_checked = True  # the buffers' check passed once: not per step
+        return out
 
     def outer_loss(self, theta: Params, support: tuple, query: tuple) -> MetaOutput:
         """The algorithm's outer loss. With half-precision parameters (DeepSpeed bf16 / fp16)
