@@ -191,9 +191,7 @@ def test_requeue_of_a_finished_run_and_a_failed_fresh_run_leave_nothing_stale(sa
     run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=4"])
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["meta_steps"] == 4 and resumed["resumed_from"]["step"] == 3
-    proc = run([*gmeta, "--set", "seed=9"], expect_ok=False)  # a fresh run: refused, nothing touched
-    assert proc.returncode == 2 and "holds an earlier run's outputs" in proc.stderr
-    assert (out / "summary.json").is_file()
+    # a fresh run without --overwrite is refused: tests/unit/test_runs_kept.py
     proc = run([*gmeta, "--set", "seed=9", "--overwrite"], env={checkpoint.FAULT_ENV: "3:0"}, expect_ok=False)
     assert proc.returncode != 0  # killed while saving its first checkpoint
     for stale in ("summary.json", "model.safetensors", "checkpoints/latest",
@@ -211,15 +209,6 @@ def test_incomplete_checkpoint_is_never_picked(saved, tmp_path):
     assert checkpoint.find(str(root), ".") == root / "step_00000003"
     with pytest.raises(ConfigError, match="is not a complete checkpoint"):
         checkpoint.find(str(root / "step_00000006"), ".")
-
-
-def test_checkpoint_of_another_model_is_a_clear_error(saved):
-    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(saved / "config.yaml"),
-                "--set", "model.embed_dim=6", "--set", "train.meta_steps=6", "--set", "train.resume=auto"],
-               expect_ok=False)
-    assert proc.returncode == 2
-    assert "the run config does not match the checkpoint" in proc.stderr
-    assert "tables: checkpoint has" in proc.stderr
 
 
 def _rank_pids(config_path: Path, local_rank: int) -> list[int]:

@@ -114,7 +114,7 @@ def test_a_folder_without_outputs_is_not_refused(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (["model.embed_dim=6"], "the run config does not match the checkpoint"),
+    (["model.embed_dim=6"], "tables: checkpoint has"),
     (["meta.algorithm=fomaml"], "algorithm: checkpoint has 'maml'"),
     (["embedding.tables={}"], "the checkpoint holds a dynamic table, the config builds a static one"),
     ("tamper", "contents differ from the manifest's SHA-256"),
