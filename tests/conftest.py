@@ -10,3 +10,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 _BIN = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The warm rank pool (tests/pool.py) ends with the session."""
+    from pool import close_pool
+
+    close_pool()

@@ -304,7 +304,7 @@ def destroy_process_group(clean_exit: bool = True) -> None:
                     dist.monitored_barrier(timeout=datetime.timedelta(seconds=_TEARDOWN_BARRIER_S))
                 else:
                     dist.barrier()
-        dist.destroy_process_group()
+        ds_internals.destroy_world()
     for key, value in list(_SET_BY_US.items()):
         if os.environ.get(key) == value:
             del os.environ[key]

@@ -165,6 +165,27 @@ def shm_buffer_path(rank: int, addr: str, port: str) -> Path:
     return Path(f"/dev/shm/{SHM_BUFFER_NAME}_{os.getuid()}_{addr}_{port}_{rank}")
 
 
+# --- Process-group teardown ------------------------------------------------------------------
+# DeepSpeed caches the groups it derives from the world (data parallel, ZeRO's intra-node
+# group) in module globals of ``deepspeed.utils.groups``; only ``deepspeed.comm``'s own
+# ``destroy_process_group`` forgets them. Torch's alone leaves them pointing at a destroyed
+# group, and the next ``deepspeed.initialize`` in the same process (a second run in a notebook,
+# a warm test worker) fails with "Group ... is not registered". ``deepspeed.comm.cdb`` (the
+# current backend, None before ``init_distributed``; the package re-exports a stale copy, so
+# it is read from ``deepspeed.comm.comm``) is an undocumented module global.
+# Tested with deepspeed 0.19.8.
+def destroy_world() -> None:
+    """Destroy the default process group through DeepSpeed when DeepSpeed started it (so its
+    cached groups go with it), through torch otherwise."""
+    import torch.distributed as dist
+
+    ds_comm = importlib.import_module("deepspeed.comm.comm")
+    if getattr(ds_comm, "cdb", None) is not None and hasattr(ds_comm, "destroy_process_group"):
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 # --- Classes DeepSpeed pickles into its checkpoints -----------------------------------------
 # DeepSpeed's ``.pt`` files are opened with ``torch.load(weights_only=True)`` before DeepSpeed
 # loads them (`checkpoint.check_pickles`), so a crafted file cannot run code. These plain
@@ -336,6 +357,11 @@ def _shm_name_matches() -> bool:
                                    '"%s_%d", shm_name_prefix, rank'))
 
 
+def _has_world_teardown() -> bool:
+    ds_comm = importlib.import_module("deepspeed.comm.comm")
+    return hasattr(ds_comm, "cdb") and callable(getattr(ds_comm, "destroy_process_group", None))
+
+
 def _has_class(module: str, name: str) -> Callable[[], bool]:
     return lambda: isinstance(getattr(importlib.import_module(module), name, None), type)
 
@@ -403,6 +429,9 @@ INTERNALS = (
     *(Internal(f"{module}.{name}", "allow-listing DeepSpeed's pickled checkpoint classes for "
                "torch.load(weights_only=True)", _has_class(module, name))
       for module, name in PICKLED_CLASSES),
+    Internal("deepspeed.comm.comm.cdb and deepspeed.comm.destroy_process_group",
+             "a second run in the same process (DeepSpeed's cached groups forgotten at teardown)",
+             _has_world_teardown),
     Internal(f"python -m {UNIVERSAL_CONVERTER} {' '.join(UNIVERSAL_FLAGS)}",
              "resuming ZeRO-1/2 optimizer state at another world size", _converter_accepts_flags),
     Internal(f"the config key checkpoint.{LOAD_UNIVERSAL} (deepspeed.runtime.constants.LOAD_UNIVERSAL_CHECKPOINT)",

@@ -1,4 +1,4 @@
-"""Ranks of `test_fused_lookup`: ``python -m distributed.lookup_workers fused_lookup DEDUP BAD_IDS``
+"""Ranks of `test_fused_lookup`: ``fused_lookup(DEDUP, BAD_IDS)`` on every rank of the warm test pool
 (through `distributed.ranks.run_ranks`).
 
 Every rank looks up its own single-hot ids and bags through two twin collections, one by
@@ -6,9 +6,6 @@ Every rank looks up its own single-hot ids and bags through two twin collections
 (`tables.lookup_fields`), trains both three steps and checks rows, averaged gradients, tables
 and communication counters equal bit for bit."""
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -83,15 +80,3 @@ def fused_lookup(dedup_arg: str, bad_ids: str) -> None:
     assert fused[4] == per_feature[4], (fused[4], per_feature[4])
     assert (fused[4] != {}) == (world > 1)
     print("ok", rank)
-
-
-def main() -> None:
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    globals()[sys.argv[1]](*sys.argv[2:])
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # no gloo teardown at exit (see workers.main)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,8 @@
-"""Worker functions run on every rank by `ranks.run_ranks` (``python -m distributed.workers NAME``)."""
+"""Worker functions run on every rank by `ranks.run_ranks` (in the warm test pool, tests/pool.py,
+between a gloo ``init_process_group`` and a barrier)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -326,19 +325,3 @@ def zero0_world1_without_reduction() -> None:
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     assert any(not torch.equal(states[0][k], initial[k]) for k in initial)  # it trained
     print("ok", dist.get_rank())
-
-
-def main() -> None:
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    globals()[sys.argv[1]](*sys.argv[2:])
-    dist.barrier()
-    dist.destroy_process_group()
-    # After a sharded lookup, interpreter finalisation intermittently aborts in a C++ static
-    # destructor ("terminate called without an active exception", no Python frame; ~1 run in
-    # 10 at world 2, torch 2.13 + gloo). The work is done and checked: skip finalisation.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -81,6 +81,22 @@ def run(cmd: list[str], timeout: int = TIMEOUT_S, env: dict | None = None,
     return proc
 
 
+def gmeta_ranks(world: int, *args: str, env: dict | None = None, expect_ok: bool = True,
+                timeout: int = TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``gmeta-ds ARGS`` on ``world`` warm ranks of the test pool (tests/pool.py): what a launcher
+    runs on each rank, without the launcher's three cold interpreters. At world 1 the rank has no
+    launcher variables (a plain ``gmeta-ds`` run). For tests whose subject is the training, not
+    the launcher; the launchers keep their own tests (test_launchers, test_deepspeed_launcher)."""
+    from pool import pool
+
+    result = pool().run({"kind": "cli", "argv": [str(a) for a in args]}, world, env=env, cwd=cwd or REPO,
+                        timeout=timeout, label=f"gmeta-ds {' '.join(map(str, args))}")
+    if expect_ok and result.returncode != 0:
+        pytest.fail(f"{' '.join(result.args)} exited {result.returncode} (ranks: {result.codes})\n"
+                    f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
 def summary(config: Path) -> dict:
     out_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
     return json.loads((out_dir / "summary.json").read_text())
@@ -92,11 +108,11 @@ def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
 
 def one_and_two_ranks(tmp_path: Path, **sections) -> tuple[dict, dict]:
     """The summaries of `tiny_config` with ``sections`` trained by one process (``one/``) and
-    by two ranks under the deepspeed launcher (``two/``)."""
+    by two ranks (``two/``), on warm ranks of the test pool."""
     single = tiny_config(tmp_path / "one", **sections)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(single)])
+    gmeta_ranks(1, "train", "--config", single)
     double = tiny_config(tmp_path / "two", **sections)
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(double)))
+    gmeta_ranks(2, "train", "--config", double)
     one, two = summary(single), summary(double)
     assert one["world_size"] == 1 and two["world_size"] == 2
     return one, two
@@ -111,9 +127,9 @@ def assert_same_model(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> dict:
-    """`tiny_config` trained by one plain python process (no launcher)."""
+    """`tiny_config` trained by one process (no launcher variables)."""
     path = tiny_config(tmp_path_factory.mktemp("reference"))
-    run([str(BIN / "python"), "-m", "gmeta_ds.cli", "train", "--config", str(path)])
+    gmeta_ranks(1, "train", "--config", path)
     result = summary(path)
     assert result["world_size"] == 1 and result["batch"].startswith("4 tasks/micro-batch x 2")
     return result

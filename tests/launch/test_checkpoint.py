@@ -1,5 +1,7 @@
-"""Checkpoints through the real CLI and launcher: exact resume, resume at another world size
-(embedding tables resharded), export, and refusal of tampered or mismatched checkpoints."""
+"""Checkpoints through the CLI: exact resume, resume at another world size (embedding tables
+resharded), export, and refusal of tampered or mismatched checkpoints. Trainings run on warm
+ranks of the test pool (tests/pool.py); the killed rank, the rank killed while saving and the
+full disk run under the real deepspeed launcher, whose handling of a failed rank they test."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, REPO, deepspeed_cmd, run, summary, tiny_config
+from conftest import BIN, REPO, deepspeed_cmd, gmeta_ranks, run, summary, tiny_config
 from safetensors.torch import load_file
 
 from gmeta_ds import checkpoint
@@ -30,9 +32,7 @@ def config(tmp_path: Path, stage: int, steps: int, train_extra: dict | None = No
 
 
 def train(path: Path, world: int, *overrides: str) -> dict:
-    args = ["train", "--config", str(path), *[a for o in overrides for a in ("--set", o)]]
-    cmd = [str(BIN / "gmeta-ds"), *args] if world == 1 else deepspeed_cmd(world, str(BIN / "gmeta-ds"), *args)
-    run(cmd)
+    gmeta_ranks(world, "train", "--config", path, *[a for o in overrides for a in ("--set", o)])
     return summary(path)
 
 
@@ -137,7 +137,7 @@ def test_export_equals_the_final_weights(tmp_path):
     path = config(tmp_path, 0, 3)
     train(path, 2)
     out = tmp_path / "export.safetensors"
-    run([str(BIN / "gmeta-ds"), "export", str(tmp_path / "run" / "checkpoints"), str(out)])
+    gmeta_ranks(1, "export", tmp_path / "run" / "checkpoints", out)
     exported, final = load_file(str(out)), load_file(str(tmp_path / "run" / "model.safetensors"))
     assert sorted(exported) == sorted(final)
     for key in final:
@@ -177,22 +177,22 @@ def test_requeue_of_a_finished_run_and_a_failed_fresh_run_leave_nothing_stale(sa
     import shutil
     out = tmp_path / "run"
     shutil.copytree(saved / "run", out)
-    gmeta = [str(BIN / "gmeta-ds"), "train", "--config", str(saved / "config.yaml"),
-             "--set", f"output_dir={out}"]
+    gmeta = ["train", "--config", str(saved / "config.yaml"), "--set", f"output_dir={out}"]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     for steps in (3, 2):  # at and beyond the checkpoint's step
-        proc = run([*gmeta, "--set", "train.resume=auto", "--set", f"train.meta_steps={steps}"])
+        proc = gmeta_ranks(1, *gmeta, "--set", "train.resume=auto", "--set", f"train.meta_steps={steps}")
         assert "the run is already complete" in proc.stdout and "meta-step 3" in proc.stdout
         assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     (out / "summary.json").rename(tmp_path / "summary.json")
-    proc = run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=2"], expect_ok=False)
+    proc = gmeta_ranks(1, *gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=2", expect_ok=False)
     assert proc.returncode == 2 and "train.meta_steps: 2 is not above the step" in proc.stderr
     (tmp_path / "summary.json").rename(out / "summary.json")
-    run([*gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=4"])
+    gmeta_ranks(1, *gmeta, "--set", "train.resume=auto", "--set", "train.meta_steps=4")
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["meta_steps"] == 4 and resumed["resumed_from"]["step"] == 3
     # a fresh run without --overwrite is refused: tests/unit/test_runs_kept.py
-    proc = run([*gmeta, "--set", "seed=9", "--overwrite"], env={checkpoint.FAULT_ENV: "3:0"}, expect_ok=False)
+    proc = gmeta_ranks(1, *gmeta, "--set", "seed=9", "--overwrite", env={checkpoint.FAULT_ENV: "3:0"},
+                       expect_ok=False)
     assert proc.returncode != 0  # killed while saving its first checkpoint
     for stale in ("summary.json", "model.safetensors", "checkpoints/latest",
                   "checkpoints/step_00000004/manifest.json"):
