@@ -10,7 +10,7 @@ working directory and output files, the process group torn down after it.
 What the launchers themselves do (argument parsing, environment, killing a job when a rank
 fails, exit codes) stays tested with real launcher subprocesses in ``tests/launch``; jobs here
 get the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), or none for a ``cli`` job at W = 1 (a plain ``python`` run).
+MASTER_PORT), or none at W = 1 (a plain ``python`` run) except for ``call`` jobs.
 
 Every wait has a timeout. A job past its timeout, or whose rank failed while others still run
 (the launcher would kill them), ends with every worker of the job killed (process group and
@@ -156,7 +156,7 @@ class RankPool:
         port = str(free_port())
         jobdir = Path(tempfile.mkdtemp(prefix="job-", dir=self.folder))
         for rank, worker in enumerate(workers):
-            ranks = {} if world == 1 and job["kind"] == "cli" else {
+            ranks = {} if world == 1 and job["kind"] != "call" else {
                 "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             worker.send({**job, "env": {"PYTHONUNBUFFERED": "1", **(env or {}), **ranks},
@@ -187,7 +187,7 @@ class RankPool:
         outs = [_read(jobdir / f"{r}.out") for r in range(world)]
         errs = [_read(jobdir / f"{r}.err") for r in range(world)]
         shutil.rmtree(jobdir, ignore_errors=True)
-        args = [label or json.dumps(job.get("argv") or job.get("function")), f"world={world}"]
+        args = [label or json.dumps(job), f"world={world}"]
         if unfinished and failed_at is None:
             detail = "\n".join(f"--- rank {r} stdout\n{o[-2000:]}\n--- rank {r} stderr\n{e[-3000:]}"
                                for r, (o, e) in enumerate(zip(outs, errs)))

@@ -11,16 +11,21 @@ is destroyed, so the next job starts as a new process would, minus the imports.
 Job kinds:
 - ``cli``: ``gmeta_ds.cli.main(argv)``, what ``gmeta-ds ARGV`` runs on one rank;
 - ``call``: ``module.function(*args)`` between a gloo ``init_process_group`` and a barrier
-  (the worker functions of ``tests/distributed``).
+  (the worker functions of ``tests/distributed``);
+- ``script``: ``python SCRIPT ARGS`` (a user's script against the public API): run as
+  ``__main__`` with its folder first on sys.path, then the exit functions it registered, as
+  the interpreter would at its exit.
 """
 from __future__ import annotations
 
 # ruff: noqa: I001
 
+import atexit
 import gc
 import importlib
 import json
 import os
+import runpy
 import sys
 import traceback
 
@@ -51,6 +56,27 @@ def _forget_warnings() -> None:
             registry.clear()
 
 
+_LINEAR = torch.nn.functional.linear
+
+
+def _reset_deepspeed_state() -> None:
+    """What a ZeRO-3 engine leaves in its process, reset as a new process has it. Ranks of one
+    job may have run different jobs before (a world-1 job runs on worker 0 only):
+    - ZeRO-3 numbers parameters and modules from process-wide counters and checks that all
+      ranks agree on the numbers: each job starts them at 0;
+    - ZeRO-3 replaces ``torch.nn.functional.linear`` by its own autograd function for good
+      ("This will persist unless manually reset"); a rank with it and a rank without it
+      produce gradients in another order, and ZeRO-2's bucketed reduction then sums the wrong
+      buckets: the original is put back.
+    DeepSpeed internals, tested with deepspeed 0.19.8 (the equality tests fail if they move)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+    torch.nn.functional.linear = _LINEAR
+
+
 def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
@@ -60,10 +86,34 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _script(path: str, args: list[str]) -> None:
+    """``python path args`` in this process: the script's exit functions run when it ends."""
+    path = os.path.abspath(path)
+    registered, register = [], atexit.register
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [path, *args], [os.path.dirname(path)]
+    atexit.register = lambda fn, *a, **k: (registered.append((fn, a, k)), fn)[1]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        sys.last_value = sys.exc_info()[1]  # as the interpreter sets it for an uncaught error
+        raise
+    finally:
+        atexit.register = register
+        for fn, a, k in reversed(registered):
+            fn(*a, **k)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        if hasattr(sys, "last_value"):
+            del sys.last_value
+
+
 def _call(job: dict) -> int:
     try:
         if job["kind"] == "cli":
             return int(gmeta_ds.cli.main(job["argv"]) or 0)
+        if job["kind"] == "script":
+            _script(job["script"], job["args"])
+            return 0
         module = importlib.import_module(job["module"])
         dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
@@ -100,6 +150,7 @@ def run(job: dict) -> dict:
         os.environ.update(job["env"])
         os.chdir(job["cwd"])
         _forget_warnings()
+        _reset_deepspeed_state()
         code = _call(job)
         _teardown()
         clean = not dist.is_initialized()

@@ -97,6 +97,21 @@ def gmeta_ranks(world: int, *args: str, env: dict | None = None, expect_ok: bool
     return result
 
 
+def script_ranks(world: int, script: str | Path, *args: str, cwd: Path | None = None,
+                 timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` on ``world`` warm ranks of the test pool (a user's script against
+    the public API; at world 1 without launcher variables); fails the test unless every rank
+    exits 0."""
+    from pool import pool
+
+    result = pool().run({"kind": "script", "script": str(script), "args": [str(a) for a in args]}, world,
+                        cwd=cwd or REPO, timeout=timeout, label=f"python {script} {' '.join(map(str, args))}")
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(result.args)} exited {result.returncode} (ranks: {result.codes})\n"
+                    f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result
+
+
 def summary(config: Path) -> dict:
     out_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
     return json.loads((out_dir / "summary.json").read_text())

@@ -1,11 +1,12 @@
-"""docs/api.md runs as written: its complete example (one process, and two ranks under the
-deepspeed launcher) and its registration example."""
+"""docs/api.md runs as written: its complete example (one process and two ranks, on warm ranks
+of the test pool; a user's script under the real deepspeed launcher: test_custom_model) and its
+registration example."""
 from __future__ import annotations
 
 import re
 
 import pytest
-from conftest import BIN, REPO, deepspeed_cmd, run
+from conftest import BIN, REPO, run, script_ranks
 
 pytestmark = [pytest.mark.launcher]
 
@@ -18,8 +19,8 @@ def _blocks() -> list[str]:
 
 def test_the_complete_example_runs_on_one_and_two_ranks(tmp_path):
     (tmp_path / "train_mine.py").write_text(_blocks()[0])
-    one = run([str(BIN / "python"), "train_mine.py"], cwd=tmp_path)
-    two = run(deepspeed_cmd(2, "train_mine.py"), cwd=tmp_path)
+    one = script_ranks(1, "train_mine.py", cwd=tmp_path)
+    two = script_ranks(2, "train_mine.py", cwd=tmp_path)
     aucs = [re.search(r"AUC ([\d.]+) adapted, ([\d.]+) without adaptation", p.stdout) for p in (one, two)]
     assert all(aucs), one.stdout[-2000:] + two.stdout[-2000:]
     assert aucs[0].groups() == aucs[1].groups()

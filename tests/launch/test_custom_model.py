@@ -1,12 +1,13 @@
 """The bring-your-own-model example (examples/custom_model/train.py, written only against the
 public API): one plain process and two ranks under the deepspeed launcher train the same
-weights and print the same cold-start AUC."""
+weights and print the same cold-start AUC. The other runs of the script use warm ranks of the
+test pool (tests/pool.py)."""
 from __future__ import annotations
 
 import re
 
 import pytest
-from conftest import BIN, REPO, deepspeed_cmd, run
+from conftest import REPO, deepspeed_cmd, run, script_ranks
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
@@ -34,12 +35,12 @@ def test_custom_model_two_ranks_equal_one_process_and_resume_at_another_world_si
     """6 meta-steps in one process == 6 on two ranks == 3 on two ranks then 3 more resumed in
     one process (ZeRO-2 partitions converted through DeepSpeed's universal checkpoint, the
     row-wise shards resharded by global id)."""
-    one = run([str(BIN / "python"), SCRIPT, "--steps", "6", "--out", str(tmp_path / "one")])
+    one = script_ranks(1, SCRIPT, "--steps", "6", "--out", tmp_path / "one")
     two = run(deepspeed_cmd(2, SCRIPT, "--steps", "6", "--out", str(tmp_path / "two")))
     _assert_same_weights(tmp_path / "one", tmp_path / "two")
     assert _auc(one.stdout) == pytest.approx(_auc(two.stdout), abs=1e-4)
-    run(deepspeed_cmd(2, SCRIPT, "--steps", "3", "--out", str(tmp_path / "split")))
+    script_ranks(2, SCRIPT, "--steps", "3", "--out", tmp_path / "split")
     assert (tmp_path / "split" / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    resumed = run([str(BIN / "python"), SCRIPT, "--steps", "6", "--resume", "--out", str(tmp_path / "split")])
+    resumed = script_ranks(1, SCRIPT, "--steps", "6", "--resume", "--out", tmp_path / "split")
     _assert_same_weights(tmp_path / "one", tmp_path / "split")
     assert _auc(one.stdout) == pytest.approx(_auc(resumed.stdout), abs=1e-4)

@@ -1,10 +1,12 @@
-"""The real ``deepspeed`` launcher with 2 CPU ranks gives the same model as one process."""
+"""2 CPU ranks give the same model as one process, for every shipped DeepSpeed config: ZeRO-0 and
+``--module`` under the real ``deepspeed`` launcher, the other configs on warm ranks of the test pool
+(tests/pool.py; the launcher is the same for all of them)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import (BIN, REPO, assert_same_model, deepspeed_cmd, leaked_shm, run, summary,
+from conftest import (BIN, REPO, assert_same_model, deepspeed_cmd, gmeta_ranks, leaked_shm, run, summary,
                       tiny_config)
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
@@ -19,14 +21,18 @@ def test_two_ranks_equal_one_process(tmp_path, reference_run, ds_file):
     """Every shipped fp32 DeepSpeed config (CPU optimizer offload included) trains the same
     model on 2 ranks as one process, and leaves no shared-memory buffer behind."""
     path = tiny_config(tmp_path, deepspeed=str(REPO / "ds_configs" / f"{ds_file}.json"))
-    cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path))
-    run(cmd, timeout=420)  # zero2_offload JIT-builds DeepSpeed's CPU Adam on first use
+    if ds_file == "zero0":  # the deepspeed launcher itself (its ranks exit, their buffers must go)
+        cmd = deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path))
+        port = int(cmd[cmd.index("--master_port") + 1])
+        run(cmd)
+    else:  # zero2_offload JIT-builds DeepSpeed's CPU Adam on first use
+        port = gmeta_ranks(2, "train", "--config", path, timeout=420).port
     result = summary(path)
     assert result["world_size"] == 2 and result["batch"].startswith("4 tasks/micro-batch x 1")
     expected = json.loads((REPO / "ds_configs" / f"{ds_file}.json").read_text())["zero_optimization"]
     assert result["ds_config"]["zero_optimization"] == expected
     assert_same_model(result, reference_run)
-    assert leaked_shm(int(cmd[cmd.index("--master_port") + 1])) == []
+    assert leaked_shm(port) == []
 
 
 @pytest.mark.parametrize("ds_file", [pytest.param("zero0_bf16", marks=SLOW), "zero2_bf16"])
@@ -34,7 +40,7 @@ def test_bf16_configs_train_close_to_fp32(tmp_path, reference_run, ds_file):
     """bf16 (DeepSpeed on CPU supports it) trains on 2 ranks; bf16 rounding moves the result a
     little, not far, from the fp32 run."""
     path = tiny_config(tmp_path, deepspeed=str(REPO / "ds_configs" / f"{ds_file}.json"))
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path)))
+    gmeta_ranks(2, "train", "--config", path)
     result = summary(path)
     assert result["ds_config"]["bf16"]["enabled"] is True
     assert result["dense_checksum"] != reference_run["dense_checksum"]  # bf16 really ran
@@ -46,7 +52,7 @@ def test_deepspeed_module_form_with_reptile(tmp_path):
     """``deepspeed --module gmeta_ds.cli`` (the launcher inserts --local_rank first)."""
     overrides = {"meta": {"algorithm": "reptile", "tasks_per_micro_batch": 4, "tasks_per_meta_step": 8}}
     single = tiny_config(tmp_path / "one", **overrides)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(single)])
+    gmeta_ranks(1, "train", "--config", single)
     double = tiny_config(tmp_path / "two", **overrides)
     run(deepspeed_cmd(2, "--module", "gmeta_ds.cli", "train", "--config", str(double)))
     assert_same_model(summary(double), summary(single))
@@ -64,7 +70,7 @@ ROW_ADAPT = {"adapt": ["mlp.*", "embedding.item_id"]}
 @pytest.fixture(scope="module")
 def single_process_sharded(tmp_path_factory):
     path = tiny_config(tmp_path_factory.mktemp("single_sharded"), embedding=SHARDED, meta=ROW_ADAPT)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(path)])
+    gmeta_ranks(1, "train", "--config", path)
     return summary(path)
 
 
@@ -74,7 +80,7 @@ def test_sharded_tables_two_ranks_equal_one_process(tmp_path, single_process_sha
     with item rows adapted in the inner loop."""
     path = tiny_config(tmp_path, embedding=SHARDED, meta=ROW_ADAPT,
                        deepspeed=str(REPO / "ds_configs" / f"zero{stage}.json"))
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path)))
+    gmeta_ranks(2, "train", "--config", path)
     result = summary(path)
     if stage < 3:
         assert_same_model(result, single_process_sharded)

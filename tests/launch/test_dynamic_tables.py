@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import BIN, assert_same_model, deepspeed_cmd, run, summary, tiny_config
+from conftest import assert_same_model, gmeta_ranks, summary, tiny_config
 
 from gmeta_ds.embedding.dynamic import string_id
 
@@ -45,8 +45,8 @@ def test_dynamic_item_table_on_two_ranks_equals_one_process_and_resumes_at_world
     log = tmp_path / "log.parquet"
     items = _log(log)
     two, one = _config(tmp_path, "w2", log), _config(tmp_path, "w1", log)
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(two)), timeout=400)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(one)], timeout=400)
+    gmeta_ranks(2, "train", "--config", str(two), timeout=400)
+    gmeta_ranks(1, "train", "--config", str(one), timeout=400)
     s2, s1 = summary(two), summary(one)
     assert_same_model(s2, s1)  # admit_after 1: every id has its own row at both world sizes
     assert s2["eval"]["auc"] == pytest.approx(s1["eval"]["auc"], abs=1e-6)
@@ -64,12 +64,12 @@ def test_dynamic_item_table_on_two_ranks_equals_one_process_and_resumes_at_world
     assert "net.embedding.weights.category" in weights  # a static table next to it
     # resume the two-rank checkpoint in one process, train on; re-evaluate; export = weights
     resumed = _config(tmp_path, "w2", log, meta_steps=6, resume="auto")
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(resumed)], timeout=400)
+    gmeta_ranks(1, "train", "--config", str(resumed), timeout=400)
     s = summary(resumed)
     assert s["resumed_from"]["world_size"] == 2 and s["meta_steps"] == 6
-    proc = run([str(BIN / "gmeta-ds"), "eval", "--config", str(resumed)], timeout=400)
+    proc = gmeta_ranks(1, "eval", "--config", str(resumed), timeout=400)
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["auc"] == pytest.approx(s["eval"]["auc"], abs=1e-9)
     exported = tmp_path / "export.safetensors"
-    run([str(BIN / "gmeta-ds"), "export", str(out / "checkpoints"), str(exported)])
+    gmeta_ranks(1, "export", str(out / "checkpoints"), str(exported))
     a, b = load_file(str(exported)), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, assert_same_model, one_and_two_ranks, run, summary, tiny_config
+from conftest import assert_same_model, gmeta_ranks, one_and_two_ranks, summary, tiny_config
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -34,8 +34,8 @@ def test_eval_of_saved_weights_uses_the_saved_counts(tmp_path):
     cfg = yaml.safe_load(config.read_text())
     cfg["eval"] = {"enabled": True, "baseline": False, "tasks_per_batch": 8}
     config.write_text(yaml.safe_dump(cfg))
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(config)])
-    run([str(BIN / "gmeta-ds"), "eval", "--config", str(config)])
+    gmeta_ranks(1, "train", "--config", str(config))
+    gmeta_ranks(1, "eval", "--config", str(config))
     out = Path(cfg["output_dir"])
     trained = summary(config)["eval"]
     evaluated = json.loads((out / "eval.json").read_text())

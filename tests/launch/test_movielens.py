@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BIN, deepspeed_cmd, run, summary, tiny_config
+from conftest import gmeta_ranks, summary, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import write_ml100k  # noqa: E402
@@ -24,13 +24,13 @@ def ml_config(tmp_path: Path, **sections) -> Path:
 
 def test_train_then_eval_on_movielens_files(tmp_path):
     path = ml_config(tmp_path)
-    run([str(BIN / "python"), "-m", "gmeta_ds.cli", "train", "--config", str(path)])
+    gmeta_ranks(1, "train", "--config", str(path))
     result = summary(path)
     ev = result["eval"]
     for key in ("auc", "auc_no_adapt", "baseline_auc", "logloss", "baseline_finetune_auc"):
         assert 0.0 < ev[key] < 1.5, key
     assert ev["tasks"] > 0 and ev["query_rows"] == 5 * ev["tasks"]
-    run([str(BIN / "gmeta-ds"), "eval", "--config", str(path)])
+    gmeta_ranks(1, "eval", "--config", str(path))
     again = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert again["auc"] == pytest.approx(ev["auc"], rel=1e-6)
 
@@ -38,15 +38,15 @@ def test_train_then_eval_on_movielens_files(tmp_path):
 def test_adapted_item_rows_next_to_multi_hot_genres(tmp_path):
     """meta.adapt with item rows on data that has a pooled multi-hot field (genres)."""
     path = ml_config(tmp_path)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "meta.adapt=[mlp.*, embedding.item_id]",
-         "--set", "eval.baseline=false"])
+    gmeta_ranks(1, "train", "--config", str(path), "--set", "meta.adapt=[mlp.*, embedding.item_id]",
+         "--set", "eval.baseline=false")
     ev = summary(path)["eval"]
     assert 0.0 < ev["auc"] < 1.0 and ev["logloss"] != ev["logloss_no_adapt"]
 
 
 def test_rating_regression_reports_mae_and_rmse(tmp_path):
     path = ml_config(tmp_path)
-    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.label=regression"])
+    proc = gmeta_ranks(1, "train", "--config", str(path), "--set", "data.label=regression")
     ev = summary(path)["eval"]
     for key in ("mae", "rmse", "mae_no_adapt", "baseline_mae", "baseline_finetune_rmse", "ndcg@5"):
         assert 0.0 < ev[key] < 5.0, key
@@ -55,16 +55,16 @@ def test_rating_regression_reports_mae_and_rmse(tmp_path):
 
 def test_evaluation_on_validation_users(tmp_path):
     path = ml_config(tmp_path)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.valid_fraction=0.2",
-         "--set", "eval.split=valid", "--set", "eval.baseline=false"])
+    gmeta_ranks(1, "train", "--config", str(path), "--set", "data.valid_fraction=0.2",
+         "--set", "eval.split=valid", "--set", "eval.baseline=false")
     ev = summary(path)["eval"]
     assert ev["split"] == "valid" and ev["tasks"] > 0 and 0.0 < ev["auc"] < 1.0
 
 
 def test_four_state_evaluation_reports_every_state(tmp_path):
     path = ml_config(tmp_path)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "data.four_state=true",
-         "--set", "data.new_item_year=1996"])
+    gmeta_ranks(1, "train", "--config", str(path), "--set", "data.four_state=true",
+         "--set", "data.new_item_year=1996")
     ev = summary(path)["eval"]
     assert sorted(ev["states"]) == ["item_cold", "user_cold", "user_item_cold", "warm"]
     assert ev["states"]["user_cold"]["auc"] == ev["auc"]  # eval.auc is the user-cold state
@@ -82,9 +82,9 @@ POOLED = {**SHARDED, "exchange": "pooled", "tables": {"gender": {"plan": "replic
 def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
     """Training and the distributed evaluation (held-out tasks split over the ranks)."""
     one = ml_config(tmp_path / "one", embedding=embedding)
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(one)])
+    gmeta_ranks(1, "train", "--config", str(one))
     two = ml_config(tmp_path / "two", embedding=embedding)
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(two)))
+    gmeta_ranks(2, "train", "--config", str(two))
     a, b = summary(one), summary(two)
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
@@ -95,13 +95,13 @@ def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
 
 def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_pool(tmp_path):
     config = ml_config(tmp_path, embedding={**SHARDED, "exchange": "pooled"})
-    out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(config), "--world-size", "2"]).stdout
+    out = gmeta_ranks(1, "validate", "--config", str(config), "--world-size", "2").stdout
     genres = next(line for line in out.splitlines() if line.strip().startswith("genres:"))
     assert "pooled on the owner (est." in genres and "B per bag as rows" in genres, out
     assert "pooled" not in next(line for line in out.splitlines() if line.strip().startswith("item_id:"))
     bad = ml_config(tmp_path / "bad", embedding={**SHARDED, "tables": {"genres": {"plan": "replicated",
                                                                                    "exchange": "pooled"}}})
-    proc = run([str(BIN / "gmeta-ds"), "validate", "--config", str(bad)], expect_ok=False)
+    proc = gmeta_ranks(1, "validate", "--config", str(bad), expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "table 'genres': exchange pooled needs a row_wise or table_wise static table" in proc.stderr
 
@@ -109,7 +109,7 @@ def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_po
 def test_missing_file_is_reported_with_its_name(tmp_path):
     path = ml_config(tmp_path)
     (tmp_path / "ml-100k" / "u.user").unlink()
-    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path)], expect_ok=False)
+    proc = gmeta_ranks(1, "train", "--config", str(path), expect_ok=False)
     assert proc.returncode == 2
     assert "u.user" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -125,15 +125,15 @@ def test_shipped_recipe_options_two_ranks_equal_one_process(tmp_path):
              "--set", "model.item_popularity=true", "--set", "meta.adapt=[mlp.*, popularity.*]",
              "--set", "meta.support_level=3.0", "--set", "meta.algorithm=reptile"]
     one = ml_config(tmp_path / "one")
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(one), *extra])
+    gmeta_ranks(1, "train", "--config", str(one), *extra)
     two = ml_config(tmp_path / "two")
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(two), *extra))
+    gmeta_ranks(2, "train", "--config", str(two), *extra)
     a, b = summary(one), summary(two)
     for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
     for key in ("auc", "auc_per_task", "logloss", "baseline_finetune_auc", "baseline_popularity_auc"):
         assert b["eval"][key] == pytest.approx(a["eval"][key], rel=1e-5), key
     skip = ml_config(tmp_path / "skip")
-    run([str(BIN / "gmeta-ds"), "train", "--config", str(skip), "--set", "data.max_interactions=25",
-         "--set", "eval.baseline=false"])
+    gmeta_ranks(1, "train", "--config", str(skip), "--set", "data.max_interactions=25",
+         "--set", "eval.baseline=false")
     assert summary(skip)["eval"]["query_rows"] == a["eval"]["query_rows"] > 0

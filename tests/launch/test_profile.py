@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import BIN, assert_same_model, deepspeed_cmd, run, summary, tiny_config
+from conftest import assert_same_model, gmeta_ranks, summary, tiny_config
 
 from gmeta_ds.profiling import PHASES
 
@@ -14,8 +14,7 @@ pytestmark = [pytest.mark.launcher]
 
 
 def _train(path: Path, *sets: str, world: int = 1):
-    args = [str(BIN / "gmeta-ds"), "train", "--config", str(path), *[a for s in sets for a in ("--set", s)]]
-    return run(deepspeed_cmd(world, *args) if world > 1 else args)
+    return gmeta_ranks(world, "train", "--config", path, *[a for s in sets for a in ("--set", s)])
 
 
 def _profile(path: Path) -> dict:
@@ -72,8 +71,8 @@ def test_profile_at_world_two_reports_both_ranks_and_their_collectives(tmp_path)
 
 def test_bad_profile_settings_are_config_errors(tmp_path):
     path = tiny_config(tmp_path)
-    proc = run([str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "train.profile_steps=-1",
-                "--set", "train.profile_warmup=x"], expect_ok=False)
+    proc = gmeta_ranks(1, "train", "--config", str(path), "--set", "train.profile_steps=-1",
+                "--set", "train.profile_warmup=x", expect_ok=False)
     assert proc.returncode == 2
     assert "train.profile_steps: -1 must be an integer >= 0" in proc.stderr
     assert "train.profile_warmup" in proc.stderr and "Traceback" not in proc.stderr

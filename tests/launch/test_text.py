@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import BIN, deepspeed_cmd, run, summary, text_config
+from conftest import gmeta_ranks, summary, text_config
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
 def train(path: Path, world: int) -> dict:
     args = ["train", "--config", str(path)]
-    run([str(BIN / "gmeta-ds"), *args] if world == 1 else deepspeed_cmd(world, str(BIN / "gmeta-ds"), *args))
+    gmeta_ranks(world, *args)
     return summary(path)
 
 
@@ -68,15 +68,15 @@ def test_saved_model_loads_and_eval_reproduces_the_accuracy(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     assert model.config.num_labels == 3 and model(**tokenizer(["topic1 w2"], return_tensors="pt")).logits.shape == (1, 3)
-    out = run([str(BIN / "gmeta-ds"), "eval", "--config", str(path)])
+    out = gmeta_ranks(1, "eval", "--config", str(path))
     evaluated = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert evaluated["accuracy"] == pytest.approx(ev["accuracy"], abs=1e-6)
     assert "accuracy" in out.stdout
 
 
 def test_validate_describes_episodes_and_model(tmp_path):
-    out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(text_config(tmp_path, ds="zero3")),
-               "--world-size", "2"]).stdout
+    out = gmeta_ranks(1, "validate", "--config", str(text_config(tmp_path, ds="zero3")),
+               "--world-size", "2").stdout
     assert "2 episodes/micro-batch x 1 accumulation steps x 2 ranks = 4 episodes/meta-step" in out
     assert "9 training / 3 held-out classes; episodes 3-way 2-shot, 2 queries per class" in out
     assert "BertForSequenceClassification" in out and "DeepSpeed ZeRO-3, 2 rank(s)" in out
@@ -84,10 +84,10 @@ def test_validate_describes_episodes_and_model(tmp_path):
 
 def test_bad_text_inputs_fail_before_training(tmp_path):
     missing = text_config(tmp_path / "a", text={"data": {"path": str(tmp_path / "none.csv")}})
-    out = run([str(BIN / "gmeta-ds"), "train", "--config", str(missing)], expect_ok=False)
+    out = gmeta_ranks(1, "train", "--config", str(missing), expect_ok=False)
     assert out.returncode != 0 and "none.csv is not a file" in out.stderr
     bad = text_config(tmp_path / "b", text={"data": {"ways": 1, "format": "xml"}})
-    out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(bad)], expect_ok=False)
+    out = gmeta_ranks(1, "validate", "--config", str(bad), expect_ok=False)
     assert "text.data.ways: 1 must be >= 2" in out.stderr and "text.data.format: 'xml' is not one of" in out.stderr
 
 
@@ -96,8 +96,8 @@ def test_zero3_checkpoint_resumes_exactly(tmp_path, one_process):
     path = text_config(tmp_path, "maml", "zero3", train={"meta_steps": 2, "log_every": 1, "lr": 0.01,
                                                           "progress": False, "checkpoint_every": 2})
     train(path, 2)
-    run(deepspeed_cmd(2, str(BIN / "gmeta-ds"), "train", "--config", str(path), "--set", "train.meta_steps=4",
-                      "--set", "train.resume=auto"))
+    gmeta_ranks(2, "train", "--config", str(path), "--set", "train.meta_steps=4",
+                      "--set", "train.resume=auto")
     resumed = summary(path)
     assert resumed["resumed_from"]["step"] == 2 and resumed["resumed_from"]["optimizer_restored"]
     same_model(resumed, one_process("maml"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, assert_same_model, deepspeed_cmd, run, summary, text_config, tiny_config
+from conftest import REPO, assert_same_model, gmeta_ranks, summary, text_config, tiny_config
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -18,7 +18,7 @@ HEAD = {"adapt": ["model.classifier.*"], "tasks_per_meta_step": 8}  # 2 per micr
 
 def train(path: Path, world: int, *sets: str) -> dict:
     args = ["train", "--config", str(path), *[a for s in sets for a in ("--set", s)]]
-    run([str(BIN / "gmeta-ds"), *args] if world == 1 else deepspeed_cmd(world, str(BIN / "gmeta-ds"), *args))
+    gmeta_ranks(world, *args)
     return summary(path)
 
 
@@ -88,7 +88,7 @@ def test_text_zero3_split_resumes_exactly_and_exports(tmp_path, text_one_process
     assert resumed["resumed_from"]["step"] == 3 and resumed["resumed_from"]["optimizer_restored"]
     assert same_world["split_body"] is True and resumed["split_body"] is True
     same_text_model(resumed, text_one_process("maml"))
-    run([str(BIN / "gmeta-ds"), "eval", "--config", str(path), "--set", "eval.enabled=true"])
+    gmeta_ranks(1, "eval", "--config", str(path), "--set", "eval.enabled=true")
     evaluated = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert evaluated["accuracy"] == pytest.approx(resumed["eval"]["accuracy"], abs=1e-6)
 
@@ -120,8 +120,8 @@ def test_ctr_zero3_split_equals_one_process_every_algorithm(tmp_path, algorithm)
 
 def test_validate_says_which_zero3_path_a_run_takes(tmp_path):
     def body_line(path: Path, *sets: str) -> str:
-        out = run([str(BIN / "gmeta-ds"), "validate", "--config", str(path), "--world-size", "2",
-                   *[a for s in sets for a in ("--set", s)]]).stdout
+        out = gmeta_ranks(1, "validate", "--config", str(path), "--world-size", "2",
+                   *[a for s in sets for a in ("--set", s)]).stdout
         return next(line for line in out.splitlines() if line.startswith("model body:"))
 
     head = text_config(tmp_path / "head", "maml", "zero3", meta=HEAD)
@@ -130,6 +130,6 @@ def test_validate_says_which_zero3_path_a_run_takes(tmp_path):
         head, "meta.split_body=false")
     everything = text_config(tmp_path / "all", "maml", "zero3")
     assert "adapted parameters lie in the model's body" in body_line(everything)
-    bad = run([str(BIN / "gmeta-ds"), "validate", "--config", str(everything), "--world-size", "2",
-               "--set", "meta.split_body=sometimes"], expect_ok=False)
+    bad = gmeta_ranks(1, "validate", "--config", str(everything), "--world-size", "2",
+               "--set", "meta.split_body=sometimes", expect_ok=False)
     assert bad.returncode == 2 and "meta.split_body: 'sometimes' is not one of true, false, auto" in bad.stdout + bad.stderr
