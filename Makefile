@@ -9,7 +9,7 @@ NPROC ?= 2
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
-.PHONY: install demo test test-slow test-all test-docs bench wheel-check clean
+.PHONY: install demo test test-fast test-ci test-slow test-all test-docs bench wheel-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,8 +26,20 @@ demo: export PATH := $(abspath $(VENV))/bin:$(PATH)
 demo: install
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(VENV)/bin/gmeta-ds train --config examples/synthetic/config.yaml --overwrite
 
+# The developer's default: unit tests, tests/distributed and tests/launch (equality tests on the
+# warm rank pool, tests/pool.py; one real launch per launch path).
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu and not docs" $(call junit,test)
+
+# The inner loop: unit tests only (no launcher, no rank pool).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not gpu and not docs" tests/unit $(call junit,test-fast)
+
+# What .ci/run runs: make test's tests, the slow ones and the docs check in one pytest session
+# (one rank pool, session fixtures built once). The venv's bin first on PATH, as for demo.
+test-ci: export PATH := $(abspath $(VENV))/bin:$(PATH)
+test-ci: install
+	$(PY) -m pytest -q -m "not gpu" $(call junit,test-ci)
 
 # Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
 # copy of the tree (tests/docs/test_doc_commands.py; 12-19 min on 2 shared cores). The venv's bin

@@ -325,3 +325,27 @@ def zero0_world1_without_reduction() -> None:
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     assert any(not torch.equal(states[0][k], initial[k]) for k in initial)  # it trained
     print("ok", dist.get_rank())
+
+
+# ---- the pool's own tests (tests/distributed/test_pool.py) ----------------------------------
+def hang() -> None:
+    """Never returns: the pool must kill it at the job's timeout."""
+    import time
+
+    time.sleep(3600)
+
+
+def fail_on_rank(rank: str) -> None:
+    """Rank ``rank`` raises; the others wait for it in a barrier that never completes."""
+    if dist.get_rank() == int(rank):
+        raise RuntimeError(f"rank {rank} failed on purpose")
+    dist.barrier()
+
+
+def leave_traces(marker: str) -> None:
+    """Changes a job may make to its process: the pool must undo them before the next job."""
+    import os
+
+    print("seen", os.environ.get("GMETA_POOL_MARK", "unset"), os.getcwd(), dist.get_rank())
+    os.environ["GMETA_POOL_MARK"] = marker
+    os.chdir("/")
