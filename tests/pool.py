@@ -14,7 +14,7 @@ MASTER_PORT), or none at W = 1 (a plain ``python`` run) except for ``call`` jobs
 
 Every wait has a timeout. A job past its timeout, or whose rank failed while others still run
 (the launcher would kill them), ends with every worker of the job killed (process group and
-all); workers that failed or were left unclean are replaced, and a replaced worker starts
+all); workers that failed (other than refusing bad input, exit 2) or were left unclean are replaced, and a replaced worker starts
 importing at once, in the background.
 """
 from __future__ import annotations
@@ -37,6 +37,9 @@ MAX_WORLD = 4
 JOBS_PER_WORKER = 60      # a worker is replaced after this many jobs (bounds memory growth)
 FAILED_RANK_GRACE_S = 15  # how long the other ranks may still take once one rank failed
 START_TIMEOUT_S = 120     # imports of a new worker
+# Exit codes after which a worker is reused: success, and the CLI's refusal of bad input (exit 2,
+# raised before any engine or process group starts). Any other exit replaces the worker.
+CLEAN_EXITS = (0, 2)
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
              "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK")
 
@@ -181,7 +184,7 @@ class RankPool:
         finally:
             unfinished = [r for r in range(world) if replies[r] is None]
             dirty = [r for r in range(world) if replies[r] is not None
-                     and (replies[r]["rc"] != 0 or not replies[r]["clean"])]
+                     and (replies[r]["rc"] not in CLEAN_EXITS or not replies[r]["clean"])]
             if unfinished or dirty:
                 self._replace(sorted(set(unfinished) | set(dirty)))
         outs = [_read(jobdir / f"{r}.out") for r in range(world)]

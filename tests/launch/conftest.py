@@ -124,11 +124,10 @@ def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
 def one_and_two_ranks(tmp_path: Path, **sections) -> tuple[dict, dict]:
     """The summaries of `tiny_config` with ``sections`` trained by one process (``one/``) and
     by two ranks (``two/``), on warm ranks of the test pool."""
-    single = tiny_config(tmp_path / "one", **sections)
-    gmeta_ranks(1, "train", "--config", single)
+    one = trained_once(tiny_config(tmp_path / "one", **sections), 1)
     double = tiny_config(tmp_path / "two", **sections)
     gmeta_ranks(2, "train", "--config", double)
-    one, two = summary(single), summary(double)
+    two = summary(double)
     assert one["world_size"] == 1 and two["world_size"] == 2
     return one, two
 
@@ -140,12 +139,34 @@ def assert_same_model(a: dict, b: dict) -> None:
     assert a["tasks_seen"] == b["tasks_seen"]
 
 
+_TRAINED: dict[tuple[str, int], dict] = {}
+
+
+def trained_once(config: Path, world: int) -> dict:
+    """The summary of ``config`` trained on ``world`` pool ranks, memoised for the session by the
+    resolved config (its output_dir aside) and the world size: the reference runs that several
+    files compare with train once. The first call's output_dir holds the run's files."""
+    from gmeta_ds.config import load_config
+
+    resolved = load_config(str(config), [])
+    key = (json.dumps({**_plain(resolved), "output_dir": None}, sort_keys=True, default=str), world)
+    if key not in _TRAINED:
+        gmeta_ranks(world, "train", "--config", config)
+        _TRAINED[key] = summary(config)
+    return _TRAINED[key]
+
+
+def _plain(cfg) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> dict:
     """`tiny_config` trained by one process (no launcher variables)."""
     path = tiny_config(tmp_path_factory.mktemp("reference"))
-    gmeta_ranks(1, "train", "--config", path)
-    result = summary(path)
+    result = trained_once(path, 1)
     assert result["world_size"] == 1 and result["batch"].startswith("4 tasks/micro-batch x 2")
     return result
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from conftest import (BIN, REPO, assert_same_model, deepspeed_cmd, gmeta_ranks, leaked_shm, run, summary,
-                      tiny_config)
+                      tiny_config, trained_once)
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -51,11 +51,10 @@ def test_bf16_configs_train_close_to_fp32(tmp_path, reference_run, ds_file):
 def test_deepspeed_module_form_with_reptile(tmp_path):
     """``deepspeed --module gmeta_ds.cli`` (the launcher inserts --local_rank first)."""
     overrides = {"meta": {"algorithm": "reptile", "tasks_per_micro_batch": 4, "tasks_per_meta_step": 8}}
-    single = tiny_config(tmp_path / "one", **overrides)
-    gmeta_ranks(1, "train", "--config", single)
+    one = trained_once(tiny_config(tmp_path / "one", **overrides), 1)
     double = tiny_config(tmp_path / "two", **overrides)
     run(deepspeed_cmd(2, "--module", "gmeta_ds.cli", "train", "--config", str(double)))
-    assert_same_model(summary(double), summary(single))
+    assert_same_model(summary(double), one)
 
 
 SHARDED = {"sharding": "sharded", "plan": "row_wise",
@@ -69,9 +68,7 @@ ROW_ADAPT = {"adapt": ["mlp.*", "embedding.item_id"]}
 
 @pytest.fixture(scope="module")
 def single_process_sharded(tmp_path_factory):
-    path = tiny_config(tmp_path_factory.mktemp("single_sharded"), embedding=SHARDED, meta=ROW_ADAPT)
-    gmeta_ranks(1, "train", "--config", path)
-    return summary(path)
+    return trained_once(tiny_config(tmp_path_factory.mktemp("single_sharded"), embedding=SHARDED, meta=ROW_ADAPT), 1)
 
 
 @pytest.mark.parametrize("stage", [0, pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import gmeta_ranks, summary, text_config
+from conftest import gmeta_ranks, summary, text_config, trained_once
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -29,7 +29,7 @@ def one_process(tmp_path_factory):
 
     def get(algorithm: str) -> dict:
         if algorithm not in cache:
-            cache[algorithm] = train(text_config(tmp_path_factory.mktemp(f"one_{algorithm}"), algorithm), 1)
+            cache[algorithm] = trained_once(text_config(tmp_path_factory.mktemp(f"one_{algorithm}"), algorithm), 1)
         return cache[algorithm]
     return get
 

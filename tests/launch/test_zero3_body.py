@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_same_model, gmeta_ranks, summary, text_config, tiny_config
+from conftest import REPO, assert_same_model, gmeta_ranks, summary, text_config, tiny_config, trained_once
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
@@ -38,7 +38,9 @@ def text_one_process(tmp_path_factory):
 
     def get(algorithm: str) -> dict:
         if algorithm not in cache:
-            cache[algorithm] = text_run(tmp_path_factory.mktemp(f"one_{algorithm}"), algorithm, "zero0", 1)
+            path = text_config(tmp_path_factory.mktemp(f"one_{algorithm}"), algorithm, "zero0",
+                               meta={**HEAD, "algorithm": algorithm})
+            cache[algorithm] = trained_once(path, 1)
             assert cache[algorithm]["split_body"] is False
         return cache[algorithm]
     return get
@@ -103,7 +105,7 @@ def ctr_config(tmp_path: Path, ds: str, algorithm: str = "maml", sharding: str =
 
 @pytest.mark.parametrize("sharding", ["replicated", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_ctr_zero3_split_equals_one_process(tmp_path, sharding):
-    one = train(ctr_config(tmp_path / "one", "zero0", sharding=sharding), 1)
+    one = trained_once(ctr_config(tmp_path / "one", "zero0", sharding=sharding), 1)
     two = train(ctr_config(tmp_path / "two", "zero3", sharding=sharding), 2)
     assert two["split_body"] is True and one["split_body"] is False
     assert_same_model(two, one)
@@ -112,7 +114,7 @@ def test_ctr_zero3_split_equals_one_process(tmp_path, sharding):
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fomaml", "reptile", "metasgd"])
 def test_ctr_zero3_split_equals_one_process_every_algorithm(tmp_path, algorithm):
-    one = train(ctr_config(tmp_path / "one", "zero0", algorithm), 1)
+    one = trained_once(ctr_config(tmp_path / "one", "zero0", algorithm), 1)
     two = train(ctr_config(tmp_path / "two", "zero3", algorithm), 2)
     assert two["split_body"] is True
     assert_same_model(two, one)
