@@ -42,13 +42,13 @@ test-ci: install
 	$(PY) -m pytest -q -m "not gpu" $(call junit,test-ci)
 
 # Every shell command of the README, docs/*.md and examples/*/README.md, run at small sizes in a
-# copy of the tree (tests/docs/test_doc_commands.py; 12-19 min on 2 shared cores). The venv's bin
+# copy of the tree (tests/docs/test_doc_commands.py; each distinct command once). The venv's bin
 # first on PATH, as for demo.
 test-docs: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-docs: install
 	$(PY) -m pytest -q -m docs tests/docs $(call junit,test-docs)
 
-# Tests marked slow: further cases of paths the default run already covers (15-25 min on 2 cores: 29 launches).
+# Tests marked slow: further cases of paths the default run already covers (29 tests).
 test-slow: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-slow: install
 	$(PY) -m pytest -q -m "slow and not gpu" $(call junit,test-slow)
