@@ -38,7 +38,8 @@ from torch import nn
 
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
-from gmeta_ds.algorithms.base import check_id_columns, check_row_fields, shown_candidates, unmatched_patterns
+from gmeta_ds.algorithms.base import (
+    check_id_columns, check_row_fields, check_task_fields, probe_model, shown_candidates, unmatched_patterns)
 from gmeta_ds.config import RunConfig, config_from_dict
 from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.builder import build_tasks as build_task_store
@@ -311,6 +312,24 @@ def _adapt_patterns(model: nn.Module, adapt, where: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- engine
+BASELINES = ("non_meta", "popularity")
+
+
+def _baseline_names(problems: list[str], baselines) -> list[str]:
+    """``evaluate``'s ``baselines`` as a list of names of `BASELINES` (a str is one name)."""
+    if isinstance(baselines, str):
+        baselines = [baselines]
+    try:
+        names = list(baselines)
+    except TypeError:
+        problems.append(f"baselines: {baselines!r} is not a list of {', '.join(BASELINES)}")
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        problems.append(f"baselines: {', '.join(map(repr, bad))} not among {', '.join(BASELINES)}")
+    return [n for n in BASELINES if n in names]
+
+
 @dataclass
 class StepResult:
     """One meta-step on this rank: mean query / support loss over its micro-batches
@@ -330,12 +349,16 @@ class MetaEngine:
     `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``."""
 
     def __init__(self, engine, embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig],
-                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = "abort"):
+                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = "abort",
+                 initial: dict[str, torch.Tensor] | None = None):
         self.engine, self.embeddings, self.tables = engine, embeddings, tables
         self.plan, self.ds_config, self.rank, self.seed = plan, ds_config, rank, seed
         self.nonfinite = nonfinite
         self.fields = list(getattr(engine.module.net, "row_fields", []))
         self.step = 0  # meta-steps done (restored by `resume`)
+        # The learner's weights before training (CPU copies; tables sharded outside it are
+        # re-made from their configs): the non-meta baseline starts from them.
+        self.initial = initial
 
     @property
     def learner(self) -> MetaLearner:
@@ -358,6 +381,7 @@ class MetaEngine:
                                                           f"{type(tasks).__name__}"]
         _int_at_least(problems, "step", step, 0)
         _check(problems, "MetaEngine.batches")
+        check_task_fields(self.learner.net, tasks.fields, "MetaEngine.batches")
         lengths = task_lengths(tasks) if bucket_by_length else None
         sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
                                    self.plan.world_size, self.rank, self.seed, lengths)
@@ -402,6 +426,41 @@ class MetaEngine:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return ds_engine.save_weights(state, path)
 
+    def save_model(self, path: str | Path, data: TaskData) -> Path | None:
+        """The trained model as one folder that `gmeta_ds.load_model` reads back without running
+        code (`gmeta_ds.saved`): every weight with the tables reassembled from their shards
+        (model.safetensors), ``data``'s fields and vocabularies (raw values -> rows), the
+        tables and the algorithm's settings (model.json, with each file's SHA-256). Written by
+        rank 0 beside ``path`` and renamed into place (collective; None on other ranks).
+        ``path`` may be new, empty or an earlier saved model; anything else is refused, on
+        every rank, before the collective."""
+        from gmeta_ds.saved import META
+
+        where = "MetaEngine.save_model"
+        problems = []
+        if not (isinstance(path, Path) or isinstance(path, str) and path.strip()):
+            problems.append(f"path: {path!r} is not a folder path (str or Path)")
+        if not isinstance(data, TaskData):
+            problems.append(f"data: expected the gm.TaskData the model was trained on (its fields and "
+                            f"vocabularies), got {type(data).__name__}")
+        _check(problems, where)
+        folder = Path(path)
+        if folder.exists() and not folder.is_dir():
+            problems.append(f"path: {folder} is a file, expected a folder for the saved model")
+        elif folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
+            problems.append(f"path: {folder} is a folder that holds other files and no {META}; save into a new "
+                            "or empty folder, or over an earlier saved model")
+        _check(problems, where)
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        from gmeta_ds.saved import write_model
+
+        net = self.learner.net
+        tables = self.tables or (list(net.embedding.tables.values())
+                                 if isinstance(getattr(net, "embedding", None), EmbeddingCollection) else [])
+        return write_model(folder, state, net, data.fields, tables, data.vocab, self.learner.algorithm)
+
     def single_process_learner(self, state: dict | None = None) -> MetaLearner:
         """A plain copy of the learner holding every weight (its tables inside the model, as
         ``model.embedding``): for evaluation, serving or export. Collective without ``state``."""
@@ -415,7 +474,9 @@ class MetaEngine:
         learner.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return learner
 
-    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64) -> dict:
+    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64, *,
+                 baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = 3,
+                 baseline_lr: float = 1e-3, baseline_batch_size: int = 512) -> dict:
         """Cold-start scores of ``tasks``: each adapted on its support set (first order,
         ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
         per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
@@ -423,13 +484,37 @@ class MetaEngine:
         the same dict (collective). ``inner_steps=0`` scores without adapting (the adapted
         metrics then equal the ``*_no_adapt`` ones). A metric that is undefined on these tasks
         (AUC when every query label is one class) is None, with the reason under ``warnings``
-        (`gmeta_ds.evaluation.score`)."""
+        (`gmeta_ds.evaluation.score`).
+
+        ``baselines`` (what ``gmeta-ds train`` reports next to the meta-learned model, scored
+        on the same tasks; each needs ``train``, the training tasks): ``"non_meta"``, the same
+        model from the same initial weights trained without meta-learning on every training
+        interaction (Adam, ``baseline_epochs`` x ``baseline_lr``, batches of
+        ``baseline_batch_size`` rows, seeded by the engine's seed), scored as is
+        (``baseline_<metric>``) and fine-tuned on each support with the learner's inner loop
+        (``baseline_finetune_<metric>``); ``"popularity"``, each item's shrunk training click
+        rate (or mean rating) plus a per-user offset fitted on the support
+        (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
+        alone (no collective; deterministic on CPU)."""
         problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
                                                           f"{type(tasks).__name__}"]
         if inner_steps is not None:
             _int_at_least(problems, "inner_steps", inner_steps, 0)
         _int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
+        wanted = _baseline_names(problems, baselines)
+        if wanted:
+            if not isinstance(train, TaskSet):
+                problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
+                                f"pass train=data.train (got {type(train).__name__})")
+            _int_at_least(problems, "baseline_epochs", baseline_epochs, 0)
+            _finite(problems, "baseline_lr", baseline_lr)
+            _int_at_least(problems, "baseline_batch_size", baseline_batch_size, 1)
+            if "non_meta" in wanted and self.initial is None:
+                problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
+                                "engine did not keep (its parameters were already partitioned when "
+                                "gm.initialize got them)")
         _check(problems, "MetaEngine.evaluate")
+        check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
         learner = self.single_process_learner()
         lrs = learner.algorithm.learning_rates(learner)
         steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
@@ -441,7 +526,58 @@ class MetaEngine:
             dist.all_gather_object(parts, mine)
         if len(tasks) == 0:
             return {"tasks": 0}
-        return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+        result = {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+        if "non_meta" in wanted:
+            result.update(self._non_meta_scores(tasks, train, steps, tasks_per_batch, baseline_epochs,
+                                                baseline_lr, baseline_batch_size))
+        if "popularity" in wanted:
+            result.update(self._popularity_scores(tasks, train))
+        return result
+
+    def initial_learner(self) -> MetaLearner:
+        """A single-process copy of the learner holding the weights `initialize` started from
+        (its tables freshly initialised from the tables' configs and the engine's seed)."""
+        if self.initial is None:
+            raise ConfigError(["the initial weights were not kept (the parameters were already partitioned "
+                               "when gm.initialize got them)"], "MetaEngine.initial_learner")
+        state = dict(self.initial)
+        if self.embeddings is not None:
+            fresh = EmbeddingCollection(self.tables, self.seed).state_dict()
+            state.update({f"net.embedding.{k}": v for k, v in fresh.items()})
+        return self.single_process_learner(state)
+
+    def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
+                         epochs: int, lr: float, batch_size: int) -> dict:
+        from gmeta_ds.evaluation import HEADLINE, evaluate, train_baseline
+
+        baseline = self.initial_learner()
+        kind = baseline.algorithm.kind
+        train_baseline(baseline.net, train, epochs, batch_size, lr, self.seed, LOSSES[kind])
+        fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
+        base = evaluate(baseline, fixed, tasks, steps, tasks_per_batch)
+        out = {}
+        for name in HEADLINE[kind]:
+            out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
+            out[f"baseline_finetune_{name}"] = base[name]
+        if kind == "binary":
+            out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+        return out
+
+    def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> dict:
+        from gmeta_ds.baselines import POPULARITY_METRICS, fit_popularity, popularity_scores
+        from gmeta_ds.data.popularity import item_column
+
+        kind = self.learner.algorithm.kind
+        if kind not in POPULARITY_METRICS:
+            raise ConfigError([f"baselines: 'popularity' scores binary or regression labels, not {kind!r}"],
+                              "MetaEngine.evaluate")
+        try:
+            column = item_column(train.fields)
+        except ValueError as err:
+            raise ConfigError([f"baselines: 'popularity': {err}"], "MetaEngine.evaluate") from None
+        raw = single_fields(train.fields)[column].raw
+        popularity = fit_popularity(train, column, kind, oov_id=None if raw else 0, raw=raw)
+        return popularity_scores(popularity, tasks)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict:
@@ -502,6 +638,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     net = learner.net
     if sharding == "dense" and tables and getattr(net, "embedding", None) is None:
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
+    if not ds_engine.is_partitioned(learner):  # local: before any collective
+        probe_model(learner, *_probe_shape(net, tables), "gmeta_ds.initialize")
     if not dist.is_initialized():
         init_process_group(collective_timeout_s)
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
@@ -526,11 +664,29 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
         if manifest["world_size"] != world and zero_stage(ds_config) > 0:
             universal = checkpoint.to_universal(found, output_dir, manifest)
             ds_config = ds_internals.with_load_universal(ds_config)
+    initial = None if ds_engine.is_partitioned(learner) else {
+        k: v.detach().to("cpu", copy=True) for k, v in learner.state_dict().items()}
     engine = ds_engine.initialize(learner, ds_config, resume=found)
-    meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite)
+    meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite, initial)
     if found is not None:
         meta.step = checkpoint.load(found, manifest, engine, embeddings, universal)["step"]
     return meta
+
+
+def _probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], int]:
+    """The fields (single-hot first, in ``row_fields`` order) and dim of the rows ``net`` will
+    get: from ``tables``, else from the net's own `EmbeddingCollection`; ([], 0) for a net fed
+    otherwise (the text workload)."""
+    if tables:
+        features = list(dict.fromkeys(f for t in tables for f in t.features))
+        dim = tables[0].dim
+    elif isinstance(getattr(net, "embedding", None), EmbeddingCollection):
+        own = net.embedding
+        features, dim = list(own.by_feature), next(iter(own.tables.values())).dim
+    else:
+        return [], 0
+    first = [f for f in getattr(net, "row_fields", None) or [] if f in features]
+    return first + [f for f in features if f not in first], dim
 
 
 def _check_engine_inputs(learner, tables, lr, resume, output_dir) -> list[TableConfig]:

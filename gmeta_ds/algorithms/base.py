@@ -21,7 +21,8 @@ from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.embedding.tables import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import (
-    LOSSES, MODEL_CONTRACT, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, run_tasks)
+    LOSSES, MODEL_CONTRACT, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, check_output,
+    run_tasks)
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features, check_split
 
@@ -178,6 +179,99 @@ def model_contract(net: nn.Module, rows: Tensor, buffers: bool = True):
         raise ConfigError([f"model: {type(net).__name__}.forward updated buffer(s) {', '.join(changed)} in "
                            f"place; {MODEL_CONTRACT} (keep such state out of forward: e.g. LayerNorm, or "
                            "BatchNorm in eval mode)"])
+
+
+def check_task_fields(net: nn.Module, fields, where: str) -> None:
+    """``net.row_fields`` against the tasks' single-hot fields (``fields``: the `FieldSpec`
+    list of a `TaskSet`): the same names in the same order, else a `ConfigError` naming the
+    missing, foreign or misplaced fields (local: before any lookup or collective)."""
+    names = getattr(net, "row_fields", None)
+    if not names or getattr(net, "embed", None) is not None:  # the net's own lookup reads the ids its way
+        return
+    single = [f.name for f in fields if not getattr(f, "multi_hot", False)]
+    names = list(names)
+    if names == single:
+        return
+    missing = [f for f in single if f not in names]
+    foreign = [f for f in names if f not in single]
+    what = []
+    if missing:
+        what.append(f"misses the tasks' field(s) {', '.join(missing)}")
+    if foreign:
+        what.append(f"names {', '.join(foreign)}, which the tasks do not have")
+    if not what:
+        what.append(f"lists the fields in another order ({', '.join(names)})")
+    raise ConfigError([f"model.row_fields {' and '.join(what)}; the tasks' single-hot fields are, in order: "
+                       f"{', '.join(single)} (build the model with row_fields = [f.name for f in "
+                       "gm.single_fields(data.fields)])"], where)
+
+
+PROBE_ROWS = 3  # rows per probe task: small, and unlikely to equal F or d by accident
+
+
+def probe_model(learner: "MetaLearner", features: list[str], dim: int, where: str) -> None:
+    """One forward of the model on a small random batch of the shape training will give it,
+    before anything distributed happens: ``model(rows)`` with rows ``(N, F, d)`` (F = the
+    tables' ``features``, d = their ``dim``), its output shape, and with ``vectorize`` the
+    same call under `torch.func.vmap` over two tasks. A wrong signature, a field the model
+    does not expect, a table/model dim mismatch, an ``(N, 1)`` output or a forward that vmap
+    cannot vectorize becomes one `ConfigError` naming the model, the shape and the contract,
+    instead of a traceback at the first meta-step (callers skip a learner ZeRO-3 has already
+    partitioned: its parameters are not here). Parameters are read, never changed;
+    buffers are cloned (a forward that updates them in place is refused by training's own
+    check); the global RNG is left as it was."""
+    from torch.func import vmap
+
+    net = learner.net
+    params = dict(net.named_parameters())
+    floats = [p for p in params.values() if p.is_floating_point()]
+    if not features or not floats or any(p.is_meta for p in floats):
+        return  # no CTR rows to make, or parameters not materialised here
+    device, dtype = floats[0].device, floats[0].dtype
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    rows = torch.randn(2, PROBE_ROWS, len(features), dim, generator=generator).to(device, dtype)
+    state = {**params, **{n: b.clone() for n, b in net.named_buffers()}}
+    name = type(net).__name__
+    shape = (f"rows of shape (N, F, d) = {tuple(rows.shape[1:])}: F = {len(features)} fields "
+             f"({', '.join(features)}), d = {dim} (the tables' dim)")
+    kind = learner.algorithm.kind
+    with torch.no_grad():
+        try:
+            out = functional_call(net, state, (rows[0],))
+        except TypeError as err:
+            raise ConfigError([f"model: {name}(rows) raised TypeError: {err}; {MODEL_CONTRACT}"], where) from None
+        except RuntimeError as err:
+            why = next((w for key, w in CONTRACT_ERRORS if key in str(err).lower()), None)
+            if why is None or type(err) is not RuntimeError:
+                raise
+            first = str(err).strip().splitlines()[0]
+            raise ConfigError([f"model: {name}(rows) failed on {shape}: {why}: a field the model does not "
+                               f"expect, or a model built for another dim (torch: {first}); "
+                               f"{MODEL_CONTRACT}"], where) from None
+        changed = [n for n, b in net.named_buffers() if not torch.equal(b, state[n])]
+        if changed:
+            raise ConfigError([f"model: {name}.forward updated buffer(s) {', '.join(changed)} in place; "
+                               f"{MODEL_CONTRACT} (keep such state out of forward: e.g. LayerNorm, or "
+                               "BatchNorm in eval mode)"], where)
+        if not isinstance(out, Tensor):
+            raise ConfigError([f"model: {name}(rows) returned {type(out).__name__}, not a tensor; "
+                               f"{MODEL_CONTRACT}"], where)
+        try:
+            check_output(out, rows[0], kind)
+        except ConfigError as err:
+            raise ConfigError(err.problems, where) from None
+        if not getattr(learner.algorithm, "vectorize", False):
+            return
+        try:
+            vmap(lambda r: functional_call(net, state, (r,)))(rows)
+        except RuntimeError as err:
+            if type(err) is not RuntimeError:
+                raise
+            first = str(err).strip().splitlines()[0]
+            raise ConfigError([f"model: {name}(rows) runs alone but not under torch.func.vmap over tasks "
+                               f"(torch: {first}): make forward vectorizable (docs/api.md, 'Writing a "
+                               "model that vectorizes'), or pass vectorize=False to gm.meta_learner "
+                               "(a loop over tasks, slower)"], where) from None
 
 
 def _optional_prior(key: str, value, kind: str) -> "float | None":

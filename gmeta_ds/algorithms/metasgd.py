@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gmeta_ds.algorithms.base import MetaAlgorithm
+from gmeta_ds.errors import ConfigError
 
 
 def _key(name: str) -> str:
@@ -28,8 +29,14 @@ class MetaSGD(MetaAlgorithm):
         params = dict(learner.net.named_parameters())
         rates = {_key(n): torch.full_like(params[n], self.rate(n)) for n in learner.adapted}
         # Deduplicated rows vary in number per micro-batch: one rate per embedding dimension.
-        for name in learner.adapted_names()[len(learner.adapted):]:
-            rates[_key(name)] = torch.full((learner.net.embed_dim,), self.rate(name))
+        rows = learner.adapted_names()[len(learner.adapted):]
+        dim = getattr(learner.net, "embed_dim", None)
+        if rows and not (isinstance(dim, int) and dim > 0):
+            raise ConfigError([f"meta.algorithm: metasgd learns one inner rate per embedding dimension for the "
+                               f"adapted rows ({', '.join(rows)}): the model must state the tables' dim as "
+                               f"model.embed_dim (an int), got {dim!r}"])
+        for name in rows:
+            rates[_key(name)] = torch.full((dim,), self.rate(name))
         learner.inner_lrs = nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})
 
     def learning_rates(self, learner):

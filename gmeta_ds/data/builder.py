@@ -39,10 +39,11 @@ from gmeta_ds.data.store_lock import STALL_S, build_lock
 from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
                                   long_task_chunks, open_store, row_order_key, store_version)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
+from gmeta_ds.data.vocab import Vocabulary
 
-# 6: a 0/1 label under the default threshold is clicks (`readers.click_threshold`); 5: the key
+# 7: the store keeps the vocabularies; 6: a 0/1 label under the default threshold is clicks (`readers.click_threshold`); 5: the key
 # sees the log's content; 4: within-task order by `stream.row_order_key`
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 
 
 @dataclass
@@ -56,6 +57,8 @@ class TaskData:
     # four-state split only: warm, user_cold, item_cold, user_item_cold (test is user_cold)
     states: dict = field(default_factory=dict)
     valid: TaskSet | None = None  # validation users (empty unless data.valid_fraction > 0)
+    # field -> its `Vocabulary` (raw value -> row id), for every field with one (not raw_ids)
+    vocab: dict[str, Vocabulary] = field(default_factory=dict)
 
 
 def read_log(cfg: DataConfig) -> InteractionLog:
@@ -98,6 +101,12 @@ def _vocab(values: np.ndarray, train_rows: np.ndarray, min_count: int) -> tuple[
     ids = np.empty(len(uniq), dtype=np.int32)
     ids[np.lexsort((uniq, -counts))] = np.arange(1, len(uniq) + 1, dtype=np.int32)
     return uniq, ids
+
+
+def _in_id_order(vocab: tuple[np.ndarray, np.ndarray]) -> Vocabulary:
+    """A `_vocab` (sorted values, their ids) as a `Vocabulary` (values in id order)."""
+    known, ids = vocab
+    return Vocabulary.from_arrow(pa.array(known[np.argsort(ids, kind="stable")], pa.string()))
 
 
 def raw_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -287,7 +296,7 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
     test_row = ~masks["train"]  # vocabularies see training rows only (not valid, not test)
     train_rows = np.nonzero(masks["train"])[0]
     user_cols, item_cols, multi_sides = _fields(log)
-    fields, columns, multi = [], [], {}
+    fields, columns, multi, vocabularies = [], [], {}, {}
     check_raw_ids(cfg, multi_sides, user_cols + item_cols, log.source)
     for name, side in [(c, "user") for c in user_cols] + [(c, "item") for c in item_cols]:
         if name in cfg.raw_ids:
@@ -299,6 +308,7 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
         vocab = _vocab(values, train_rows, cfg.min_count)
         fields.append(FieldSpec(name, len(vocab[0]) + 1, side))
         columns.append(_encode(values, vocab))
+        vocabularies[name] = _in_id_order(vocab)
     for name, side in multi_sides.items():
         col = table.column(name).take(pa.array(rows))
         lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -308,6 +318,7 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
         vocab = _vocab(tokens, np.nonzero(token_train)[0], cfg.min_count)
         fields.append(FieldSpec(name, len(vocab[0]) + 1, side, multi_hot=True))
         multi[name] = (_encode(tokens, vocab), offsets)
+        vocabularies[name] = _in_id_order(vocab)
     ids = np.stack(columns, axis=1) if columns else np.zeros((len(rows), 0), dtype=np.int32)
     ratings = log.frame.data.column(log.schema.label).to_numpy().astype(np.float32)[rows]
     if cfg.label == "regression":
@@ -329,7 +340,7 @@ def _encode_split(log, cfg, rows, task_of_row, masks, stats) -> TaskData:
             raise DataError(f"{log.source}: no {split} task keeps more than data.query_size "
                             f"({cfg.query_size}) interactions after the split")
     states = {k: v for k, v in parts.items() if k in STATES}
-    return TaskData(fields, parts["train"], parts["test"], stats, states, parts["valid"])
+    return TaskData(fields, parts["train"], parts["test"], stats, states, parts["valid"], vocabularies)
 
 
 def _task_set(fields, ids, labels, multi, task_of_row, mask, query_size) -> tuple[TaskSet, int]:

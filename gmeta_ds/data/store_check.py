@@ -284,3 +284,36 @@ def _offset_check(n_values: int, n_offsets: int):
             return f"the last bag offset is {last[0]}, expected {n_values} (the values file's length)"
         return None
     return check
+
+
+# ---------------------------------------------------------------- vocabularies
+U1 = np.dtype(np.uint8)
+
+
+def verify_vocab(store: Path, entries, fields: list[FieldSpec]) -> dict:
+    """The vocabularies manifest.json lists (field -> {data, offsets}), each file checked as
+    the split arrays are (plain file, size, checksum, offsets rising to the bytes' length) and
+    each field's length matching its ``num_ids - 1``; field -> `Vocabulary` (memory-mapped)."""
+    from gmeta_ds.data.vocab import Vocabulary
+
+    where = f"{store / 'manifest.json'}: vocab"
+    coded = {f.name: f for f in fields if not f.raw}
+    if not isinstance(entries, dict) or set(entries) != set(coded):
+        got = sorted(entries) if isinstance(entries, dict) else entries
+        raise DataError(f"{where}: lists {got!r}, expected {sorted(coded)} (every field with a vocabulary); "
+                        f"delete the folder {store} and the build runs again")
+    out = {}
+    for name, spec in entries.items():
+        if not isinstance(spec, dict) or set(spec) != {"data", "offsets"}:
+            raise _damaged(store / "manifest.json", f"vocab.{name} is {spec!r}, expected data and offsets")
+        data = _entry(store, f"{where}.{name}.data", spec["data"], U1)
+        offsets = _entry(store, f"{where}.{name}.offsets", spec["offsets"], I8)
+        if len(data[2]) != 1 or offsets[2] != (coded[name].num_ids,):
+            raise _damaged(offsets[0], f"the vocabulary of {name!r} has shape {offsets[2]} in manifest.json, "
+                                       f"expected [{coded[name].num_ids}] (its field's num_ids)")
+        _verify(*data)
+        _verify(*offsets, check=_offset_check(data[2][0], offsets[2][0]))
+        arrays = [np.memmap(p, dtype, "r", shape=tuple(shape)) if shape[0] else np.zeros(shape, dtype)
+                  for p, dtype, shape, _ in (data, offsets)]
+        out[name] = Vocabulary(*arrays)
+    return out

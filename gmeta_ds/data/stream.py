@@ -46,12 +46,13 @@ import pyarrow.parquet as pq
 from gmeta_ds.config import parse_memory
 from gmeta_ds.data.readers import (MISSING, DataError, InteractionLog, LogSchema, check_two_classes,
                                    click_threshold)
-from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split
+from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split, verify_vocab
 from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
 from gmeta_ds.data.tasks import FieldSpec, TaskSet
+from gmeta_ds.data.vocab import Vocabulary
 from gmeta_ds.embedding.dynamic import string_id
 
-STORE_VERSION = 2  # 2: a checksum per file and the label kind (version 1 stores are rebuilt)
+STORE_VERSION = 3  # 3: the vocabularies; 2: a checksum per file and the label kind (older stores are rebuilt)
 TRAIN, VALID, TEST = 0, 1, 2
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
 BATCH_ROWS = 1 << 19
@@ -514,7 +515,7 @@ class _Build:
         self.multi = [(c, "user" if c in s.user_features else "item") for c in s.multi_hot]
         check_raw_ids(cfg, s.multi_hot, user + item, self.source.what)
         train = self.masks["train"]
-        self.fields, self.multi_vocab, self.null_id = [], {}, {}
+        self.fields, self.multi_vocab, self.null_id, self.vocab = [], {}, {}, {}
         coded = [c for c, _ in self.single if c not in cfg.raw_ids]
         if coded:  # one scan for every single-hot field with a vocabulary: GROUPING SETS
             cols = ", ".join(f'"{c}"' for c in coded)
@@ -541,12 +542,14 @@ class _Build:
             self.null_id[n] = int(ids[missing[0]]) if len(missing) else 0  # a NULL never joins
             self.con.register(f"v{n}", pa.table({"v": values, "id": pa.array(ids)}))
             self.fields.append(FieldSpec(c, len(values) + 1, side))
+            self.vocab[c] = Vocabulary.from_arrow(text.take(order))
         for c, side in self.multi:
             vocab = _table(self.con, (
                 f'SELECT v FROM (SELECT unnest({self._bags(c)}) AS v FROM j WHERE {train}) GROUP BY 1 '
                 f'HAVING count(*) >= {int(cfg.min_count)} ORDER BY count(*) DESC, v')).column("v")
             self.multi_vocab[c] = vocab.combine_chunks() if vocab.num_chunks else pa.array([], pa.string())
             self.fields.append(FieldSpec(c, len(vocab) + 1, side, multi_hot=True))
+            self.vocab[c] = Vocabulary.from_arrow(self.multi_vocab[c])
         self.stats["vocab"] = {f.name: f.num_ids for f in self.fields}
 
     def raw_id_sql(self, c: str) -> str:
@@ -776,8 +779,12 @@ def build_store(source: Source, schema: LogSchema, cfg, seed: int, store: Path) 
             con.close()
         shutil.rmtree(work / "spill", ignore_errors=True)
         shutil.rmtree(work / "staged", ignore_errors=True)
+        vocab = {c: {"data": _write_array(work, f"vocab.{n}.data", v.data),
+                     "offsets": _write_array(work, f"vocab.{n}.offsets", v.offsets)}
+                 for n, (c, v) in enumerate(b.vocab.items())}
         manifest = {"format": "gmeta_ds task store", "version": STORE_VERSION, "label": cfg.label,
-                    "fields": [asdict(f) for f in b.fields], "stats": b.stats, "splits": splits}
+                    "fields": [asdict(f) for f in b.fields], "stats": b.stats, "splits": splits,
+                    "vocab": vocab}
         (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
         _fsync_tree(work)
         try:
@@ -909,8 +916,9 @@ def open_store(store: Path):
         parts[name] = TaskSet(fields, _rows(a["ids"]), _rows(a["labels"]), a["offsets"], a["support_len"],
                               a["task_keys"], multi)
     states = {k: v for k, v in parts.items() if k in STATES}
+    vocab = verify_vocab(store, manifest.get("vocab"), fields)
     return TaskData(fields, parts["train"], parts["test"], {**manifest["stats"], "cache": str(store)},
-                    states, parts.get("valid"))
+                    states, parts.get("valid"), vocab)
 
 
 def _rows(layout: tuple) -> StoreArray | np.ndarray:

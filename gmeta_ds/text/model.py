@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -84,6 +86,21 @@ def _no_dropout(config) -> None:
             setattr(config, key, 0.0)
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """Transformers' per-load "Loading weights" progress bar off while a classifier loads (a
+    run loads one several times: training, the baselines, `gmeta-ds eval`), as it was after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def build_classifier(cfg: TextConfig, tokenizer, seed: int) -> nn.Module:
     """An ``AutoModelForSequenceClassification`` with ``text.data.ways`` labels, identical on
     every rank (initialised from ``seed``), dropout off."""
@@ -96,9 +113,10 @@ def build_classifier(cfg: TextConfig, tokenizer, seed: int) -> nn.Module:
         try:
             config = AutoConfig.from_pretrained(str(folder), num_labels=ways, local_files_only=True)
             _no_dropout(config)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(folder), config=config, ignore_mismatched_sizes=True, local_files_only=True,
-                attn_implementation=attn)
+            with _quiet_loading():
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    str(folder), config=config, ignore_mismatched_sizes=True, local_files_only=True,
+                    attn_implementation=attn)
         except (OSError, ValueError) as exc:
             raise ConfigError([f"text.model.pretrained: no sequence classifier could be loaded "
                                f"from {folder}: {exc}"]) from exc

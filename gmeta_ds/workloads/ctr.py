@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
+from gmeta_ds.algorithms.base import probe_model
 from gmeta_ds.baselines import (fit_popularity, finetune_scores, finetune_search, item_column,
                                 popularity_scores)
 from gmeta_ds.config import RunConfig
@@ -24,7 +25,7 @@ from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_valid, synthetic_fields
-from gmeta_ds.data.tasks import bag_statistics, single_fields
+from gmeta_ds.data.tasks import bag_statistics, model_field_order, single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
@@ -193,7 +194,11 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
             resolve_placement(plan, 0)
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
-    build_learner(cfg, fields, with_tables=False).check_split_body()
+    learner = build_learner(cfg, fields, with_tables=False)
+    learner.check_split_body()
+    # One forward of a small batch (and under vmap): a registered model (gmeta_ds.registry.MODELS)
+    # that breaks the model contract fails here, in validate too, not at the first meta-step.
+    probe_model(learner, [f.name for f in model_field_order(fields)], cfg.model.embed_dim, f"model {cfg.model.name}")
 
 
 def build_learner(cfg: RunConfig, fields, with_tables: bool = True, train=None) -> MetaLearner:

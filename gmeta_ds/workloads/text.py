@@ -8,11 +8,13 @@ adapted on each episode's support vs. the same architecture fine-tuned from scra
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from gmeta_ds.algorithms import build_algorithm
 from gmeta_ds.config import RunConfig
@@ -70,12 +72,13 @@ def adapted_accuracy(learner: TextMetaLearner, batch: TextEpisodes, steps: int) 
     return float(np.mean(adapted)), float(np.mean(plain))
 
 
-def scratch_accuracy(cfg: RunConfig, tokenizer, batch: TextEpisodes) -> float:
-    """The baseline: the same architecture from its initialisation (no meta-training),
-    fine-tuned on each episode's support (all parameters, Adam, ``text.baseline_steps``)."""
+def scratch_accuracy(cfg: RunConfig, start: nn.Module, batch: TextEpisodes) -> float:
+    """The baseline: the same architecture from its initialisation (``start``: the classifier
+    as the run config builds it, before any meta-training), fine-tuned on each episode's
+    support (all parameters, Adam, ``text.baseline_steps``); ``start`` itself is not changed."""
     accuracies = []
     for i in range(batch.support_y.shape[0]):
-        net = SequenceClassifier(build_classifier(cfg.text, tokenizer, cfg.seed)).to(batch.support_y.device)
+        net = copy.deepcopy(start).to(batch.support_y.device)
         opt = torch.optim.Adam(net.parameters(), lr=cfg.text.baseline_lr)
         xs = (batch.support_ids[i], batch.support_attention[i])
         for _ in range(cfg.text.baseline_steps):
@@ -91,8 +94,11 @@ def scratch_accuracy(cfg: RunConfig, tokenizer, batch: TextEpisodes) -> float:
 def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTasks,
              initial: TextMetaLearner | None = None) -> dict:
     """Accuracy on ``text.eval_episodes`` episodes of held-out classes (deterministic); with
-    ``eval.baseline`` also of the initial model fine-tuned from scratch: with Adam for
-    ``text.baseline_steps`` steps, and with the meta-learner's own inner loop (``initial``)."""
+    ``eval.baseline`` also of the initial model (``initial``: the classifier the run config
+    builds, before meta-training) fine-tuned from scratch: with Adam for
+    ``text.baseline_steps`` steps, and with the meta-learner's own inner loop."""
+    if cfg.eval.baseline and initial is None:
+        initial = build_learner(cfg, tokenizer).to(next(learner.parameters()).device)
     numbers = list(range(cfg.text.eval_episodes))
     steps = cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
     adapted, plain, scratch, same = [], [], [], []
@@ -104,9 +110,8 @@ def evaluate(cfg: RunConfig, learner: TextMetaLearner, tokenizer, tasks: TextTas
         adapted += [a] * n
         plain += [p] * n
         if cfg.eval.baseline:
-            scratch += [scratch_accuracy(cfg, tokenizer, batch)] * n
-            if initial is not None:
-                same += [adapted_accuracy(initial, batch, steps)[0]] * n
+            scratch += [scratch_accuracy(cfg, initial.net, batch)] * n
+            same += [adapted_accuracy(initial, batch, steps)[0]] * n
     d = cfg.text.data
     result = {"episodes": len(numbers), "ways": d.ways, "shots": d.shots, "queries": d.queries,
               "held_out_classes": len(tasks.class_names["test"]), "inner_steps": steps,
@@ -181,9 +186,12 @@ class TextWorkload(Workload):
         """Held-out-class accuracy of a saved classifier (default: OUTPUT_DIR/model)."""
         folder = weights or str(Path(cfg.output_dir) / MODEL_DIR)
         model_cfg = dataclasses.replace(cfg.text.model, pretrained=folder, tokenizer=folder)
-        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, model=model_cfg))
-        tokenizer, tasks, learner = build(cfg)
-        return evaluate(cfg, learner, tokenizer, tasks)
+        saved = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, model=model_cfg))
+        tokenizer, tasks, learner = build(saved)
+        # The baselines start from the run config's own initialisation (its text.model), as
+        # `train` scored them, never from the meta-trained weights being evaluated.
+        initial = build_learner(cfg, tokenizer) if cfg.eval.baseline else None
+        return evaluate(cfg, learner, tokenizer, tasks, initial)
 
     def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
         _, tasks, learner = build(cfg)

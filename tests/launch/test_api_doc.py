@@ -25,6 +25,14 @@ def test_the_complete_example_runs_on_one_and_two_ranks(tmp_path):
     assert all(aucs), one.stdout[-2000:] + two.stdout[-2000:]
     assert aucs[0].groups() == aucs[1].groups()
     assert (tmp_path / "runs" / "mine" / "checkpoints" / "step_00000020" / "manifest.json").is_file()
+    # The baselines and the saved model read back (its tables gathered from 2 ranks' shards)
+    # give the same numbers on 1 and 2 ranks; a value outside the vocabulary still scores.
+    for pattern in (r"baselines: non-meta ([\d.]+), popularity ([\d.]+)", r"logits \[(-?[\d.]+), (-?[\d.]+)\]"):
+        found = [re.search(pattern, p.stdout) for p in (one, two)]
+        assert all(found), (pattern, one.stdout[-2000:])
+        assert found[0].groups() == found[1].groups(), pattern
+    assert sorted(p.name for p in (tmp_path / "runs" / "mine" / "model").iterdir()) == [
+        "model.json", "model.safetensors", "vocab.safetensors"]
 
 
 def test_the_registration_example_makes_a_new_algorithm_name_valid(tmp_path):

@@ -298,3 +298,177 @@ def test_row_fields_must_name_the_tables_features_and_every_id_column(data):
     words = r"model.row_fields: names 1 field\(s\) \(item\) but the tasks have 2 single-hot id column\(s\)"
     with pytest.raises(gm.ConfigError, match=words):
         learner(gm.collate(data.train, [0, 1]))
+
+
+# ------------------------------------------------------------------ 6. one forward at initialize
+class ExtraArgument(Tower):
+    """Breaks the contract: forward takes the labels too."""
+
+    def forward(self, rows, labels):
+        return super().forward(rows) * labels
+
+
+class OneField(Tower):
+    """Built for one field (the item's) while the tables hold two."""
+
+    def __init__(self):
+        super().__init__()
+        self.row_fields = ["age", "item"]
+        self.body = nn.Linear(4, 6)
+
+
+class BranchOnData(Tower):
+    """Runs alone, but branches in Python on the data: torch.func.vmap cannot vectorize it."""
+
+    def forward(self, rows):
+        out = super().forward(rows)
+        return out if float(rows.sum()) > 0 else -out
+
+
+class Dropout(Tower):
+    """Dropout left on: random per call, which vmap over tasks refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, rows):
+        return self.head(self.drop(torch.relu(self.body(rows.flatten(start_dim=-2))))).squeeze(-1)
+
+
+MISTAKES = [
+    (ExtraArgument, {}, r"model: ExtraArgument\(rows\) raised TypeError: .*missing 1 required positional "
+                        r"argument: 'labels'.*model contract \(docs/api.md\): model\(rows\)"),
+    (OneField, {}, r"model: OneField\(rows\) failed on rows of shape \(N, F, d\) = \(3, 2, 4\): F = 2 fields "
+                   r"\(age, item\), d = 4 \(the tables' dim\): .*a field the model does not expect, or a model "
+                   r"built for another dim \(torch: mat1 and mat2 shapes cannot be multiplied"),
+    (lambda: Tower(dim=8), {}, r"model: Tower\(rows\) failed on rows of shape \(N, F, d\) = \(3, 2, 4\): .*d = 4 "
+                               r"\(the tables' dim\)"),
+    (ColumnOut, {}, r"model output: model\(rows\) returned shape \(3, 1\) for rows of shape \(3, 2, 4\); "
+                    r"expected \(3,\) \(squeeze the last dimension"),
+    (Tower, {"loss": "multiclass"}, r"model output: model\(rows\) returned shape \(3,\) for rows of shape "
+                                    r"\(3, 2, 4\); expected \(3, C\)"),
+    (Counting, {}, r"model: Counting.forward updated buffer\(s\) calls in place"),
+    (BranchOnData, {}, r"model: BranchOnData\(rows\) runs alone but not under torch.func.vmap over tasks "
+                       r"\(torch: .*\): make forward vectorizable .*or pass vectorize=False"),
+    (Dropout, {}, r"model: Dropout\(rows\) runs alone but not under torch.func.vmap .*random"),
+]
+
+
+@pytest.mark.parametrize("make, options, words", MISTAKES,
+                         ids=["signature", "missing_field", "dim", "column_out", "multiclass_flat", "buffer",
+                              "branch", "dropout"])
+def test_initialize_runs_the_model_once_and_names_what_breaks_the_contract(data, make, options, words):
+    """Each mistake of a first day with one's own model is one ConfigError from gm.initialize,
+    on every rank before the process group starts, not a traceback at the first meta-step."""
+    learner = gm.meta_learner(make(), adapt="head.*", **options)
+    with pytest.raises(gm.ConfigError, match=words) as err:
+        gm.initialize(learner, tables=gm.tables_for(data.fields, 4))
+    assert "gmeta_ds.initialize" in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_model_that_loops_over_tasks_may_branch_on_data(data):
+    """vectorize=False runs each task alone: the vmap probe is not the model's contract then."""
+    from gmeta_ds.algorithms.base import probe_model
+
+    learner = gm.meta_learner(BranchOnData(), adapt="head.*", vectorize=False)
+    probe_model(learner, ["age", "item"], 4, "test")
+    with pytest.raises(gm.ConfigError, match="not under torch.func.vmap"):
+        probe_model(gm.meta_learner(BranchOnData(), adapt="head.*"), ["age", "item"], 4, "test")
+
+
+def test_the_probe_changes_neither_the_model_nor_the_random_stream(data):
+    from gmeta_ds.algorithms.base import probe_model
+
+    model = Tower()
+    model.register_buffer("scale", torch.ones(()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    probe_model(gm.meta_learner(model, adapt="head.*"), ["age", "item"], 4, "test")
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_probe_reads_fields_and_dim_from_the_models_own_tables(data):
+    """A model owning its tables (sharding='dense' or its own EmbeddingCollection) is probed
+    with their fields and dim."""
+    from gmeta_ds.api import _probe_shape
+
+    model = _own_tables(OneField(), data)
+    assert _probe_shape(model, []) == (["age", "item"], 4)
+    with pytest.raises(gm.ConfigError, match=r"F = 2 fields \(age, item\), d = 4"):
+        gm.initialize(gm.meta_learner(model, adapt="head.*"))
+    assert _probe_shape(Tower(), []) == ([], 0)  # fed otherwise (the text workload): nothing to probe
+
+
+def test_tasks_whose_fields_the_model_does_not_name_are_refused_naming_them(data):
+    """engine.batches / engine.evaluate compare model.row_fields with the tasks' own fields."""
+    for row_fields, words in ((["item"], r"misses the tasks' field\(s\) age"),
+                              (["age", "brand"], r"misses the tasks' field\(s\) item and names brand, which "
+                                                 r"the tasks do not have"),
+                              (["item", "age"], r"lists the fields in another order \(item, age\)")):
+        model = Tower()
+        model.row_fields = row_fields
+        engine = _engine(gm.meta_learner(model, adapt="head.*"))
+        pattern = words + r"; the tasks' single-hot fields are, in order: age, item"
+        with pytest.raises(gm.ConfigError, match=pattern):
+            engine.batches(data.train, 0)
+        with pytest.raises(gm.ConfigError, match=pattern):
+            engine.evaluate(data.test)
+
+
+# ------------------------------------------------------------------ 7. baselines from the API
+def _engine_with_initial(learner) -> MetaEngine:
+    engine = _engine(learner)
+    engine.initial = {k: v.detach().clone() for k, v in learner.state_dict().items()}
+    return engine
+
+
+@pytest.mark.filterwarnings("ignore::gmeta_ds.evaluation.MetricWarning")
+def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_them(data):
+    from gmeta_ds.baselines import fit_popularity, popularity_scores
+    from gmeta_ds.evaluation import train_baseline
+
+    learner = gm.meta_learner(_own_tables(Tower(), data), "maml", inner_steps=2, inner_lr=0.3, adapt="head.*")
+    engine = _engine_with_initial(learner)
+    # Zero baseline epochs: the baseline is the initial model, which this untrained learner is.
+    same = engine.evaluate(data.test, baselines=["non_meta"], train=data.train, baseline_epochs=0)
+    assert same["baseline_auc"] == same["auc_no_adapt"] and same["baseline_logloss"] == same["logloss_no_adapt"]
+    assert same["baseline_finetune_logloss"] == same["logloss"]  # the learner's own inner loop
+    # Now move the learner away from its initial weights: the baseline still starts from them.
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.5)
+    moved = {k: v.clone() for k, v in learner.state_dict().items()}
+    trained = engine.evaluate(data.test, baselines=("non_meta", "popularity"), train=data.train,
+                              baseline_epochs=2, baseline_lr=0.01, baseline_batch_size=32)
+    reference = gm.meta_learner(_own_tables(Tower(), data), "maml", inner_steps=2, inner_lr=0.3, adapt="head.*")
+    reference.load_state_dict(engine.initial)
+    train_baseline(reference.net, data.train, 2, 32, 0.01, 0)
+    fixed = {n: 0.3 for n in reference.adapted_names()}
+    expected = evaluate(reference, fixed, data.test, 2)
+    assert trained["baseline_logloss"] == pytest.approx(expected["logloss_no_adapt"], abs=1e-6)
+    assert trained["baseline_finetune_logloss"] == pytest.approx(expected["logloss"], abs=1e-6)
+    assert trained["baseline_logloss"] != same["baseline_logloss"]  # it did train
+    popularity = popularity_scores(fit_popularity(data.train, 1, "binary", oov_id=0), data.test)
+    assert {k: trained[k] for k in popularity} == popularity
+    assert trained["logloss_no_adapt"] != same["logloss_no_adapt"]  # the meta-learned model is scored as it is
+    after = learner.state_dict()  # and never trained in place
+    assert all(torch.equal(moved[k], after[k]) for k in moved)
+
+
+def test_evaluate_refuses_bad_baseline_arguments_naming_them(data):
+    engine = _engine(gm.meta_learner(_own_tables(Tower(), data), adapt="head.*"))
+    with pytest.raises(gm.ConfigError, match=r"baselines: 'scratch' not among non_meta, popularity"):
+        engine.evaluate(data.test, baselines=["scratch"], train=data.train)
+    with pytest.raises(gm.ConfigError, match=r"train: the baselines popularity are fitted on the training tasks: "
+                                             r"pass train=data.train"):
+        engine.evaluate(data.test, baselines="popularity")
+    with pytest.raises(gm.ConfigError, match=r"baseline_lr: -1 is not a finite number > 0"):
+        engine.evaluate(data.test, baselines="popularity", train=data.train, baseline_lr=-1)
+    with pytest.raises(gm.ConfigError, match=r"'non_meta' starts from the model's initial weights, which this "
+                                             r"engine did not keep"):
+        engine.evaluate(data.test, baselines="non_meta", train=data.train)

@@ -263,3 +263,23 @@ def test_a_missing_peer_ends_in_a_timeout_naming_the_rendezvous(tmp_path):
     for words in ("gmeta-ds train: ", "not all WORLD_SIZE=2 ranks joined the rendezvous at "
                   f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} within train.collective_timeout_s=2 s"):
         assert words in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_registered_model_that_breaks_the_contract_is_refused_by_validate(tmp_path, capsys):
+    """gmeta-ds validate (and train, before its first collective) runs the model once on a
+    small batch: a model registered in MODELS that returns (N, 1) is named there."""
+    from gmeta_ds.models.melu import MeLU
+    from gmeta_ds.registry import MODELS
+
+    class ColumnMeLU(MeLU):
+        def forward(self, rows):
+            return super().forward(rows).unsqueeze(-1)
+
+    MODELS.register("column_melu", ColumnMeLU)
+    try:
+        cfg = {**TINY, "model": {"name": "column_melu"}}
+        cli_refuses(capsys, ["validate", "--config", write(tmp_path, cfg)],
+                    ["model column_melu", "model output: model(rows) returned shape (3, 1) for rows of shape (3, ",
+                     "(squeeze the last dimension"])
+    finally:
+        MODELS._entries.pop("column_melu")

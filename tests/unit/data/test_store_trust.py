@@ -184,7 +184,10 @@ def test_a_store_of_the_old_version_is_rebuilt(tmp_path):
     rewrite(store, m)
     data = build_tasks(cfg, seed=0)
     assert "cache" not in data.stats  # built again, not reused
-    assert manifest(store)["version"] == 2 and HASH in manifest(store)["splits"]["train"]["ids"]
+    from gmeta_ds.data.stream import STORE_VERSION
+
+    assert manifest(store)["version"] == STORE_VERSION == 3 and HASH in manifest(store)["splits"]["train"]["ids"]
+    assert set(manifest(store)["vocab"]) == {f.name for f in data.fields if not f.raw}  # version 3: vocabularies
 
 
 # ---------------------------------------------------------------- the cache key

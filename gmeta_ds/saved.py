@@ -1,0 +1,297 @@
+"""A trained model as one folder, written by `MetaEngine.save_model` and read back by
+`gmeta_ds.load_model` without running any code from it.
+
+The folder::
+
+    model.json          format, version, the model's class (informational), the fields, the
+                        tables, the algorithm's settings, and the SHA-256 of every other file
+    model.safetensors   every weight of the meta-learner (``net.*``: the model with its tables
+                        under ``net.embedding.*``; algorithm-owned ones such as Meta-SGD's
+                        ``inner_lrs.*``), float32
+    vocab.safetensors   each vocabulary (`gmeta_ds.data.vocab`) as ``<field>.data`` (uint8) and
+                        ``<field>.offsets`` (int64): raw values -> row ids
+
+Loading checks model.json's format and version, that each file it lists is a plain file of
+the folder whose SHA-256 matches, and that the model given has exactly the saved weights'
+names and shapes; a folder that fails any check is a `ConfigError` naming the file and what
+was expected. The model's code is the caller's (a class cannot be loaded without running
+code): `load_model(folder, model)` takes the model, or a function building it from the saved
+fields. The folder is written beside itself and renamed into place: a reader never sees half
+of it, and a folder being replaced stays whole until the new one is complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
+from gmeta_ds.data.vocab import Vocabulary, value_text
+from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+from gmeta_ds.errors import ConfigError
+
+FORMAT, VERSION = "gmeta_ds model", 1
+META, WEIGHTS, VOCAB = "model.json", "model.safetensors", "vocab.safetensors"
+ALGORITHM_KEYS = ("inner_steps", "inner_lr", "adapt", "vectorize", "kind", "split_body", "inner_lr_scale",
+                  "inner_loss_prior", "offset_first", "support_level")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def algorithm_settings(algorithm) -> dict | None:
+    """The registered name and settings of ``algorithm`` (None for a user's own class, which
+    cannot be rebuilt from a name)."""
+    from gmeta_ds.registry import ALGORITHMS
+
+    name = next((n for n in ALGORITHMS.names() if type(algorithm) is ALGORITHMS[n]), None)
+    if name is None:
+        return None
+    return {"name": name, **{k: getattr(algorithm, k) for k in ALGORITHM_KEYS}}
+
+
+def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, fields: list[FieldSpec],
+                tables: list[TableConfig], vocab: dict[str, Vocabulary], algorithm) -> Path:
+    """Write the folder (module docstring); returns its path. ``folder`` may be missing,
+    empty, or an earlier saved model (replaced whole, once the new one is complete);
+    anything else is refused before anything is written."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    where = "MetaEngine.save_model"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError([f"path: {folder} is a file, expected a folder for the saved model"], where)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
+        raise ConfigError([f"path: {folder} is a folder that holds other files and no {META}; save into a new "
+                           "or empty folder, or over an earlier saved model"], where)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        save_file({k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().cpu()
+                   for k, v in state.items()}, str(work / WEIGHTS))
+        arrays = {}
+        for name, v in vocab.items():
+            arrays[f"{name}.data"] = torch.from_numpy(np.ascontiguousarray(v.data, dtype=np.uint8))
+            arrays[f"{name}.offsets"] = torch.from_numpy(np.ascontiguousarray(v.offsets, dtype=np.int64))
+        save_file(arrays, str(work / VOCAB))
+        meta = {"format": FORMAT, "version": VERSION,
+                "model": f"{type(model).__module__}.{type(model).__qualname__}",
+                "fields": [dataclasses.asdict(f) for f in fields],
+                "tables": [{**dataclasses.asdict(t), "features": list(t.features)} for t in tables],
+                "algorithm": algorithm_settings(algorithm),
+                "files": {name: _sha256(work / name) for name in (WEIGHTS, VOCAB)}}
+        (work / META).write_text(json.dumps(meta, indent=1) + "\n")
+        for name in (WEIGHTS, VOCAB, META):
+            with open(work / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        if folder.exists():
+            folder.rename(old)
+        work.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+@dataclass
+class SavedModel:
+    """What `load_model` returns: ``model`` (its tables as ``model.embedding``), ``learner``
+    (the meta-learner rebuilt with the saved algorithm and weights; None for a user's own
+    algorithm class), ``fields``, ``tables``, ``vocab`` (field -> `Vocabulary`), ``path``."""
+
+    model: nn.Module
+    learner: Any
+    fields: list[FieldSpec]
+    tables: list[TableConfig]
+    vocab: dict[str, Vocabulary]
+    algorithm: dict | None
+    path: Path
+
+    def encode(self, columns: dict[str, Any]) -> tuple[Tensor, dict[str, Jagged]]:
+        """Raw feature values -> the model's inputs: ``columns`` maps every field to N raw
+        values (a multi-hot field to N lists of values); returns (ids (N, F_single) int64 in
+        the fields' order, {multi-hot field: Jagged}). A value outside the vocabulary gets
+        id 0 (the out-of-vocabulary row); a field of raw ids (dynamic tables) keeps its
+        values' ids."""
+        from gmeta_ds.embedding.dynamic import value_id
+
+        missing = [f.name for f in self.fields if f.name not in columns]
+        lengths = {f.name: len(columns[f.name]) for f in self.fields if f.name in columns}
+        problems = [f"columns: no values for field(s) {', '.join(missing)}"] if missing else []
+        if len(set(lengths.values())) > 1:
+            problems.append(f"columns: every field needs the same number of rows; got {lengths}")
+        if problems:
+            raise ConfigError(problems, "SavedModel.encode")
+        n = next(iter(lengths.values()), 0)
+        single = []
+        for f in single_fields(self.fields):
+            values = list(columns[f.name])
+            if f.raw:
+                single.append(np.fromiter((value_id(value_text(v)) for v in values), np.int64, len(values)))
+            else:
+                single.append(self.vocab[f.name].encode(values))
+        ids = torch.from_numpy(np.stack(single, axis=1) if single else np.zeros((n, 0), np.int64))
+        multi = {}
+        for f in self.fields:
+            if not f.multi_hot:
+                continue
+            bags = list(columns[f.name])
+            if any(isinstance(b, (str, bytes)) or not hasattr(b, "__iter__") for b in bags):
+                raise ConfigError([f"columns[{f.name!r}]: a multi-hot field takes one list of values per row"],
+                                  "SavedModel.encode")
+            bags = [list(b) for b in bags]
+            offsets = np.zeros(len(bags) + 1, np.int64)
+            np.cumsum([len(b) for b in bags], out=offsets[1:])
+            values = self.vocab[f.name].encode(v for b in bags for v in b)
+            multi[f.name] = Jagged(torch.from_numpy(values), torch.from_numpy(offsets))
+        return ids, multi
+
+    @torch.no_grad()
+    def logits(self, columns: dict[str, Any]) -> Tensor:
+        """The model's logits for raw rows (`encode`), without adaptation: (N,) or (N, C)."""
+        from gmeta_ds.algorithms.base import embedder
+        from gmeta_ds.models.popularity import net_logits
+
+        ids, multi = self.encode(columns)
+        return net_logits(self.model, embedder(self.model)(ids, multi), ids)
+
+
+def _refuse(path: Path, problem: str) -> ConfigError:
+    return ConfigError([f"{path}: {problem}"], "gmeta_ds.load_model")
+
+
+def _member(folder: Path, name: str) -> Path:
+    path = folder / name
+    try:
+        ok = stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        ok = False
+    if not ok:
+        raise _refuse(path, "missing, or not a plain file (a saved model's files are plain files of its folder)")
+    return path
+
+
+def read_meta(folder: str | Path) -> dict:
+    """model.json of a saved model, its format and version checked."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError([f"path: {folder} {'is a file' if folder.exists() else 'does not exist'}, expected the "
+                           "folder engine.save_model wrote"], "gmeta_ds.load_model")
+    path = _member(folder, META)
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _refuse(path, f"not readable JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _refuse(path, f"not a gmeta_ds saved model (format {meta.get('format') if isinstance(meta, dict) else meta!r})")
+    if meta.get("version") != VERSION:
+        raise _refuse(path, f"saved model version {meta.get('version')!r}; this gmeta_ds reads version {VERSION}")
+    for key, kind in (("fields", list), ("tables", list), ("files", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise _refuse(path, f"'{key}' is missing or not a {kind.__name__}")
+    if set(meta["files"]) != {WEIGHTS, VOCAB}:
+        raise _refuse(path, f"'files' lists {sorted(meta['files'])}, expected {WEIGHTS} and {VOCAB}")
+    try:
+        meta["fields"] = [FieldSpec(**f) for f in meta["fields"]]
+        meta["tables"] = [TableConfig(**{**t, "features": tuple(t["features"])}) for t in meta["tables"]]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise _refuse(path, f"its fields or tables are malformed ({exc})") from None
+    return meta
+
+
+def _learner(model: nn.Module, settings, where: Path):
+    """The meta-learner of the saved algorithm settings around ``model``."""
+    from gmeta_ds.algorithms.base import MetaLearner
+    from gmeta_ds.registry import ALGORITHMS
+
+    if not isinstance(settings, dict) or settings.get("name") not in ALGORITHMS.names() \
+            or not set(ALGORITHM_KEYS) <= set(settings):
+        raise _refuse(where, f"'algorithm' is {settings!r}: expected a registered algorithm's name and "
+                             f"{', '.join(ALGORITHM_KEYS)}")
+    args = [settings[k] for k in ALGORITHM_KEYS]
+    return MetaLearner(model, ALGORITHMS[settings["name"]](*args))
+
+
+def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]], nn.Module]) -> SavedModel:
+    """Load a folder written by `MetaEngine.save_model` (module docstring) into ``model`` (the
+    same architecture; or a function building it from the saved fields, e.g.
+    ``lambda fields: gm.DCNv2(fields, embed_dim=8)``). Its tables are attached as
+    ``model.embedding`` when it has none; every weight must match by name and shape."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta = read_meta(folder)
+    tensors = {}
+    paths = {name: _member(folder, name) for name in (WEIGHTS, VOCAB)}
+    for name, path in paths.items():
+        if _sha256(path) != meta["files"][name]:
+            raise _refuse(path, f"its SHA-256 does not match the one {META} records (changed or damaged "
+                                "after it was saved)")
+        try:
+            tensors[name] = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise _refuse(path, f"not a readable safetensors file ({exc})") from None
+    fields, tables = meta["fields"], meta["tables"]
+    vocab = {}
+    for f in fields:
+        if f.raw:
+            continue
+        try:
+            vocab[f.name] = Vocabulary(tensors[VOCAB][f"{f.name}.data"].numpy(),
+                                       tensors[VOCAB][f"{f.name}.offsets"].numpy())
+        except (KeyError, ValueError) as exc:
+            raise _refuse(folder / VOCAB, f"no valid vocabulary for field {f.name!r} ({exc})") from None
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise ConfigError([f"model: expected a torch.nn.Module or a function fields -> module, got "
+                               f"{type(model).__name__}"], "gmeta_ds.load_model")
+        model = model(model_field_order(fields))
+        if not isinstance(model, nn.Module):
+            raise ConfigError([f"model: the function returned {type(model).__name__}, not a torch.nn.Module"],
+                              "gmeta_ds.load_model")
+    state = tensors[WEIGHTS]
+    if tables and getattr(model, "embedding", None) is None and any(k.startswith("net.embedding.") for k in state):
+        model.embedding = EmbeddingCollection(tables)
+    settings = meta.get("algorithm")
+    learner = None
+    if settings is not None:
+        learner = _learner(model, settings, folder / META)
+        target = learner
+    else:
+        target = model
+        state = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+    own = target.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    absent = sorted(set(own) - set(state))
+    shapes = [f"{k}: saved {tuple(state[k].shape)}, model {tuple(own[k].shape)}"
+              for k in sorted(set(state) & set(own)) if tuple(state[k].shape) != tuple(own[k].shape)]
+    if unexpected or absent or shapes:
+        lines = []
+        if absent:
+            lines.append(f"the model has weights the folder lacks: {', '.join(absent[:8])}")
+        if unexpected:
+            lines.append(f"the folder has weights the model lacks: {', '.join(unexpected[:8])}")
+        lines.extend(shapes[:8])
+        raise ConfigError([f"model: {type(model).__name__} is not the architecture saved in {folder} "
+                           f"({meta.get('model')}): " + "; ".join(lines)], "gmeta_ds.load_model")
+    target.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state.items()})
+    return SavedModel(model, learner, fields, tables, vocab, settings, folder)
