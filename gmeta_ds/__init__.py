@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # The public API (docs/api.md), imported on first use so that ``import gmeta_ds`` stays light.
 _PUBLIC = {
     "build_tasks": "gmeta_ds.api", "tables_for": "gmeta_ds.api", "meta_learner": "gmeta_ds.api",
-    "initialize": "gmeta_ds.api", "MetaEngine": "gmeta_ds.api", "StepResult": "gmeta_ds.api",
+    "initialize": "gmeta_ds.api", "MetaEngine": "gmeta_ds.meta_engine", "StepResult": "gmeta_ds.meta_engine",
     "TableConfig": "gmeta_ds.embedding.tables", "EmbeddingCollection": "gmeta_ds.embedding.tables",
     "Jagged": "gmeta_ds.embedding.tables",
     "hash_strings": "gmeta_ds.embedding.dynamic", "string_id": "gmeta_ds.embedding.dynamic",
@@ -28,7 +28,7 @@ _PUBLIC = {
     "Reptile": "gmeta_ds.algorithms", "MetaSGD": "gmeta_ds.algorithms", "ALGORITHMS": "gmeta_ds.algorithms",
     "TaskSet": "gmeta_ds.data.tasks", "TaskBatch": "gmeta_ds.data.tasks", "FieldSpec": "gmeta_ds.data.tasks",
     "collate": "gmeta_ds.data.tasks", "single_fields": "gmeta_ds.data.tasks",
-    "multi_fields": "gmeta_ds.data.tasks", "TaskData": "gmeta_ds.data.builder",
+    "multi_fields": "gmeta_ds.data.tasks", "TaskData": "gmeta_ds.data.tasks",
     "ConfigError": "gmeta_ds.errors", "DataError": "gmeta_ds.errors",
     "load_model": "gmeta_ds.saved", "SavedModel": "gmeta_ds.saved", "Vocabulary": "gmeta_ds.data.vocab",
     # the model zoo (docs/architecture.md "Models"): each takes (fields, embed_dim, ...)

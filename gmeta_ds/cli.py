@@ -177,7 +177,8 @@ def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
     from gmeta_ds.outputs import check_earlier_run
-    from gmeta_ds.trainer import NonFiniteLoss, completed_run, rss_mib, train
+    from gmeta_ds.meta_engine import NonFiniteLoss
+    from gmeta_ds.trainer import completed_run, rss_mib, train
     from gmeta_ds.workloads import get_workload
 
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data

@@ -14,9 +14,7 @@ import contextlib
 import gc
 import json
 import os
-import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,26 +22,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gmeta_ds import checkpoint
-from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import RunConfig, config_to_dict
-from gmeta_ds.data.loader import padding_efficiency
-from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.ds_config import BatchPlan, zero_stage
-from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.engine import ds_engine, ds_internals
-from gmeta_ds.engine.dist import all_mean, collective_phase, on_wire
+from gmeta_ds.engine.dist import all_mean, collective_phase
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.outputs import WEIGHTS_FILE  # noqa: F401 - workloads.ctr reads it here
 from gmeta_ds.outputs import check_earlier_run, continues_run, remove_earlier_outputs
+from gmeta_ds.meta_engine import MetaEngine, checkpoint_meta, fault_stop
+from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.profiling import PhaseProfiler, phase, write_profile
 
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
 # ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
 EMBEDDING_PREFIX = "net.embedding."
-# "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
-# its last micro-batch's backward, so its peers wait in DeepSpeed's gradient all-reduce;
-# "STEP:RANK:start": at the start of meta-step STEP (peers wait in our first collective). Tests only.
-FAULT_STOP_ENV = "GMETA_DS_FAULT_STOP_AT"
 
 
 class MetricsLog:
@@ -122,18 +114,6 @@ def _scalars(record: dict, prefix: str = ""):
             yield prefix + key, value
 
 
-@dataclass
-class StepStats:
-    query_loss: float
-    support_loss: float
-    padding_efficiency: float
-    skipped: bool = False
-
-
-class NonFiniteLoss(RuntimeError):
-    """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
-
-
 DYNAMIC_COUNTERS = ("occupancy", "capacity", "lookups", "hits", "admissions", "evictions")
 
 
@@ -154,123 +134,6 @@ def dynamic_record(counters: dict, means: list[float], world: int, seen: dict) -
     return out
 
 
-def _nonfinite_anywhere(finite_here: bool) -> bool:
-    """Whether the loss is NaN/inf on any rank (one small all-reduce when world > 1)."""
-    bad = torch.tensor([0.0 if finite_here else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        bad = on_wire(bad)
-        dist.all_reduce(bad)
-    return bad.item() > 0
-
-
-class _AnyRank:
-    """Whether a flag (a 0-dim bool tensor, on the engine's device) is set on any rank: the
-    all-reduce is posted when built and waited for in `result`, so it runs under the work in
-    between (the last micro-batch's backward) instead of making every rank wait for the
-    slowest one first; one host sync, in `result`."""
-
-    def __init__(self, flag: torch.Tensor):
-        self.value = flag.reshape(1).float()
-        self.work = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self.work = dist.all_reduce(self.value, async_op=True)
-
-    def result(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-        return bool(self.value.item() > 0)
-
-
-def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-              batches: list[TaskBatch], step: int = 0, nonfinite: str = "abort") -> StepStats:
-    """One outer step: every micro-batch of this rank through backward, then the updates
-    (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
-
-    The outer loss is checked for NaN/inf on every rank before any update. ``abort``: one
-    check per meta-step, a flag all-reduced while the last micro-batch runs its backward
-    (nothing is updated yet then: DeepSpeed updates in the last ``engine.step``), raising
-    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids. ``skip`` (one
-    micro-batch per meta-step) checks before the backward and drops the meta-step on all
-    ranks, so no update happens at all. Losses stay on the engine's device until the end
-    (one host sync per meta-step for the statistics).
-
-    At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``: DeepSpeed
-    would otherwise flatten every gradient into a buffer and all-reduce it over one rank, an
-    exact identity (`ds_engine.reduction_is_identity`)."""
-    query, support, bad_here = [], [], []
-    if engine.device.type != "cpu":  # batches are collated on the host
-        batches = [ds_engine.to_device(b, engine.device) for b in batches]
-    local = ds_engine.reduction_is_identity(engine)
-    pending = None
-    for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
-        with phase("lookup"):
-            rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
-                    if sharded else None)
-        with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
-            with phase("inner_loop"):
-                out = engine(batch, rows)
-            with phase("nonfinite_check"):
-                finite = torch.isfinite(out.loss.detach()).all()
-                if nonfinite == "skip":
-                    skip = _nonfinite_anywhere(bool(finite))
-                else:
-                    skip = False
-                    bad_here.append(~finite)
-                    if last:
-                        pending = _AnyRank(torch.stack(bad_here).any())
-            if not skip:
-                if last:
-                    _fault_stop(f"{step + 1}:{_rank()}")
-                with phase("outer_backward"), (engine.no_sync() if local else contextlib.nullcontext()):
-                    engine.backward(out.loss)
-        if skip:
-            if sharded is not None:
-                for p in sharded.parameters():
-                    p.grad = None
-            return StepStats(float("nan"), float("nan"), padding_efficiency(batch), skipped=True)
-        if pending is not None:
-            with phase("nonfinite_check"):
-                if pending.result():
-                    bad_batches = [b for b, flag in zip(batches, torch.stack(bad_here).tolist()) if flag]
-                    where = _who_is_nonfinite(bad_batches)
-                    raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
-                        f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
-                        "'skip' drops such meta-steps instead)")
-        with phase("optimizer_step"):
-            engine.step()
-        query.append(out.query_loss.detach())
-        support.append(out.support_loss.detach())
-    if sharded is not None:
-        with phase("sparse_step"):
-            sharded.step()
-    padding = sum(padding_efficiency(b) for b in batches) / len(batches)
-    losses = torch.stack([torch.stack(query), torch.stack(support)]).float().mean(dim=1).tolist()
-    return StepStats(losses[0], losses[1], padding)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _fault_stop(point: str) -> None:
-    """Fault injection for the reliability tests (`FAULT_STOP_ENV`)."""
-    if os.environ.get(FAULT_STOP_ENV) == point:
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _who_is_nonfinite(bad_batches: list[TaskBatch]) -> list[tuple[int, list[int]]]:
-    """(rank, task ids of its micro-batches with a non-finite loss) of every rank that has
-    any (collective when world > 1)."""
-    mine = [i for b in bad_batches for i in b.task_ids.tolist()] or None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    everyone = [mine]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
-    return [(r, ids) for r, ids in enumerate(everyone) if ids is not None]
-
-
 def dense_allreduce_bytes(module: torch.nn.Module, world: int) -> int:
     """Bytes each rank sends per meta-step in a ring all-reduce of the gradients."""
     grad_bytes = sum(ds_internals.full_numel(p) * p.element_size() for p in module.parameters())
@@ -286,7 +149,7 @@ def run_phase(cfg: RunConfig, phase: str):
 
 def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: MetricsLog,
                resume: dict | None = None, ckpt_meta: dict | None = None) -> dict:
-    """Run meta-steps up to ``train.meta_steps`` on ``meta`` (an `api.MetaEngine`) with this
+    """Run meta-steps up to ``train.meta_steps`` on ``meta`` (a `meta_engine.MetaEngine`) with this
     rank's micro-batches from ``loader`` (from a checkpoint's position when ``resume`` holds
     its manifest), logging to ``log`` and checkpointing every ``train.checkpoint_every``
     steps and at the end; returns the last record."""
@@ -308,7 +171,7 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
     skipped, last_query, last_support = 0, float("nan"), float("nan")
     try:
         for step in range(first, cfg.train.meta_steps):
-            _fault_stop(f"{step + 1}:{rank}:start")
+            fault_stop(f"{step + 1}:{rank}:start")
             profiler.start_step()
             with run_phase(cfg, f"meta-step {step + 1}"):
                 with phase("data"):
@@ -384,30 +247,12 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_meta(cfg: RunConfig, module: torch.nn.Module, sharded, fields: list[str]) -> dict:
-    """What a checkpoint must match to load into this run: tables, fields, dense shapes."""
-    return {"tables": checkpoint.table_meta(sharded), "fields": list(fields), "algorithm": cfg.meta.algorithm,
-            "dense_shapes": {n: list(v.shape) for n, v in module.state_dict().items()}}
-
-
-def start_engine(cfg: RunConfig, learner, ds_config: dict, plan: BatchPlan, sharded,
-                 ckpt_meta: dict):
-    """The DeepSpeed engine, restored from ``train.resume`` when set: (engine, the resumed
-    checkpoint's state or None, the ds_config used)."""
-    found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
-    universal = manifest = None
-    if found is not None:
-        manifest = checkpoint.verify(found, ckpt_meta)
-        if manifest["world_size"] != plan.world_size and zero_stage(ds_config) > 0:
-            # ZeRO partitions were cut for the old world size: go through DeepSpeed's
-            # universal checkpoint, which loads at any data-parallel size.
-            universal = checkpoint.to_universal(found, cfg.output_dir, manifest)
-            ds_config = ds_internals.with_load_universal(ds_config)
-    engine = ds_engine.initialize(learner, ds_config, resume=found)
-    resume = None
-    if found is not None:
-        resume = {**checkpoint.load(found, manifest, engine, sharded, universal), "checkpoint": found}
-    return engine, resume, ds_config
+def start_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: int,
+                 ckpt_meta: dict) -> tuple[MetaEngine, dict | None]:
+    """`meta_engine.start_engine` for this run (``train.resume``, ``output_dir``, the seed and
+    ``train.nonfinite``): (the engine, the resumed checkpoint's state or None)."""
+    return start_meta_engine(built.learner, ds_config, plan, built.sharded, built.tables, rank, cfg.seed,
+                             cfg.train.nonfinite, cfg.train.resume, cfg.output_dir, ckpt_meta)
 
 
 def completed_run(cfg: RunConfig) -> str | None:
@@ -452,7 +297,6 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     ``runtime_rss_mib``: this process's resident size before any model or data was built
     (the CLI measures it), reported next to the resident size after training so the memory
     the model's state holds between steps can be read off (`peak_rss_per_rank`)."""
-    from gmeta_ds.api import MetaEngine
     from gmeta_ds.workloads import get_workload
 
     workload = workload or get_workload(cfg.task)
@@ -461,15 +305,15 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     replaced = check_earlier_run(cfg)  # the CLI ran it before the first collective already
     out_dir.mkdir(parents=True, exist_ok=True)
     built = workload.build(cfg, rank, plan.world_size, prepared)
-    ckpt_meta = checkpoint_meta(cfg, built.learner, built.sharded, built.field_names)
-    engine, resume, ds_config = start_engine(cfg, built.learner, ds_config, plan, built.sharded, ckpt_meta)
+    ckpt_meta = checkpoint_meta(built.learner, built.sharded, built.field_names, cfg.meta.algorithm)
+    meta, resume = start_engine(cfg, built, ds_config, plan, rank, ckpt_meta)
+    engine, ds_config = meta.engine, meta.ds_config
     if replaced:  # every check passed: only now is anything of the earlier run removed
         if plan.world_size > 1:  # every rank has loaded what it resumes (it may lie in output_dir)
             with run_phase(cfg, "engine start"):
                 dist.barrier()
         if rank == 0:
             remove_earlier_outputs(out_dir, replaced)
-    meta = MetaEngine(engine, built.sharded, built.tables, plan, ds_config, rank, cfg.seed, cfg.train.nonfinite)
     meta.fields = built.extra.get("lookup_fields", [])
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:

@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,31 +33,18 @@ import pyarrow.compute as pc
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import (DataError, InteractionLog, LogSchema, check_two_classes, click_threshold,
                                    get_reader)
+from gmeta_ds.data.split import TEST, TRAIN, VALID, split_users
 from gmeta_ds.data.store_check import content_fingerprint
 from gmeta_ds.data.store_lock import STALL_S, build_lock
 from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
                                   long_task_chunks, open_store, row_order_key, store_version)
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, take_rows
+from gmeta_ds.data.tasks import FieldSpec, TaskData, TaskSet, take_rows
 from gmeta_ds.data.vocab import Vocabulary
 
-# 7: the store keeps the vocabularies; 6: a 0/1 label under the default threshold is clicks (`readers.click_threshold`); 5: the key
-# sees the log's content; 4: within-task order by `stream.row_order_key`
+# 7: the store keeps the vocabularies; 6: a 0/1 label under the default threshold is clicks
+# (`readers.click_threshold`); 5: the key sees the log's content; 4: within-task order by
+# `stream.row_order_key`
 CACHE_VERSION = 7
-
-
-@dataclass
-class TaskData:
-    """Fields, training and held-out tasks, and what building them dropped or mapped."""
-
-    fields: list[FieldSpec]
-    train: TaskSet
-    test: TaskSet
-    stats: dict = field(default_factory=dict)
-    # four-state split only: warm, user_cold, item_cold, user_item_cold (test is user_cold)
-    states: dict = field(default_factory=dict)
-    valid: TaskSet | None = None  # validation users (empty unless data.valid_fraction > 0)
-    # field -> its `Vocabulary` (raw value -> row id), for every field with one (not raw_ids)
-    vocab: dict[str, Vocabulary] = field(default_factory=dict)
 
 
 def read_log(cfg: DataConfig) -> InteractionLog:
@@ -174,26 +160,6 @@ def _users(log: InteractionLog, cfg: DataConfig, seed: int,
     return rows, task_of_row, keep[user_of_row[rows]]
 
 
-TRAIN, VALID, TEST = 0, 1, 2
-
-
-def _split_users(kept_tasks: np.ndarray, test_fraction: float, valid_fraction: float,
-                 seed: int) -> np.ndarray:
-    """Per kept task: TRAIN, VALID or TEST (seeded; the test users do not depend on
-    ``valid_fraction``)."""
-    rng = np.random.default_rng([seed, 23])
-    n_test = max(1, int(round(test_fraction * len(kept_tasks))))
-    n_valid = int(round(valid_fraction * len(kept_tasks)))
-    if n_test + n_valid >= len(kept_tasks):
-        raise DataError(f"only {len(kept_tasks)} task(s) left after filtering: too few to hold out "
-                        f"{test_fraction:.0%} (+ {valid_fraction:.0%} validation) and still train")
-    split = np.full(len(kept_tasks), TRAIN, dtype=np.int8)
-    order = rng.permutation(len(kept_tasks))
-    split[order[:n_test]] = TEST
-    split[order[n_test:n_test + n_valid]] = VALID
-    return split
-
-
 def _fields(log: InteractionLog) -> tuple[list[str], list[str], dict[str, str]]:
     """(user fields, item fields incl. the item id, {multi-hot field: side}). The task key is
     not a feature: held-out users are new, so their id could carry no information."""
@@ -262,7 +228,7 @@ def tasks_from_log(log: InteractionLog, cfg: DataConfig, seed: int) -> TaskData:
     kept_tasks, first = np.unique(task_of_row[rows][candidate], return_index=True)
     kept_tasks = task_of_row[rows][candidate][np.sort(first)]
     split_of_task = np.zeros(task_of_row.max() + 1, dtype=np.int8)
-    split_of_task[kept_tasks] = _split_users(kept_tasks, cfg.test_fraction, cfg.valid_fraction, seed)
+    split_of_task[kept_tasks] = split_users(kept_tasks, cfg.test_fraction, cfg.valid_fraction, seed)
     split_of_row = split_of_task[task_of_row[rows]]
     masks = {"train": split_of_row == TRAIN, "valid": split_of_row == VALID, "test": split_of_row == TEST}
     if cfg.four_state:

@@ -48,12 +48,12 @@ from gmeta_ds.data.readers import (MISSING, DataError, InteractionLog, LogSchema
                                    click_threshold)
 from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split, verify_vocab
 from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
-from gmeta_ds.data.tasks import FieldSpec, TaskSet
+from gmeta_ds.data.split import TEST, TRAIN, VALID, split_users
+from gmeta_ds.data.tasks import FieldSpec, TaskData, TaskSet
 from gmeta_ds.data.vocab import Vocabulary
 from gmeta_ds.embedding.dynamic import string_id
 
 STORE_VERSION = 3  # 3: the vocabularies; 2: a checksum per file and the label kind (older stores are rebuilt)
-TRAIN, VALID, TEST = 0, 1, 2
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")
 BATCH_ROWS = 1 << 19
 # lowbias32 (Chris Wellons' 32-bit integer hash): the within-task order of data.split: random
@@ -447,17 +447,16 @@ class _Build:
         if cfg.split == "time" and not s.timestamp:
             raise DataError(f"{self.source.what}: data.split 'time' needs a timestamp column, and this "
                             "log has none (data.schema.timestamp); use data.split: random")
-        from gmeta_ds.data.builder import _split_users
 
         kept = np.flatnonzero(keep)
-        split = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
+        split = split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
         chunked = bool(long.any())
         if chunked:  # data.long_tasks: train -- long tasks join the training split in chunks
             chunks = long_task_chunks(lengths, long, cfg.max_interactions)
             width = int(chunks.max())
             both = np.flatnonzero(keep | long)
             split = np.full(len(both), TRAIN, dtype=np.int8)
-            split[np.isin(both, kept)] = _split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
+            split[np.isin(both, kept)] = split_users(kept, cfg.test_fraction, cfg.valid_fraction, self.seed)
             self.con.register("task_split", pa.table({
                 "t": keys.filter(pa.array(keep | long)), "task": pa.array(both.astype(np.int64) * width),
                 "split": pa.array(split), "chunks": pa.array(chunks[both].astype(np.int64))}))
@@ -905,8 +904,6 @@ def open_store(store: Path):
     """The `TaskData` of a finished store, its per-row arrays read on demand (`StoreArray`),
     once `store_check` has verified the manifest and every file (names, dtypes, shapes,
     checksums, values)."""
-    from gmeta_ds.data.builder import TaskData
-
     manifest, fields = read_manifest(store, STORE_VERSION)
     parts = {}
     for name, entries in manifest["splits"].items():  # per-task arrays in memory, per-row ones read on demand

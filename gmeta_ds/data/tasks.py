@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gmeta_ds.data.vocab import Vocabulary
 from gmeta_ds.embedding.dynamic import PAD_ID
 from gmeta_ds.embedding.plan import BagStats
 from gmeta_ds.embedding.tables import Jagged
@@ -259,3 +260,18 @@ def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int) -> dict[str, B
         distinct = float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-12)))))
         out[name] = BagStats(nnz / rows, min(1.0, distinct / max(draws, 1.0)))
     return out
+
+
+@dataclass
+class TaskData:
+    """Fields, training and held-out tasks, and what building them dropped or mapped."""
+
+    fields: list[FieldSpec]
+    train: TaskSet
+    test: TaskSet
+    stats: dict = field(default_factory=dict)
+    # four-state split only: warm, user_cold, item_cold, user_item_cold (test is user_cold)
+    states: dict = field(default_factory=dict)
+    valid: TaskSet | None = None  # validation users (empty unless data.valid_fraction > 0)
+    # field -> its `Vocabulary` (raw value -> row id), for every field with one (not raw_ids)
+    vocab: dict[str, Vocabulary] = field(default_factory=dict)

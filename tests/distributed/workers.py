@@ -246,7 +246,7 @@ def nonfinite(policy: str) -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.trainer import NonFiniteLoss, meta_step
+    from gmeta_ds.meta_engine import NonFiniteLoss, meta_step
 
     rank = dist.get_rank()
     engine = tiny_engine(stage=2, gas=1)
@@ -276,7 +276,7 @@ def nonfinite_accumulated() -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.trainer import NonFiniteLoss, meta_step
+    from gmeta_ds.meta_engine import NonFiniteLoss, meta_step
 
     rank = dist.get_rank()
     engine = tiny_engine(stage=1, gas=2)
@@ -306,7 +306,7 @@ def zero0_world1_without_reduction() -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.trainer import meta_step
+    from gmeta_ds.meta_engine import meta_step
 
     states = []
     for skip_reduction in (True, False):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import BIN, REPO, deepspeed_cmd, tiny_config
 
-from gmeta_ds.trainer import FAULT_STOP_ENV
+from gmeta_ds.meta_engine import FAULT_STOP_ENV
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
-    "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
+    "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.arguments": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
     "gmeta_ds.plots": 0, "gmeta_ds.registry": 0,
     "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
@@ -15,7 +15,7 @@ LAYERS = {
     "gmeta_ds.metrics": 1,
     "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
     "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.outputs": 5, "gmeta_ds.baselines": 5,
-    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5,
+    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")
@@ -66,3 +66,70 @@ def test_layer_zero_does_not_import_torch():
     for name, path in modules():
         if layer_of(name) == 0:
             assert not any(i == "torch" or i.startswith("torch.") for i in imports(path)), name
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any depth of its code, functions too):
+    ``from gmeta_ds.x import y`` counts as importing ``gmeta_ds.x.y`` when that is a module."""
+    names = dict(modules())
+    graph = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in names else base)
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of two or more
+    modules (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No two modules of the package import each other, directly or round a longer circle,
+    not even from inside a function (issue 35)."""
+    cycles = import_cycles(_module_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from gmeta_ds import outputs, trainer
+from gmeta_ds.meta_engine import NonFiniteLoss
 from gmeta_ds.cli import main
 
 TINY = {"model": {"embed_dim": 4, "hidden": [8]},
@@ -208,7 +209,7 @@ def test_export_replaces_an_existing_file_only_when_asked_and_atomically(run_dir
 
 def test_nonfinite_loss_exits_5_with_its_message(tmp_path, monkeypatch, capsys):
     def diverged(*args, **kwargs):
-        raise trainer.NonFiniteLoss("meta-step 3: non-finite outer loss on rank 0 (tasks [1, 2])")
+        raise NonFiniteLoss("meta-step 3: non-finite outer loss on rank 0 (tasks [1, 2])")
     monkeypatch.setattr(trainer, "train", diverged)
     assert train(write_config(tmp_path, tmp_path / "run")) == 5
     err = capsys.readouterr().err

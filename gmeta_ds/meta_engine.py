@@ -1,0 +1,497 @@
+"""The meta-learning engine: a `MetaLearner` on a DeepSpeed engine with its sharded tables,
+started by `start_engine` (the one start-up of `gmeta_ds.initialize` and of the CLI's
+training loop, resuming from a checkpoint at any world size), and `meta_step`, one outer
+step on a rank's micro-batches.
+
+Per meta-step and rank: each micro-batch's fused embedding lookup of support and query ids,
+the inner loop of every task, the outer loss -> ``engine.backward`` (DeepSpeed averages over
+ranks and micro-batches at its accumulation boundary), ``engine.step``, then the sparse row
+optimizers' step; a NaN/inf outer loss on any rank is caught before any update.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gmeta_ds import checkpoint
+from gmeta_ds.algorithms import MetaLearner
+from gmeta_ds.algorithms.base import check_id_columns, check_task_fields, embed_batch
+from gmeta_ds.arguments import check, finite, int_at_least
+from gmeta_ds.data.loader import padding_efficiency
+from gmeta_ds.data.sampler import MetaBatchSampler
+from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate, single_fields
+from gmeta_ds.ds_config import BatchPlan, zero_stage
+from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.engine import ds_engine, ds_internals
+from gmeta_ds.engine.dist import on_wire
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.evaluation import predict, score
+from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.profiling import phase
+
+# "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
+# its last micro-batch's backward, so its peers wait in DeepSpeed's gradient all-reduce;
+# "STEP:RANK:start": at the start of meta-step STEP (peers wait in our first collective). Tests only.
+FAULT_STOP_ENV = "GMETA_DS_FAULT_STOP_AT"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def fault_stop(point: str) -> None:
+    """Fault injection for the reliability tests (`FAULT_STOP_ENV`)."""
+    if os.environ.get(FAULT_STOP_ENV) == point:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _who_is_nonfinite(bad_batches: list[TaskBatch]) -> list[tuple[int, list[int]]]:
+    """(rank, task ids of its micro-batches with a non-finite loss) of every rank that has
+    any (collective when world > 1)."""
+    mine = [i for b in bad_batches for i in b.task_ids.tolist()] or None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    return [(r, ids) for r, ids in enumerate(everyone) if ids is not None]
+
+
+class NonFiniteLoss(RuntimeError):
+    """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
+
+
+BASELINES = ("non_meta", "popularity")
+
+
+def _baseline_names(problems: list[str], baselines) -> list[str]:
+    """``evaluate``'s ``baselines`` as a list of names of `BASELINES` (a str is one name)."""
+    if isinstance(baselines, str):
+        baselines = [baselines]
+    try:
+        names = list(baselines)
+    except TypeError:
+        problems.append(f"baselines: {baselines!r} is not a list of {', '.join(BASELINES)}")
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        problems.append(f"baselines: {', '.join(map(repr, bad))} not among {', '.join(BASELINES)}")
+    return [n for n in BASELINES if n in names]
+
+
+@dataclass
+class StepResult:
+    """One meta-step on this rank: mean query / support loss over its micro-batches
+    (``nan`` when ``skipped``: a non-finite loss with ``nonfinite="skip"``)."""
+
+    query_loss: float
+    support_loss: float
+    skipped: bool
+    padding_efficiency: float = 1.0  # real rows / padded rows of the micro-batches
+
+
+def _nonfinite_anywhere(finite_here: bool) -> bool:
+    """Whether the loss is NaN/inf on any rank (one small all-reduce when world > 1)."""
+    bad = torch.tensor([0.0 if finite_here else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        bad = on_wire(bad)
+        dist.all_reduce(bad)
+    return bad.item() > 0
+
+
+class _AnyRank:
+    """Whether a flag (a 0-dim bool tensor, on the engine's device) is set on any rank: the
+    all-reduce is posted when built and waited for in `result`, so it runs under the work in
+    between (the last micro-batch's backward) instead of making every rank wait for the
+    slowest one first; one host sync, in `result`."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.value = flag.reshape(1).float()
+        self.work = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.work = dist.all_reduce(self.value, async_op=True)
+
+    def result(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return bool(self.value.item() > 0)
+
+
+def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
+              batches: list[TaskBatch], step: int = 0, nonfinite: str = "abort") -> StepResult:
+    """One outer step: every micro-batch of this rank through backward, then the updates
+    (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
+
+    The outer loss is checked for NaN/inf on every rank before any update. ``abort``: one
+    check per meta-step, a flag all-reduced while the last micro-batch runs its backward
+    (nothing is updated yet then: DeepSpeed updates in the last ``engine.step``), raising
+    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids. ``skip`` (one
+    micro-batch per meta-step) checks before the backward and drops the meta-step on all
+    ranks, so no update happens at all. Losses stay on the engine's device until the end
+    (one host sync per meta-step for the statistics).
+
+    At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``: DeepSpeed
+    would otherwise flatten every gradient into a buffer and all-reduce it over one rank, an
+    exact identity (`ds_engine.reduction_is_identity`)."""
+    query, support, bad_here = [], [], []
+    if engine.device.type != "cpu":  # batches are collated on the host
+        batches = [ds_engine.to_device(b, engine.device) for b in batches]
+    local = ds_engine.reduction_is_identity(engine)
+    pending = None
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with phase("lookup"):
+            rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
+                    if sharded else None)
+        with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
+            with phase("inner_loop"):
+                out = engine(batch, rows)
+            with phase("nonfinite_check"):
+                finite = torch.isfinite(out.loss.detach()).all()
+                if nonfinite == "skip":
+                    skip = _nonfinite_anywhere(bool(finite))
+                else:
+                    skip = False
+                    bad_here.append(~finite)
+                    if last:
+                        pending = _AnyRank(torch.stack(bad_here).any())
+            if not skip:
+                if last:
+                    fault_stop(f"{step + 1}:{_rank()}")
+                with phase("outer_backward"), (engine.no_sync() if local else contextlib.nullcontext()):
+                    engine.backward(out.loss)
+        if skip:
+            if sharded is not None:
+                for p in sharded.parameters():
+                    p.grad = None
+            return StepResult(float("nan"), float("nan"), True, padding_efficiency(batch))
+        if pending is not None:
+            with phase("nonfinite_check"):
+                if pending.result():
+                    bad_batches = [b for b, flag in zip(batches, torch.stack(bad_here).tolist()) if flag]
+                    where = _who_is_nonfinite(bad_batches)
+                    raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
+                        f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
+                        "'skip' drops such meta-steps instead)")
+        with phase("optimizer_step"):
+            engine.step()
+        query.append(out.query_loss.detach())
+        support.append(out.support_loss.detach())
+    if sharded is not None:
+        with phase("sparse_step"):
+            sharded.step()
+    padding = sum(padding_efficiency(b) for b in batches) / len(batches)
+    losses = torch.stack([torch.stack(query), torch.stack(support)]).float().mean(dim=1).tolist()
+    return StepResult(losses[0], losses[1], False, padding)
+
+
+class MetaEngine:
+    """A meta-learner on a DeepSpeed engine with its embedding tables; made by `initialize`.
+
+    ``engine``: the DeepSpeed engine (its ``module`` is the `MetaLearner`); ``embeddings``:
+    this rank's `ShardedEmbeddingCollection` (None with ``sharding="dense"``); ``plan``: the
+    `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``."""
+
+    def __init__(self, engine, embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig],
+                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = "abort",
+                 initial: dict[str, torch.Tensor] | None = None):
+        self.engine, self.embeddings, self.tables = engine, embeddings, tables
+        self.plan, self.ds_config, self.rank, self.seed = plan, ds_config, rank, seed
+        self.nonfinite = nonfinite
+        self.fields = list(getattr(engine.module.net, "row_fields", []))
+        self.step = 0  # meta-steps done (restored by `resume`)
+        # The learner's weights before training (CPU copies; tables sharded outside it are
+        # re-made from their configs): the non-meta baseline starts from them.
+        self.initial = initial
+
+    @property
+    def learner(self) -> MetaLearner:
+        return self.engine.module
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = True,
+                resample: bool = False) -> list[TaskBatch]:
+        """This rank's micro-batches of meta-step ``step``: the global batch of
+        ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
+        permutation per epoch), split over (micro-batch, rank). ``resample``: episode
+        resampling (``data.resample``), each task's support and query redrawn from its rows,
+        keyed by (seed, step)."""
+        from gmeta_ds.data.loader import task_lengths
+
+        problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.train), got "
+                                                          f"{type(tasks).__name__}"]
+        int_at_least(problems, "step", step, 0)
+        check(problems, "MetaEngine.batches")
+        check_task_fields(self.learner.net, tasks.fields, "MetaEngine.batches")
+        lengths = task_lengths(tasks) if bucket_by_length else None
+        sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
+                                   self.plan.world_size, self.rank, self.seed, lengths)
+        key = (self.seed, step) if resample else None
+        return [collate(tasks, ids, resample=key) for ids in sampler.micro_batches(step)]
+
+    def meta_step(self, batches: list[TaskBatch]) -> StepResult:
+        """One outer step on this rank's micro-batches (collective): fused lookups of support
+        and query rows, inner loops, ``engine.backward`` of each outer loss, DeepSpeed's step
+        (averaged over ranks and micro-batches) and the sparse row optimizers' step."""
+        if len(batches) != self.plan.grad_accum_steps:
+            raise ValueError(f"meta_step: got {len(batches)} micro-batches, expected "
+                             f"{self.plan.grad_accum_steps} (gradient_accumulation_steps) per rank")
+        from gmeta_ds.text.data import TextEpisodes  # the text workload's micro-batches
+
+        if not all(isinstance(b, (TaskBatch, TextEpisodes)) for b in batches):
+            raise ConfigError(["batches: expected a list of gm.TaskBatch (engine.batches(tasks, step))"],
+                              "MetaEngine.meta_step")
+        if self.embeddings is not None:  # the lookup reads the id columns by row_fields
+            check_id_columns(self.learner.net, batches[0])
+        result = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
+        self.step += 1
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight of the learner in full (gathered under ZeRO-3), sharded tables under
+        ``net.embedding.weights.<table>``; collective."""
+        state = ds_engine.full_state_dict(self.learner)
+        if self.embeddings is not None:
+            for key, value in self.embeddings.gather_state(everywhere=True).items():
+                state[f"net.embedding.{key}"] = value
+        return state
+
+    def save_weights(self, path: str | Path) -> Path | None:
+        """`state_dict` as safetensors, written by rank 0 (collective; None on other ranks)."""
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return ds_engine.save_weights(state, path)
+
+    def save_model(self, path: str | Path, data: TaskData) -> Path | None:
+        """The trained model as one folder that `gmeta_ds.load_model` reads back without running
+        code (`gmeta_ds.saved`): every weight with the tables reassembled from their shards
+        (model.safetensors), ``data``'s fields and vocabularies (raw values -> rows), the
+        tables and the algorithm's settings (model.json, with each file's SHA-256). Written by
+        rank 0 beside ``path`` and renamed into place (collective; None on other ranks).
+        ``path`` may be new, empty or an earlier saved model; anything else is refused, on
+        every rank, before the collective."""
+        from gmeta_ds.saved import META
+
+        where = "MetaEngine.save_model"
+        problems = []
+        if not (isinstance(path, Path) or isinstance(path, str) and path.strip()):
+            problems.append(f"path: {path!r} is not a folder path (str or Path)")
+        if not isinstance(data, TaskData):
+            problems.append(f"data: expected the gm.TaskData the model was trained on (its fields and "
+                            f"vocabularies), got {type(data).__name__}")
+        check(problems, where)
+        folder = Path(path)
+        if folder.exists() and not folder.is_dir():
+            problems.append(f"path: {folder} is a file, expected a folder for the saved model")
+        elif folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
+            problems.append(f"path: {folder} is a folder that holds other files and no {META}; save into a new "
+                            "or empty folder, or over an earlier saved model")
+        check(problems, where)
+        state = self.state_dict()
+        if self.rank != 0:
+            return None
+        from gmeta_ds.saved import write_model
+
+        net = self.learner.net
+        tables = self.tables or (list(net.embedding.tables.values())
+                                 if isinstance(getattr(net, "embedding", None), EmbeddingCollection) else [])
+        return write_model(folder, state, net, data.fields, tables, data.vocab, self.learner.algorithm)
+
+    def single_process_learner(self, state: dict | None = None) -> MetaLearner:
+        """A plain copy of the learner holding every weight (its tables inside the model, as
+        ``model.embedding``): for evaluation, serving or export. Collective without ``state``."""
+        state = self.state_dict() if state is None else state
+        template = self.learner.__dict__.get("_skeleton", self.learner)
+        learner = copy.deepcopy(template)
+        if template is not self.learner:
+            learner = learner.to_empty(device="cpu")
+        if self.embeddings is not None:
+            learner.net.embedding = EmbeddingCollection(self.tables, self.seed)
+        learner.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return learner
+
+    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64, *,
+                 baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = 3,
+                 baseline_lr: float = 1e-3, baseline_batch_size: int = 512) -> dict:
+        """Cold-start scores of ``tasks``: each adapted on its support set (first order,
+        ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
+        per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
+        adaptation (``*_no_adapt``). The tasks are split over the ranks; every rank returns
+        the same dict (collective). ``inner_steps=0`` scores without adapting (the adapted
+        metrics then equal the ``*_no_adapt`` ones). A metric that is undefined on these tasks
+        (AUC when every query label is one class) is None, with the reason under ``warnings``
+        (`gmeta_ds.evaluation.score`).
+
+        ``baselines`` (what ``gmeta-ds train`` reports next to the meta-learned model, scored
+        on the same tasks; each needs ``train``, the training tasks): ``"non_meta"``, the same
+        model from the same initial weights trained without meta-learning on every training
+        interaction (Adam, ``baseline_epochs`` x ``baseline_lr``, batches of
+        ``baseline_batch_size`` rows, seeded by the engine's seed), scored as is
+        (``baseline_<metric>``) and fine-tuned on each support with the learner's inner loop
+        (``baseline_finetune_<metric>``); ``"popularity"``, each item's shrunk training click
+        rate (or mean rating) plus a per-user offset fitted on the support
+        (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
+        alone (no collective; deterministic on CPU)."""
+        problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
+                                                          f"{type(tasks).__name__}"]
+        if inner_steps is not None:
+            int_at_least(problems, "inner_steps", inner_steps, 0)
+        int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
+        wanted = _baseline_names(problems, baselines)
+        if wanted:
+            if not isinstance(train, TaskSet):
+                problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
+                                f"pass train=data.train (got {type(train).__name__})")
+            int_at_least(problems, "baseline_epochs", baseline_epochs, 0)
+            finite(problems, "baseline_lr", baseline_lr)
+            int_at_least(problems, "baseline_batch_size", baseline_batch_size, 1)
+            if "non_meta" in wanted and self.initial is None:
+                problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
+                                "engine did not keep (its parameters were already partitioned when "
+                                "gm.initialize got them)")
+        check(problems, "MetaEngine.evaluate")
+        check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
+        learner = self.single_process_learner()
+        lrs = learner.algorithm.learning_rates(learner)
+        steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
+        mine = predict(learner, lrs, tasks, steps, tasks_per_batch,
+                       np.arange(self.rank, len(tasks), self.world_size))
+        parts = [mine]
+        if dist.is_initialized() and self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, mine)
+        if len(tasks) == 0:
+            return {"tasks": 0}
+        result = {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+        if "non_meta" in wanted:
+            result.update(self._non_meta_scores(tasks, train, steps, tasks_per_batch, baseline_epochs,
+                                                baseline_lr, baseline_batch_size))
+        if "popularity" in wanted:
+            result.update(self._popularity_scores(tasks, train))
+        return result
+
+    def initial_learner(self) -> MetaLearner:
+        """A single-process copy of the learner holding the weights `initialize` started from
+        (its tables freshly initialised from the tables' configs and the engine's seed)."""
+        if self.initial is None:
+            raise ConfigError(["the initial weights were not kept (the parameters were already partitioned "
+                               "when gm.initialize got them)"], "MetaEngine.initial_learner")
+        state = dict(self.initial)
+        if self.embeddings is not None:
+            fresh = EmbeddingCollection(self.tables, self.seed).state_dict()
+            state.update({f"net.embedding.{k}": v for k, v in fresh.items()})
+        return self.single_process_learner(state)
+
+    def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
+                         epochs: int, lr: float, batch_size: int) -> dict:
+        from gmeta_ds.evaluation import HEADLINE, evaluate, train_baseline
+
+        baseline = self.initial_learner()
+        kind = baseline.algorithm.kind
+        train_baseline(baseline.net, train, epochs, batch_size, lr, self.seed, LOSSES[kind])
+        fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
+        base = evaluate(baseline, fixed, tasks, steps, tasks_per_batch)
+        out = {}
+        for name in HEADLINE[kind]:
+            out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
+            out[f"baseline_finetune_{name}"] = base[name]
+        if kind == "binary":
+            out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+        return out
+
+    def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> dict:
+        from gmeta_ds.baselines import POPULARITY_METRICS, fit_popularity, popularity_scores
+        from gmeta_ds.data.popularity import item_column
+
+        kind = self.learner.algorithm.kind
+        if kind not in POPULARITY_METRICS:
+            raise ConfigError([f"baselines: 'popularity' scores binary or regression labels, not {kind!r}"],
+                              "MetaEngine.evaluate")
+        try:
+            column = item_column(train.fields)
+        except ValueError as err:
+            raise ConfigError([f"baselines: 'popularity': {err}"], "MetaEngine.evaluate") from None
+        raw = single_fields(train.fields)[column].raw
+        popularity = fit_popularity(train, column, kind, oov_id=None if raw else 0, raw=raw)
+        return popularity_scores(popularity, tasks)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self) -> dict:
+        """What a checkpoint must match to load into this engine (`api_checkpoint_meta`)."""
+        return api_checkpoint_meta(self.learner, self.embeddings)
+
+    def save_checkpoint(self, output_dir: str | Path, keep_last: int = 2) -> Path:
+        """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
+        files, every rank's table rows by global id and sparse-optimizer state, a manifest
+        with every file's SHA-256; ``latest`` moves only once all of it is on disk.
+        ``keep_last``: complete checkpoints kept (0: all)."""
+        problems = []
+        int_at_least(problems, "keep_last", keep_last, 0)
+        if not (isinstance(output_dir, Path) or isinstance(output_dir, str) and output_dir.strip()):
+            problems.append(f"output_dir: {output_dir!r} is not a directory path (str or Path)")
+        check(problems, "MetaEngine.save_checkpoint")
+        return checkpoint.save(self.engine, self.embeddings, {"step": self.step}, self.step, output_dir,
+                               keep_last, self.checkpoint_meta())
+
+
+def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorithm: str) -> dict:
+    """Tables, fields, algorithm and dense shapes: what a checkpoint must match to load
+    (``fields``, ``algorithm``: as the caller names them; the CLI and the API each keep theirs)."""
+    return {"tables": checkpoint.table_meta(embeddings), "fields": list(fields),
+            "algorithm": algorithm,
+            "dense_shapes": {n: list(v.shape) for n, v in learner.state_dict().items()}}
+
+
+# ---------------------------------------------------------------------------- start-up
+def api_checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
+    """`checkpoint_meta` as the Python API names fields (``row_fields``) and algorithms."""
+    return checkpoint_meta(learner, embeddings, list(getattr(learner.net, "row_fields", [])),
+                           type(learner.algorithm).__name__.lower())
+
+
+def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
+                 embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig], rank: int,
+                 seed: int, nonfinite: str, resume: str | None, output_dir, ckpt_meta: dict,
+                 keep_initial: bool = False) -> tuple["MetaEngine", dict | None]:
+    """The DeepSpeed engine of ``learner`` wrapped as a `MetaEngine`, restored from the
+    checkpoint ``resume`` names (a directory, or "auto": the newest complete one under
+    ``output_dir``), at any world size: its manifest is verified against ``ckpt_meta`` first,
+    and ZeRO partitions cut for another world size go through DeepSpeed's universal
+    checkpoint. Returns (engine, the resumed checkpoint's state with its ``checkpoint`` path,
+    or None). ``keep_initial``: keep a CPU copy of the learner's weights before training (the
+    non-meta baseline of `MetaEngine.evaluate` starts from it)."""
+    found = checkpoint.find(resume, output_dir) if resume else None
+    universal = manifest = None
+    if found is not None:
+        manifest = checkpoint.verify(found, ckpt_meta)
+        if manifest["world_size"] != plan.world_size and zero_stage(ds_config) > 0:
+            # ZeRO partitions were cut for the old world size: go through DeepSpeed's
+            # universal checkpoint, which loads at any data-parallel size.
+            universal = checkpoint.to_universal(found, output_dir, manifest)
+            ds_config = ds_internals.with_load_universal(ds_config)
+    initial = None
+    if keep_initial and not ds_engine.is_partitioned(learner):
+        initial = {k: v.detach().to("cpu", copy=True) for k, v in learner.state_dict().items()}
+    engine = ds_engine.initialize(learner, ds_config, resume=found)
+    meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite, initial)
+    state = None
+    if found is not None:
+        state = {**checkpoint.load(found, manifest, engine, embeddings, universal), "checkpoint": found}
+        meta.step = state["step"]
+    return meta, state
