@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig
+from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.sparse import Jagged
 
 RESULTS = ROOT / "benchmarks" / "results" / "comm_model.json"
 ZIPF, ID_BYTES, DTYPE_BYTES, N_TABLES = 1.1, 8, 4, 1

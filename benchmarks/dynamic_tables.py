@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig
+from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.sparse import Jagged
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "dynamic_tables.json"
 BATCH, DIM, SCATTER = 2048, 16, 0x9E3779B1  # ids -> id * SCATTER: spread over int64

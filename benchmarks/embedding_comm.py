@@ -43,7 +43,8 @@ except ImportError:  # not installed: run from a checkout
     sys.path.insert(0, str(ROOT))
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig
+from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.sparse import Jagged
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import LaunchFailure, bench_env, free_port, rank_main, run_group

@@ -17,7 +17,7 @@ for a few meta-steps (evaluation off):
 Each rank reports (summary.json ``peak_rss_mib_per_rank``) its peak (VmHWM through the
 training loop), its resident size before any model was built, after the training loop
 (garbage collected, ``malloc_trim``: no activations) and how much of that is tensor storage
-(`gmeta_ds.trainer.host_tensor_mib`: every distinct storage reachable, ZeRO-3 partitions
+(`gmeta_ds.engine.memory.host_tensor_mib`: every distinct storage reachable, ZeRO-3 partitions
 included). The *model-state part* of a run is its tensor storage minus DeepSpeed's gradient
 bucket (``reduce_bucket_size`` fp32 elements, allocated by ZeRO-3) and minus the ``example``
 run's at the same world size and variant (the workload's own tensors); it is compared with the

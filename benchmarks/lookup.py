@@ -63,7 +63,7 @@ def setup():
     from gmeta_ds.config import load_config
     from gmeta_ds.data.loader import TaskLoader
     from gmeta_ds.data.sampler import MetaBatchSampler
-    from gmeta_ds.data.tasks import single_fields
+    from gmeta_ds.sparse import single_fields
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine import ds_engine
     from gmeta_ds.engine.dist import skip_deepspeed_shm_op

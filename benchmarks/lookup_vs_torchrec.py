@@ -65,7 +65,8 @@ import torch.distributed as dist
 import gmeta_ds
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig, init_rows
+from gmeta_ds.embedding.tables import TableConfig, init_rows
+from gmeta_ds.sparse import Jagged
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "lookup_vs_torchrec.json"

@@ -40,7 +40,7 @@ from gmeta_ds.config import RunConfig, config_from_dict
 from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.builder import build_tasks as build_task_store
 from gmeta_ds.data.readers import LogSchema, log_from_frame
-from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
+from gmeta_ds.sparse import FieldSpec, model_field_order, single_fields
 from gmeta_ds.ds_config import resolve_ds_config
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection

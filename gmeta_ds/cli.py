@@ -178,7 +178,8 @@ def _cmd_train(cfg: RunConfig) -> int:
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
     from gmeta_ds.outputs import check_earlier_run
     from gmeta_ds.meta_engine import NonFiniteLoss
-    from gmeta_ds.trainer import completed_run, rss_mib, train
+    from gmeta_ds.engine.memory import rss_mib
+    from gmeta_ds.trainer import completed_run, train
     from gmeta_ds.workloads import get_workload
 
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data

@@ -16,7 +16,7 @@ from torch.func import vmap
 
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_contract
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
-from gmeta_ds.embedding.tables import Jagged
+from gmeta_ds.sparse import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, check_output, masked_bce
 from gmeta_ds.metrics import score_tasks
 from gmeta_ds.models.popularity import net_logits

@@ -28,7 +28,8 @@ from gmeta_ds.algorithms.base import check_id_columns, check_task_fields, embed_
 from gmeta_ds.arguments import check, finite, int_at_least
 from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate, single_fields
+from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
+from gmeta_ds.sparse import single_fields
 from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
@@ -49,9 +50,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+_fault_point: str | None = None  # `FAULT_STOP_ENV` as `arm_fault_stop` read it
+
+
+def arm_fault_stop() -> None:
+    """Read `FAULT_STOP_ENV` once, for this training (the CLI's ``train`` calls it at its
+    start; the reliability tests set the variable), so `fault_stop` reads no environment in
+    the hot path; unset, it costs one comparison with None."""
+    global _fault_point
+    _fault_point = os.environ.get(FAULT_STOP_ENV) or None
+
+
 def fault_stop(point: str) -> None:
-    """Fault injection for the reliability tests (`FAULT_STOP_ENV`)."""
-    if os.environ.get(FAULT_STOP_ENV) == point:
+    """Fault injection for the reliability tests (`FAULT_STOP_ENV`, armed by `arm_fault_stop`)."""
+    if _fault_point is not None and _fault_point == point:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -12,7 +12,7 @@ _BARS = (("{m}_no_adapt", "meta, no adaptation"), ("{m}", "meta + adaptation"),
          ("baseline_{m}", "non-meta baseline"), ("baseline_finetune_{m}", "baseline + fine-tune"))
 
 
-# Keys every metrics.jsonl record has (trainer.train_loop writes them), plotted below.
+# Keys every metrics.jsonl record has (run_log.StepWindow.record writes them), plotted below.
 _KEYS = ("step", "query_loss", "support_loss", "tasks_per_s")
 
 

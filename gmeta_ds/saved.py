@@ -35,9 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
+from gmeta_ds.sparse import FieldSpec, model_field_order, single_fields
 from gmeta_ds.data.vocab import Vocabulary, value_text
-from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.sparse import Jagged
 from gmeta_ds.errors import ConfigError
 
 FORMAT, VERSION = "gmeta_ds model", 1
@@ -131,7 +132,7 @@ class SavedModel:
         the fields' order, {multi-hot field: Jagged}). A value outside the vocabulary gets
         id 0 (the out-of-vocabulary row); a field of raw ids (dynamic tables) keeps its
         values' ids."""
-        from gmeta_ds.embedding.dynamic import value_id
+        from gmeta_ds.sparse import value_id
 
         missing = [f.name for f in self.fields if f.name not in columns]
         lengths = {f.name: len(columns[f.name]) for f in self.fields if f.name in columns}

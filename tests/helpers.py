@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from gmeta_ds.config import EmbeddingConfig
-from gmeta_ds.data.tasks import FieldSpec, TaskBatch
+from gmeta_ds.data.tasks import TaskBatch
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.models.melu import MeLU, build_melu
 
 FIELDS = [FieldSpec("age", 5, "user"), FieldSpec("item_id", 11, "item"), FieldSpec("cat", 4, "item")]

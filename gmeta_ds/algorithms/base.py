@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gmeta_ds.data.tasks import TaskBatch
-from gmeta_ds.embedding.tables import Jagged
+from gmeta_ds.sparse import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import (
     LOSSES, MODEL_CONTRACT, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, check_output,

@@ -38,7 +38,8 @@ from gmeta_ds.data.store_check import content_fingerprint
 from gmeta_ds.data.store_lock import STALL_S, build_lock
 from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
                                   long_task_chunks, open_store, row_order_key, store_version)
-from gmeta_ds.data.tasks import FieldSpec, TaskData, TaskSet, take_rows
+from gmeta_ds.data.tasks import TaskData, TaskSet, take_rows
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.data.vocab import Vocabulary
 
 # 7: the store keeps the vocabularies; 6: a 0/1 label under the default threshold is clicks
@@ -100,7 +101,7 @@ def raw_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     (the form vocabularies use): integers keep their values, other values get their
     `string_id` -- the ids `stream.py` computes in SQL."""
     from gmeta_ds.data.readers import MISSING
-    from gmeta_ds.embedding.dynamic import string_id, value_id
+    from gmeta_ds.sparse import string_id, value_id
 
     if pa.types.is_integer(column.type):
         return pc.fill_null(column, string_id(MISSING)).to_numpy(zero_copy_only=False).astype(np.int64)

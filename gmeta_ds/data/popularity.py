@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, single_fields
+from gmeta_ds.data.tasks import TaskSet
+from gmeta_ds.sparse import FieldSpec, single_fields
 
 EPS = 1e-6  # binary rates are clipped to [EPS, 1 - EPS] before the logit
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from gmeta_ds.data.tasks import FieldSpec
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import DataError
 
 HASH = "xxh3_128"

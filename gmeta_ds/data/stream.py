@@ -49,9 +49,10 @@ from gmeta_ds.data.readers import (MISSING, DataError, InteractionLog, LogSchema
 from gmeta_ds.data.store_check import HASH, file_digest, read_manifest, verify_split, verify_vocab
 from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
 from gmeta_ds.data.split import TEST, TRAIN, VALID, split_users
-from gmeta_ds.data.tasks import FieldSpec, TaskData, TaskSet
+from gmeta_ds.data.tasks import TaskData, TaskSet
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.data.vocab import Vocabulary
-from gmeta_ds.embedding.dynamic import string_id
+from gmeta_ds.sparse import string_id
 
 STORE_VERSION = 3  # 3: the vocabularies; 2: a checksum per file and the label kind (older stores are rebuilt)
 STATES = ("warm", "user_cold", "item_cold", "user_item_cold")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gmeta_ds.config import SyntheticConfig
-from gmeta_ds.data.tasks import FieldSpec, TaskSet
+from gmeta_ds.data.tasks import TaskSet
+from gmeta_ds.sparse import FieldSpec
 
 USER_FIELDS = (("age", 7), ("gender", 2), ("occupation", 21), ("region", 50))
 ITEM_FIELDS = (("category", 20), ("brand", 100), ("price", 10))

@@ -18,36 +18,9 @@ import numpy as np
 import torch
 
 from gmeta_ds.data.vocab import Vocabulary
-from gmeta_ds.embedding.dynamic import PAD_ID
-from gmeta_ds.embedding.plan import BagStats
-from gmeta_ds.embedding.tables import Jagged
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item;
-    ``multi_hot`` fields hold a bag of ids per interaction (e.g. a movie's genres). ``raw``
-    fields (``data.raw_ids``, for dynamic tables) hold the column's own int64 values instead,
-    with no vocabulary; their ``num_ids`` counts the distinct values of the training rows."""
-
-    name: str
-    num_ids: int
-    side: str
-    multi_hot: bool = False
-    raw: bool = False
-
-
-def single_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
-    return [f for f in fields if not f.multi_hot]
-
-
-def multi_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
-    return [f for f in fields if f.multi_hot]
-
-
-def model_field_order(fields: list[FieldSpec]) -> list[FieldSpec]:
-    """The order of fields in model inputs (..., F, d): single-hot, then multi-hot."""
-    return single_fields(fields) + multi_fields(fields)
+from gmeta_ds.sparse import PAD_ID, FieldSpec, multi_fields, single_fields
+from gmeta_ds.sparse import BagStats
+from gmeta_ds.sparse import Jagged
 
 
 @dataclass

@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from gmeta_ds.sparse import PAD_ID
+
 EVICTIONS = ("lru", "lfu")
-PAD_ID = -(1 << 63)  # reserved: padding rows' id; reads the default row, never counted or admitted
 SKETCH_DEPTH = 2
 OWNER_SALT = 0x5EED  # the hash stream that picks a dynamic id's owner rank
 _MASK63 = (1 << 63) - 1
@@ -58,28 +57,6 @@ def mix64(ids: Tensor, salt: int) -> Tensor:
     x = (x ^ _shr(x, 30)) * _C1
     x = (x ^ _shr(x, 27)) * _C2
     return (x ^ _shr(x, 31)) & _MASK63
-
-
-def string_id(value: str) -> int:
-    """The stable non-negative int64 id of a string: the first 8 bytes of the MD5 of its UTF-8
-    bytes, little-endian, top bit cleared (an id, not a security hash). DuckDB computes the
-    same as ``(md5_number(s) & ((1::UHUGEINT << 63) - 1))::BIGINT``, so out-of-core builds and
-    in-memory ones agree."""
-    return int.from_bytes(hashlib.md5(value.encode()).digest()[:8], "little") & _MASK63
-
-
-def value_id(text: str) -> int:
-    """The id of a raw categorical value in its string form: a canonical decimal int64
-    ("42", "-7"; not "042" or "+1") is that integer, anything else its `string_id`. So integer
-    ids keep their values whether a file stores them as integers or as text."""
-    if re.fullmatch(r"0|-?[1-9][0-9]*", text) and -(1 << 63) <= int(text) < (1 << 63):
-        return int(text)
-    return string_id(text)
-
-
-def hash_strings(values: Iterable[str]) -> Tensor:
-    """`string_id` of every string, as an int64 tensor."""
-    return torch.tensor([string_id(str(v)) for v in values], dtype=torch.long)
 
 
 def owner_of(ids: Tensor, world: int) -> Tensor:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gmeta_ds.sparse import BagStats
 from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
 from gmeta_ds.embedding.tables import TableConfig
 from gmeta_ds.errors import ConfigError
@@ -44,15 +45,6 @@ def modulo(ids: Tensor, world: int) -> tuple[Tensor, Tensor]:
         shift = world.bit_length() - 1
         return ids & (world - 1), ids >> shift
     return ids % world, torch.div(ids, world, rounding_mode="floor")
-
-
-@dataclass(frozen=True)
-class BagStats:
-    """What a table's lookups look like, for `choose_exchange`: ``mean_length`` ids per bag,
-    ``distinct_ratio`` distinct ids per id looked up in one micro-batch (1: no repeats)."""
-
-    mean_length: float
-    distinct_ratio: float = 1.0
 
 
 def exchange_bytes(kind: str, world_size: int, dim: int, stats: BagStats) -> tuple[float, float]:

@@ -38,7 +38,8 @@ from torch import Tensor
 from gmeta_ds.embedding.comm import all_to_all
 from gmeta_ds.embedding.optim import plain_update
 from gmeta_ds.embedding.plan import modulo
-from gmeta_ds.embedding.tables import FLAGS_RATIO, Jagged, check_ids, distinct_rows, unique_keys
+from gmeta_ds.embedding.tables import FLAGS_RATIO, check_ids, distinct_rows, unique_keys
+from gmeta_ds.sparse import Jagged
 
 INT32_LIMIT = 2**31 - 1
 

@@ -44,8 +44,8 @@ from gmeta_ds.embedding.optim import adagrad_rows, build_sparse_optimizer, fast_
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.pooled import owner_pooled
 from gmeta_ds.engine.dist import on_wire
-from gmeta_ds.embedding.tables import (FLAGS_RATIO, Jagged, TableConfig, check_fields, check_ids, check_width,
-                                       feature_tables, init_rows, lookup_fields, pool, unique_keys)
+from gmeta_ds.embedding.tables import FLAGS_RATIO, TableConfig, check_fields, check_ids, check_width, feature_tables, init_rows, lookup_fields, pool, unique_keys
+from gmeta_ds.sparse import Jagged
 
 
 @dataclass(frozen=True)

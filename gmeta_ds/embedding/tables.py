@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from gmeta_ds.sparse import Jagged
 from gmeta_ds.embedding.dynamic import default_row, owner_of
 
 POOLINGS = ("sum", "mean", "none")
@@ -111,33 +112,6 @@ def init_rows(table: TableConfig, seed: int, ids: Tensor) -> Tensor:
         out[order[picked]] = rows[sorted_ids[picked] - start]
         cursor += count
     return out
-
-
-@dataclass
-class Jagged:
-    """Ids of one feature for N samples: values (nnz,) int64, offsets (N + 1,) int64.
-    ``one_per_sample``: known to hold exactly one id per sample (`single`), so pooling is the
-    identity and `pool` skips it."""
-
-    values: Tensor
-    offsets: Tensor
-    one_per_sample: bool = False
-
-    @staticmethod
-    def single(ids: Tensor) -> "Jagged":
-        """One id per sample: ids (N,) -> offsets [0, 1, ..., N]."""
-        ids = ids.reshape(-1)
-        ids = ids if ids.is_floating_point() else ids.long()  # check_ids names float ids
-        return Jagged(ids, torch.arange(len(ids) + 1, dtype=torch.long, device=ids.device), one_per_sample=True)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.offsets) - 1
-
-    def segment_ids(self) -> Tensor:
-        """Sample index of every value: (nnz,)."""
-        lengths = self.offsets[1:] - self.offsets[:-1]
-        return torch.repeat_interleave(torch.arange(self.num_samples, device=self.offsets.device), lengths)
 
 
 def check_ids(values: Tensor, feature: str, table: TableConfig, policy: str) -> Tensor:

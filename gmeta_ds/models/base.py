@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gmeta_ds.config import EmbeddingConfig, ModelConfig
-from gmeta_ds.data.tasks import FieldSpec, model_field_order, single_fields
+from gmeta_ds.sparse import FieldSpec, model_field_order, single_fields
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.errors import ConfigError
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gmeta_ds.config import ModelConfig
-from gmeta_ds.data.tasks import FieldSpec
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.embedding.tables import EmbeddingCollection
 from gmeta_ds.models.base import FieldModel, mlp
 

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from gmeta_ds.data.popularity import EPS, item_column, item_statistics, shrunk_score
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, single_fields
+from gmeta_ds.data.tasks import TaskSet
+from gmeta_ds.sparse import FieldSpec, single_fields
 from gmeta_ds.errors import ConfigError
 
 

@@ -25,7 +25,8 @@ from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_valid, synthetic_fields
-from gmeta_ds.data.tasks import bag_statistics, model_field_order, single_fields
+from gmeta_ds.data.tasks import bag_statistics
+from gmeta_ds.sparse import model_field_order, single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from gmeta_ds.embedding import tables
 from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig
+from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.sparse import Jagged
 
 # (table, rows, plan, row owner, optimizer); the last two hold bags, the others one field each.
 SPECS = [("user", 53, "row_wise", "modulo", "adagrad"), ("age", 6, "replicated", "modulo", "sgd"),

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from gmeta_ds.embedding.plan import ShardingPlan, TablePlan, plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.sparse import Jagged
 
 TABLES = [
     TableConfig("a", 37, 4, ("a_multi", "a_single"), pooling="sum"),

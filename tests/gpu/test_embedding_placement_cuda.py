@@ -12,7 +12,8 @@ from launch.conftest import BIN, run, summary, tiny_config
 
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig
+from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.sparse import Jagged
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import assert_same_model, gmeta_ranks, summary, tiny_config
 
-from gmeta_ds.embedding.dynamic import string_id
+from gmeta_ds.sparse import string_id
 
 pytestmark = [pytest.mark.launcher]
 DYNAMIC = {"item_id": {"kind": "dynamic", "capacity": 500, "admit_after": 1, "eviction": "lru"}}

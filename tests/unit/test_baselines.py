@@ -11,7 +11,8 @@ import gmeta_ds.baselines as baselines
 from gmeta_ds.baselines import (fit_popularity, item_column, popularity_predict, popularity_scores,
                                 user_offsets)
 from gmeta_ds.config import config_from_dict
-from gmeta_ds.data.tasks import FieldSpec, TaskSet
+from gmeta_ds.data.tasks import TaskSet
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import ConfigError
 
 FIELDS = [FieldSpec("age", 3, "user"), FieldSpec("item_id", 5, "item"), FieldSpec("brand", 2, "item")]

@@ -8,14 +8,14 @@ PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
     "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.arguments": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
     "gmeta_ds.plots": 0, "gmeta_ds.registry": 0,
-    "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
+    "gmeta_ds.sparse": 1, "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
     "gmeta_ds.algorithms": 2,
     "gmeta_ds.engine": 3, "gmeta_ds.profiling": 3,
     "gmeta_ds.metrics": 1,
     "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
     "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.outputs": 5, "gmeta_ds.baselines": 5,
-    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5,
+    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5, "gmeta_ds.run_log": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")
@@ -133,3 +133,20 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Packages of layer 1 that meet only in gmeta_ds.sparse (field specs, jagged ids, the padding
+# id, stable ids of raw values): neither of them imports the other or the models.
+APART = {"gmeta_ds.data": ("gmeta_ds.embedding", "gmeta_ds.models"),
+         "gmeta_ds.embedding": ("gmeta_ds.data", "gmeta_ds.models")}
+
+
+def test_data_and_embedding_share_only_the_sparse_bottom_layer():
+    bad = []
+    for name, path in modules():
+        for package, others in APART.items():
+            if name == package or name.startswith(package + "."):
+                bad += [f"{name} imports {i}" for i in imports(path) if i.startswith(others)]
+        if name == "gmeta_ds.sparse":
+            bad += [f"{name} imports {i}" for i in imports(path) if i.startswith("gmeta_ds")]
+    assert not bad, "\n".join(bad)

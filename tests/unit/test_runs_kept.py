@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gmeta_ds import outputs, trainer
+from gmeta_ds import outputs, run_log, trainer
 from gmeta_ds.meta_engine import NonFiniteLoss
 from gmeta_ds.cli import main
 
@@ -225,12 +225,12 @@ def test_tensorboard_that_cannot_start_names_its_folder(tmp_path, monkeypatch, c
             raise OSError(errno.ENOSPC, "No space left on device")  # as TensorBoard's writer thread
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", FullDisk)
     with pytest.raises(OSError) as info:
-        trainer.MetricsLog(tmp_path, True, tensorboard=True)
+        run_log.MetricsLog(tmp_path, True, tensorboard=True)
     assert info.value.filename == str(tmp_path / "tensorboard") and info.value.errno == errno.ENOSPC
     assert not list((tmp_path / "tensorboard").iterdir())  # the probe is gone
 
     def start_tensorboard(*args, **kwargs):
-        trainer.MetricsLog(tmp_path, True, tensorboard=True)
+        run_log.MetricsLog(tmp_path, True, tensorboard=True)
     monkeypatch.setattr(trainer, "train", start_tensorboard)
     assert train(write_config(tmp_path, tmp_path / "run")) == 4
     err = capsys.readouterr().err

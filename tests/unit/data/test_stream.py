@@ -301,7 +301,7 @@ def test_raw_id_columns_keep_their_values_in_memory_and_out_of_core(tmp_path):
     """data.raw_ids: an integer column keeps its values, a string column gets `string_id`s
     (DuckDB's md5_number computes the same), other columns keep their vocabularies."""
     from gmeta_ds.data.readers import MISSING
-    from gmeta_ds.embedding.dynamic import string_id
+    from gmeta_ds.sparse import string_id
 
     df = frame()
     df["item"] = df["item"] * 1_000_003 + 2**40  # ids far outside any vocabulary

@@ -7,7 +7,8 @@ import torch
 from gmeta_ds.algorithms import MAML, MetaLearner
 from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.config import EmbeddingConfig
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, collate, take_rows
+from gmeta_ds.data.tasks import TaskSet, collate, take_rows
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.models.melu import build_melu
 
 FIELDS = [FieldSpec("genres", 6, "item", multi_hot=True), FieldSpec("user", 4, "user"),

@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from gmeta_ds.embedding.dynamic import (CapacityError, DynamicIndex, hash_strings, init_dynamic_rows,
-                                        mix64, owner_of)
+from gmeta_ds.embedding.dynamic import CapacityError, DynamicIndex, init_dynamic_rows, mix64, owner_of
+from gmeta_ds.sparse import hash_strings
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.sparse import Jagged
 
 M64 = (1 << 64) - 1
 
@@ -257,7 +258,7 @@ def test_a_static_checkpoint_does_not_load_into_a_dynamic_table():
 def test_value_ids_keep_canonical_integers_and_agree_with_duckdb():
     import duckdb
 
-    from gmeta_ds.embedding.dynamic import string_id, value_id
+    from gmeta_ds.sparse import string_id, value_id
 
     texts = ["42", "-7", "0", "-0", "042", "+1", "²", "9223372036854775807", "9223372036854775808",
              "item-1", "unknown", ""]
@@ -272,7 +273,7 @@ def test_value_ids_keep_canonical_integers_and_agree_with_duckdb():
 
 
 def test_padding_ids_read_the_default_row_and_are_never_counted():
-    from gmeta_ds.embedding.dynamic import PAD_ID
+    from gmeta_ds.sparse import PAD_ID
 
     index = DynamicIndex("t", capacity=4, admit_after=1)
     rows, admitted = index.lookup(torch.tensor([PAD_ID, 5, PAD_ID]), torch.tensor([3, 1, 2]))

@@ -9,7 +9,8 @@ import torch
 from gmeta_ds.embedding import tables
 from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import Jagged, TableConfig, unique_keys
+from gmeta_ds.embedding.tables import TableConfig, unique_keys
+from gmeta_ds.sparse import Jagged
 
 # One table per single-hot field (every plan kind and optimizer), then the bags' tables.
 SINGLE = [("age", 7, "replicated", "sgd"), ("item", 500, "row_wise", "adagrad"),

@@ -62,7 +62,8 @@ def test_plan_errors_name_the_problem():
 
 
 def test_exchange_auto_pools_long_bags_and_keeps_rows_for_short_ones():
-    from gmeta_ds.embedding.plan import BagStats, exchange_bytes
+    from gmeta_ds.embedding.plan import exchange_bytes
+    from gmeta_ds.sparse import BagStats
 
     table = TableConfig("t", 10_000, 16, ("t",))
     long_bags, short_bags = BagStats(50, 0.4), BagStats(1.5, 0.4)

@@ -10,7 +10,8 @@ import torch
 
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-from gmeta_ds.embedding.tables import EmbeddingCollection, Jagged, TableConfig
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.sparse import Jagged
 
 TABLES = [TableConfig("tags", 50, 4, ("tags", "tags_too"), pooling="mean", exchange="pooled", optimizer="sgd"),
           TableConfig("cats", 9, 4, ("cats",), pooling="sum", exchange="pooled", optimizer="sgd"),

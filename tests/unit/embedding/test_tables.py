@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from gmeta_ds.embedding import tables
-from gmeta_ds.embedding.tables import (EmbeddingCollection, Jagged, TableConfig, check_ids, init_rows,
-                                       lookup_fields)
+from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig, check_ids, init_rows, lookup_fields
+from gmeta_ds.sparse import Jagged
 
 
 def bag_reference(weight: torch.Tensor, jagged: Jagged, mode: str) -> torch.Tensor:

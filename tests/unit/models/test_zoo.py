@@ -11,7 +11,8 @@ import torch
 from gmeta_ds.algorithms import ALGORITHMS, MetaLearner
 from gmeta_ds.algorithms.base import embed_batch, embedder
 from gmeta_ds.config import EmbeddingConfig, ModelConfig, RunConfig, config_from_dict
-from gmeta_ds.data.tasks import FieldSpec, TaskSet, collate
+from gmeta_ds.data.tasks import TaskSet, collate
+from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.registry import MODELS
