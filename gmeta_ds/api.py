@@ -35,7 +35,7 @@ from torch import nn
 from gmeta_ds.arguments import check, finite, int_at_least, is_int, one_of
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import (
-    check_row_fields, probe_model, shown_candidates, unmatched_patterns)
+    AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)
 from gmeta_ds.config import RunConfig, config_from_dict
 from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.builder import build_tasks as build_task_store
@@ -203,8 +203,10 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     if isinstance(algorithm, MetaAlgorithm):
         algo = algorithm
     else:
-        algo = ALGORITHMS[algorithm](inner_steps, inner_lr, patterns, vectorize, loss, split_body,
-                                     inner_lr_scale, inner_loss_prior, offset_first, support_level)
+        algo = ALGORITHMS[algorithm].from_settings(AlgorithmSettings(
+            inner_steps=inner_steps, inner_lr=inner_lr, adapt=patterns, vectorize=vectorize, kind=loss,
+            split_body=split_body, inner_lr_scale=inner_lr_scale, inner_loss_prior=inner_loss_prior,
+            offset_first=offset_first, support_level=support_level))
     return MetaLearner(model, algo)
 
 

@@ -144,22 +144,16 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
-    The outer loss is checked for NaN/inf on every rank before any update. ``abort``: one
-    check per meta-step, a flag all-reduced while the last micro-batch runs its backward
-    (nothing is updated yet then: DeepSpeed updates in the last ``engine.step``), raising
-    `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids. ``skip`` (one
-    micro-batch per meta-step) checks before the backward and drops the meta-step on all
-    ranks, so no update happens at all. Losses stay on the engine's device until the end
-    (one host sync per meta-step for the statistics).
-
-    At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``: DeepSpeed
-    would otherwise flatten every gradient into a buffer and all-reduce it over one rank, an
-    exact identity (`ds_engine.reduction_is_identity`)."""
-    query, support, bad_here = [], [], []
+    The outer loss is checked for NaN/inf on every rank before any update (`_NonfiniteGuard`).
+    Losses stay on the engine's device until the end (one host sync per meta-step for the
+    statistics). At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``:
+    DeepSpeed would otherwise flatten every gradient into a buffer and all-reduce it over one
+    rank, an exact identity (`ds_engine.reduction_is_identity`)."""
     if engine.device.type != "cpu":  # batches are collated on the host
         batches = [ds_engine.to_device(b, engine.device) for b in batches]
     local = ds_engine.reduction_is_identity(engine)
-    pending = None
+    guard = _NonfiniteGuard(nonfinite, step)
+    query, support = [], []
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with phase("lookup"):
@@ -168,15 +162,7 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
         with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
             with phase("inner_loop"):
                 out = engine(batch, rows)
-            with phase("nonfinite_check"):
-                finite = torch.isfinite(out.loss.detach()).all()
-                if nonfinite == "skip":
-                    skip = _nonfinite_anywhere(bool(finite))
-                else:
-                    skip = False
-                    bad_here.append(~finite)
-                    if last:
-                        pending = _AnyRank(torch.stack(bad_here).any())
+            skip = guard.check(out.loss, last)
             if not skip:
                 if last:
                     fault_stop(f"{step + 1}:{_rank()}")
@@ -187,14 +173,7 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
                 for p in sharded.parameters():
                     p.grad = None
             return StepResult(float("nan"), float("nan"), True, padding_efficiency(batch))
-        if pending is not None:
-            with phase("nonfinite_check"):
-                if pending.result():
-                    bad_batches = [b for b, flag in zip(batches, torch.stack(bad_here).tolist()) if flag]
-                    where = _who_is_nonfinite(bad_batches)
-                    raise NonFiniteLoss(f"meta-step {step + 1}: non-finite outer loss on " + "; ".join(
-                        f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
-                        "'skip' drops such meta-steps instead)")
+        guard.raise_if_any(batches)
         with phase("optimizer_step"):
             engine.step()
         query.append(out.query_loss.detach())
@@ -205,6 +184,43 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     padding = sum(padding_efficiency(b) for b in batches) / len(batches)
     losses = torch.stack([torch.stack(query), torch.stack(support)]).float().mean(dim=1).tolist()
     return StepResult(losses[0], losses[1], False, padding)
+
+
+class _NonfiniteGuard:
+    """A meta-step's NaN/inf check of the outer loss on every rank, before any update.
+    ``abort``: one check per meta-step, a flag all-reduced while the last micro-batch runs its
+    backward (nothing is updated yet then: DeepSpeed updates in the last ``engine.step``),
+    then `NonFiniteLoss` on all ranks naming the meta-step, rank(s) and task ids. ``skip``
+    (one micro-batch per meta-step) checks before the backward and drops the meta-step on all
+    ranks, so no update happens at all."""
+
+    def __init__(self, policy: str, step: int):
+        self.policy, self.step = policy, step
+        self.bad_here: list[torch.Tensor] = []
+        self.pending: _AnyRank | None = None
+
+    def check(self, loss: torch.Tensor, last: bool) -> bool:
+        """Whether to skip this meta-step (``skip``: the loss is not finite on some rank)."""
+        with phase("nonfinite_check"):
+            finite = torch.isfinite(loss.detach()).all()
+            if self.policy == "skip":
+                return _nonfinite_anywhere(bool(finite))
+            self.bad_here.append(~finite)
+            if last:
+                self.pending = _AnyRank(torch.stack(self.bad_here).any())
+            return False
+
+    def raise_if_any(self, batches: list[TaskBatch]) -> None:
+        """``abort``, after the last backward: `NonFiniteLoss` when any rank saw NaN/inf."""
+        if self.pending is None:
+            return
+        with phase("nonfinite_check"):
+            if self.pending.result():
+                flags = torch.stack(self.bad_here).tolist()
+                where = _who_is_nonfinite([b for b, flag in zip(batches, flags) if flag])
+                raise NonFiniteLoss(f"meta-step {self.step + 1}: non-finite outer loss on " + "; ".join(
+                    f"rank {r} (tasks {ids})" for r, ids in where) + " (train.nonfinite: abort; "
+                    "'skip' drops such meta-steps instead)")
 
 
 class MetaEngine:

@@ -10,6 +10,8 @@ and nDCG gives every row of a tied group the group's mean gain (as `ndcg_score` 
 """
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass
+
 import numpy as np
 
 KINDS = ("binary", "regression")
@@ -91,44 +93,70 @@ def score_tasks(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray, kin
     labels, preds, task_ids = _check(labels, preds, task_ids, kind, k)
     _, tid, counts = np.unique(task_ids, return_inverse=True, return_counts=True)
     tid = tid.reshape(-1)
-    n_tasks, n = len(counts), len(labels)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    out: dict = {"tasks": int(n_tasks), "rows": int(n)}
-
-    order, pos, gid = _rank_desc(preds, tid, starts)
-    t_sorted = tid[order]
-    g_sorted = labels[order]
-    group_size = np.bincount(gid)
-
+    ranked = _Ranked(*_rank_desc(preds, tid, starts), tid=tid, labels=labels)
+    out: dict = {"tasks": int(len(counts)), "rows": int(len(labels))}
     if kind == "binary":
-        from sklearn.metrics import log_loss, roc_auc_score  # not at import time: sklearn takes ~1 s
-
-        out["auc"] = float(roc_auc_score(labels, preds)) if 0 < labels.sum() < n else float("nan")
-        # Mann-Whitney: ascending 1-based rank of a tie run holding descending positions [s, e] of
-        # a task of size m is m - (s + e) / 2.
-        first = np.bincount(gid, pos) / group_size - (group_size - 1) / 2.0
-        run_rank = counts[t_sorted] - (2 * first[gid] + group_size[gid] - 1) / 2.0
-        n_pos = np.bincount(tid, labels, minlength=n_tasks)
-        n_neg = counts - n_pos
-        rank_sum = np.bincount(t_sorted, run_rank * g_sorted, minlength=n_tasks)
-        ok = (n_pos > 0) & (n_neg > 0)
-        auc_t = (rank_sum[ok] - n_pos[ok] * (n_pos[ok] + 1) / 2.0) / (n_pos[ok] * n_neg[ok])
-        out["auc_per_task"] = float(auc_t.mean()) if ok.any() else float("nan")
-        out["tasks_with_auc"] = int(ok.sum())
-        eps = np.finfo(np.float64).eps
-        out["logloss"] = float(log_loss(labels, np.clip(preds, eps, 1.0 - eps), labels=[0, 1]))
+        out.update(_binary_scores(labels, preds, tid, counts, ranked))
     else:
         err = preds - labels
         out["mae"] = float(np.abs(err).mean())
         out["rmse"] = float(np.sqrt(np.mean(err * err)))
+    out.update(_ndcg_scores(labels, tid, len(counts), ranked, k))
+    return out
 
-    mean_gain = (np.bincount(gid, g_sorted) / group_size)[gid]  # tie-averaged gain per sorted row
+
+@dataclass
+class _Ranked:
+    """The rows of every task ordered by descending prediction (`_rank_desc`): ``order``,
+    ``pos`` (position in its task), ``gid`` (tie run id), and the task ids and labels so
+    ordered (``t_sorted``, ``g_sorted``), with each tie run's size."""
+
+    order: np.ndarray
+    pos: np.ndarray
+    gid: np.ndarray
+    tid: InitVar[np.ndarray]
+    labels: InitVar[np.ndarray]
+
+    def __post_init__(self, tid: np.ndarray, labels: np.ndarray) -> None:
+        self.t_sorted, self.g_sorted = tid[self.order], labels[self.order]
+        self.group_size = np.bincount(self.gid)
+
+
+def _binary_scores(labels: np.ndarray, preds: np.ndarray, tid: np.ndarray, counts: np.ndarray,
+                   r: _Ranked) -> dict:
+    """``auc``, ``auc_per_task`` (Mann-Whitney per task, ties averaged), ``tasks_with_auc``
+    and ``logloss`` (see `score_tasks`)."""
+    from sklearn.metrics import log_loss, roc_auc_score  # not at import time: sklearn takes ~1 s
+
+    n, n_tasks = len(labels), len(counts)
+    out = {"auc": float(roc_auc_score(labels, preds)) if 0 < labels.sum() < n else float("nan")}
+    # Mann-Whitney: ascending 1-based rank of a tie run holding descending positions [s, e] of
+    # a task of size m is m - (s + e) / 2.
+    first = np.bincount(r.gid, r.pos) / r.group_size - (r.group_size - 1) / 2.0
+    run_rank = counts[r.t_sorted] - (2 * first[r.gid] + r.group_size[r.gid] - 1) / 2.0
+    n_pos = np.bincount(tid, labels, minlength=n_tasks)
+    n_neg = counts - n_pos
+    rank_sum = np.bincount(r.t_sorted, run_rank * r.g_sorted, minlength=n_tasks)
+    ok = (n_pos > 0) & (n_neg > 0)
+    auc_t = (rank_sum[ok] - n_pos[ok] * (n_pos[ok] + 1) / 2.0) / (n_pos[ok] * n_neg[ok])
+    out["auc_per_task"] = float(auc_t.mean()) if ok.any() else float("nan")
+    out["tasks_with_auc"] = int(ok.sum())
+    eps = np.finfo(np.float64).eps
+    out["logloss"] = float(log_loss(labels, np.clip(preds, eps, 1.0 - eps), labels=[0, 1]))
+    return out
+
+
+def _ndcg_scores(labels: np.ndarray, tid: np.ndarray, n_tasks: int, r: _Ranked, k: tuple[int, ...]) -> dict:
+    """``ndcg@{k}`` per cut-off and ``tasks_with_ndcg`` (see `score_tasks`)."""
+    out = {}
+    mean_gain = (np.bincount(r.gid, r.g_sorted) / r.group_size)[r.gid]  # tie-averaged gain per sorted row
     ideal_gain = labels[_task_major(labels, tid)]  # same task blocks, so `pos` applies too
-    base_disc = 1.0 / np.log2(pos + 2.0)
+    base_disc = 1.0 / np.log2(r.pos + 2.0)
     for kk in k:
-        disc = np.where(pos < kk, base_disc, 0.0)
-        dcg = np.bincount(t_sorted, mean_gain * disc, minlength=n_tasks)
-        idcg = np.bincount(t_sorted, ideal_gain * disc, minlength=n_tasks)
+        disc = np.where(r.pos < kk, base_disc, 0.0)
+        dcg = np.bincount(r.t_sorted, mean_gain * disc, minlength=n_tasks)
+        idcg = np.bincount(r.t_sorted, ideal_gain * disc, minlength=n_tasks)
         ok = idcg > 0
         out[f"ndcg@{int(kk)}"] = float((dcg[ok] / idcg[ok]).mean()) if ok.any() else float("nan")
     out["tasks_with_ndcg"] = int((np.bincount(tid, labels > 0, minlength=n_tasks) > 0).sum())

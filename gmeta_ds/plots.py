@@ -93,6 +93,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.set(xlabel="meta-step", ylabel="tasks / s", title="throughput (all ranks)")
     save(fig, "throughput.png")
 
+    save(_communication_chart(plt, steps, records), "communication.png")
+    summary_path = run_dir / "summary.json"
+    evaluation = _summary(summary_path).get("eval") if summary_path.is_file() else None
+    if evaluation:
+        save(_coldstart_chart(plt, evaluation), "coldstart.png")
+    return written
+
+
+def _communication_chart(plt, steps: list[int], records: list[dict]):
+    """MiB each rank sent per log window: dense gradients and sharded embeddings."""
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, [r.get("dense_allreduce_bytes", 0) / 2**20 for r in records],
             label="dense gradients (all-reduce model)")
@@ -100,23 +110,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
             label="sharded embeddings (all-to-all, measured)")
     ax.set(xlabel="meta-step", ylabel="MiB sent per rank per log window", title="communication")
     ax.legend()
-    save(fig, "communication.png")
+    return fig
 
-    summary_path = run_dir / "summary.json"
-    evaluation = _summary(summary_path).get("eval") if summary_path.is_file() else None
-    if evaluation:
-        sets = {"held-out users": evaluation, **evaluation.get("states", {})}
-        metric = "auc" if "auc" in evaluation else "mae"
-        fig, ax = plt.subplots(figsize=(max(6, 2 * len(sets)), 4))
-        width = 0.8 / len(_BARS)
-        for i, (key, label) in enumerate(_BARS):
-            values = [s.get(key.format(m=metric)) for s in sets.values()]
-            values = [float("nan") if v is None else v for v in values]  # null: undefined metric
-            ax.bar([j + i * width for j in range(len(sets))], values, width, label=label)
-        ax.set_xticks([j + width * (len(_BARS) - 1) / 2 for j in range(len(sets))], list(sets))
-        ax.set(ylabel=metric.upper(), title=f"cold-start {metric.upper()} before / after adaptation")
-        if metric == "auc":
-            ax.set_ylim(0.4, 1.0)
-        ax.legend(fontsize=8)
-        save(fig, "coldstart.png")
-    return written
+
+def _coldstart_chart(plt, evaluation: dict):
+    """Bars of the cold-start metric (AUC, else MAE) per held-out set, before and after
+    adaptation and for the baselines (`_BARS`); an undefined (null) metric is a gap."""
+    sets = {"held-out users": evaluation, **evaluation.get("states", {})}
+    metric = "auc" if "auc" in evaluation else "mae"
+    fig, ax = plt.subplots(figsize=(max(6, 2 * len(sets)), 4))
+    width = 0.8 / len(_BARS)
+    for i, (key, label) in enumerate(_BARS):
+        values = [s.get(key.format(m=metric)) for s in sets.values()]
+        values = [float("nan") if v is None else v for v in values]  # null: undefined metric
+        ax.bar([j + i * width for j in range(len(sets))], values, width, label=label)
+    ax.set_xticks([j + width * (len(_BARS) - 1) / 2 for j in range(len(sets))], list(sets))
+    ax.set(ylabel=metric.upper(), title=f"cold-start {metric.upper()} before / after adaptation")
+    if metric == "auc":
+        ax.set_ylim(0.4, 1.0)
+    ax.legend(fontsize=8)
+    return fig

@@ -35,16 +35,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gmeta_ds.sparse import FieldSpec, model_field_order, single_fields
+from gmeta_ds.algorithms.base import AlgorithmSettings, MetaLearner
 from gmeta_ds.data.vocab import Vocabulary, value_text
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
-from gmeta_ds.sparse import Jagged
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
 
 FORMAT, VERSION = "gmeta_ds model", 1
 META, WEIGHTS, VOCAB = "model.json", "model.safetensors", "vocab.safetensors"
-ALGORITHM_KEYS = ("inner_steps", "inner_lr", "adapt", "vectorize", "kind", "split_body", "inner_lr_scale",
-                  "inner_loss_prior", "offset_first", "support_level")
+ALGORITHM_KEYS = tuple(f.name for f in dataclasses.fields(AlgorithmSettings))
 
 
 def _sha256(path: Path) -> str:
@@ -63,7 +62,7 @@ def algorithm_settings(algorithm) -> dict | None:
     name = next((n for n in ALGORITHMS.names() if type(algorithm) is ALGORITHMS[n]), None)
     if name is None:
         return None
-    return {"name": name, **{k: getattr(algorithm, k) for k in ALGORITHM_KEYS}}
+    return {"name": name, **dataclasses.asdict(algorithm.settings())}
 
 
 def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, fields: list[FieldSpec],
@@ -220,15 +219,14 @@ def read_meta(folder: str | Path) -> dict:
 
 def _learner(model: nn.Module, settings, where: Path):
     """The meta-learner of the saved algorithm settings around ``model``."""
-    from gmeta_ds.algorithms.base import MetaLearner
     from gmeta_ds.registry import ALGORITHMS
 
     if not isinstance(settings, dict) or settings.get("name") not in ALGORITHMS.names() \
             or not set(ALGORITHM_KEYS) <= set(settings):
         raise _refuse(where, f"'algorithm' is {settings!r}: expected a registered algorithm's name and "
                              f"{', '.join(ALGORITHM_KEYS)}")
-    args = [settings[k] for k in ALGORITHM_KEYS]
-    return MetaLearner(model, ALGORITHMS[settings["name"]](*args))
+    algorithm = ALGORITHMS[settings["name"]].from_settings(AlgorithmSettings(**{k: settings[k] for k in ALGORITHM_KEYS}))
+    return MetaLearner(model, algorithm)
 
 
 def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]], nn.Module]) -> SavedModel:
@@ -236,13 +234,34 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
     same architecture; or a function building it from the saved fields, e.g.
     ``lambda fields: gm.DCNv2(fields, embed_dim=8)``). Its tables are attached as
     ``model.embedding`` when it has none; every weight must match by name and shape."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    tensors = _read_files(folder, meta)
+    fields, tables = meta["fields"], meta["tables"]
+    vocab = _vocabularies(folder, fields, tensors[VOCAB])
+    model = _built(model, fields)
+    state = tensors[WEIGHTS]
+    if tables and getattr(model, "embedding", None) is None and any(k.startswith("net.embedding.") for k in state):
+        model.embedding = EmbeddingCollection(tables)
+    settings = meta.get("algorithm")
+    learner = _learner(model, settings, folder / META) if settings is not None else None
+    if learner is None:  # a user's own algorithm class: the model's weights alone
+        state = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+    target = learner if learner is not None else model
+    _check_architecture(target, state, model, folder, meta.get("model"))
+    own = target.state_dict()
+    target.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state.items()})
+    return SavedModel(model, learner, fields, tables, vocab, settings, folder)
+
+
+def _read_files(folder: Path, meta: dict) -> dict[str, dict[str, Tensor]]:
+    """The weights and vocabulary files, each a plain file of ``folder`` whose SHA-256 matches
+    model.json's, read as safetensors (no code runs)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(folder)
-    meta = read_meta(folder)
-    tensors = {}
     paths = {name: _member(folder, name) for name in (WEIGHTS, VOCAB)}
+    tensors = {}
     for name, path in paths.items():
         if _sha256(path) != meta["files"][name]:
             raise _refuse(path, f"its SHA-256 does not match the one {META} records (changed or damaged "
@@ -251,48 +270,51 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
             tensors[name] = load_file(str(path))
         except (SafetensorError, OSError) as exc:
             raise _refuse(path, f"not a readable safetensors file ({exc})") from None
-    fields, tables = meta["fields"], meta["tables"]
+    return tensors
+
+
+def _vocabularies(folder: Path, fields: list[FieldSpec], arrays: dict[str, Tensor]) -> dict[str, Vocabulary]:
+    """Each vocabulary field's `Vocabulary` from vocab.safetensors (fields of raw ids have none)."""
     vocab = {}
     for f in fields:
         if f.raw:
             continue
         try:
-            vocab[f.name] = Vocabulary(tensors[VOCAB][f"{f.name}.data"].numpy(),
-                                       tensors[VOCAB][f"{f.name}.offsets"].numpy())
+            vocab[f.name] = Vocabulary(arrays[f"{f.name}.data"].numpy(), arrays[f"{f.name}.offsets"].numpy())
         except (KeyError, ValueError) as exc:
             raise _refuse(folder / VOCAB, f"no valid vocabulary for field {f.name!r} ({exc})") from None
-    if not isinstance(model, nn.Module):
-        if not callable(model):
-            raise ConfigError([f"model: expected a torch.nn.Module or a function fields -> module, got "
-                               f"{type(model).__name__}"], "gmeta_ds.load_model")
-        model = model(model_field_order(fields))
-        if not isinstance(model, nn.Module):
-            raise ConfigError([f"model: the function returned {type(model).__name__}, not a torch.nn.Module"],
-                              "gmeta_ds.load_model")
-    state = tensors[WEIGHTS]
-    if tables and getattr(model, "embedding", None) is None and any(k.startswith("net.embedding.") for k in state):
-        model.embedding = EmbeddingCollection(tables)
-    settings = meta.get("algorithm")
-    learner = None
-    if settings is not None:
-        learner = _learner(model, settings, folder / META)
-        target = learner
-    else:
-        target = model
-        state = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+    return vocab
+
+
+def _built(model, fields: list[FieldSpec]) -> nn.Module:
+    """``model``, or what the function ``model`` builds from the saved fields."""
+    if isinstance(model, nn.Module):
+        return model
+    if not callable(model):
+        raise ConfigError([f"model: expected a torch.nn.Module or a function fields -> module, got "
+                           f"{type(model).__name__}"], "gmeta_ds.load_model")
+    built = model(model_field_order(fields))
+    if not isinstance(built, nn.Module):
+        raise ConfigError([f"model: the function returned {type(built).__name__}, not a torch.nn.Module"],
+                          "gmeta_ds.load_model")
+    return built
+
+
+def _check_architecture(target: nn.Module, state: dict, model: nn.Module, folder: Path, saved_as) -> None:
+    """Every weight of ``target`` in ``state`` and the other way round, with equal shapes;
+    else a `ConfigError` listing the differences (at most 8 of each kind)."""
     own = target.state_dict()
     unexpected = sorted(set(state) - set(own))
     absent = sorted(set(own) - set(state))
     shapes = [f"{k}: saved {tuple(state[k].shape)}, model {tuple(own[k].shape)}"
               for k in sorted(set(state) & set(own)) if tuple(state[k].shape) != tuple(own[k].shape)]
-    if unexpected or absent or shapes:
-        lines = []
-        if absent:
-            lines.append(f"the model has weights the folder lacks: {', '.join(absent[:8])}")
-        if unexpected:
-            lines.append(f"the folder has weights the model lacks: {', '.join(unexpected[:8])}")
-        lines.extend(shapes[:8])
-        raise ConfigError([f"model: {type(model).__name__} is not the architecture saved in {folder} "
-                           f"({meta.get('model')}): " + "; ".join(lines)], "gmeta_ds.load_model")
-    target.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state.items()})
-    return SavedModel(model, learner, fields, tables, vocab, settings, folder)
+    if not (unexpected or absent or shapes):
+        return
+    lines = []
+    if absent:
+        lines.append(f"the model has weights the folder lacks: {', '.join(absent[:8])}")
+    if unexpected:
+        lines.append(f"the folder has weights the model lacks: {', '.join(unexpected[:8])}")
+    lines.extend(shapes[:8])
+    raise ConfigError([f"model: {type(model).__name__} is not the architecture saved in {folder} "
+                       f"({saved_as}): " + "; ".join(lines)], "gmeta_ds.load_model")

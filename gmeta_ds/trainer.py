@@ -182,7 +182,6 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     built = workload.build(cfg, rank, plan.world_size, prepared)
     ckpt_meta = checkpoint_meta(built.learner, built.sharded, built.field_names, cfg.meta.algorithm)
     meta, resume = start_engine(cfg, built, ds_config, plan, rank, ckpt_meta)
-    engine, ds_config = meta.engine, meta.ds_config
     if replaced:  # every check passed: only now is anything of the earlier run removed
         if plan.world_size > 1:  # every rank has loaded what it resumes (it may lie in output_dir)
             with run_phase(cfg, "engine start"):
@@ -197,38 +196,55 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     except BaseException:
         log.close()
         raise
-    training_peak = vmhwm_mib()  # before the tables are gathered for saving
-    gc.collect()
-    between_steps = rss_mib()  # the model's state, DeepSpeed's buffers, the data: no activations
-    held_tensors = host_tensor_mib()
+    memory = _after_training_memory()
     with run_phase(cfg, "final gather"):
-        dense, embedding = ds_engine.checksums(engine.module, EMBEDDING_PREFIX)
+        dense, embedding = ds_engine.checksums(meta.engine.module, EMBEDDING_PREFIX)
         if built.sharded is not None:
             embedding = built.sharded.checksum()
-    evaluation, extras = workload.finish(cfg, engine, built, rank, plan.world_size)
+    evaluation, extras = workload.finish(cfg, meta.engine, built, rank, plan.world_size)
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
     with run_phase(cfg, "evaluation (waiting for rank 0)"):
-        peak_rss = peak_rss_per_rank(training_peak, getattr(built, "data", None),  # collective
-                                     runtime_rss_mib, between_steps, held_tensors)
+        peak_rss = peak_rss_per_rank(memory["training_peak"], getattr(built, "data", None),  # collective
+                                     runtime_rss_mib, memory["between_steps"], memory["tensors"])
     summary = {}
     if rank == 0:
         summary = {"task": cfg.task, "world_size": plan.world_size, "meta_steps": cfg.train.meta_steps,
                    "resumed_from": resumed_from(resume),
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
-                   "embedding_checksum": embedding, "eval": evaluation,
-                   "vectorize": engine.module.algorithm.vectorize,
-                   "split_body": getattr(engine.module, "active_split", None) is not None,
-                   "batch": plan.describe(), "ds_config": ds_config,
+                   "embedding_checksum": embedding, "eval": evaluation, **_engine_facts(meta, plan),
                    "config": config_to_dict(cfg), **extras,
                    "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
-        write_json(out_dir / "summary.json", summary)
-        if resume is not None:  # it scored the earlier run's weights, replaced just now
-            (out_dir / "eval.json").unlink(missing_ok=True)
+        write_summary(out_dir, summary, resumed=resume is not None)
     if dist.is_initialized():
         with run_phase(cfg, "evaluation (waiting for rank 0)"):
             dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary
+
+
+def _after_training_memory() -> dict:
+    """This rank's memory right after the loop: its peak so far (before the tables are
+    gathered for saving), and, garbage collected, its resident size (the model's state,
+    DeepSpeed's buffers, the data: no activations) and the tensor storage in it."""
+    training_peak = vmhwm_mib()
+    gc.collect()
+    return {"training_peak": training_peak, "between_steps": rss_mib(), "tensors": host_tensor_mib()}
+
+
+def _engine_facts(meta: MetaEngine, plan: BatchPlan) -> dict:
+    """summary.json's facts of how the engine ran: vmap or loop, ZeRO-3's body split, the
+    batch plan and the DeepSpeed config used (universal loading included when resumed)."""
+    module = meta.engine.module
+    return {"vectorize": module.algorithm.vectorize,
+            "split_body": getattr(module, "active_split", None) is not None,
+            "batch": plan.describe(), "ds_config": meta.ds_config}
+
+
+def write_summary(out_dir: Path, summary: dict, resumed: bool) -> None:
+    """Rank 0's summary.json; a resumed run's eval.json (the earlier run's weights' scores) goes."""
+    write_json(out_dir / "summary.json", summary)
+    if resumed:  # it scored the earlier run's weights, replaced just now
+        (out_dir / "eval.json").unlink(missing_ok=True)
 
 

@@ -5,7 +5,7 @@ classes; `build_algorithm` builds one from a `MetaConfig`.
 """
 from __future__ import annotations
 
-from gmeta_ds.algorithms.base import MetaAlgorithm, MetaLearner, MetaOutput, match_adapted
+from gmeta_ds.algorithms.base import AlgorithmSettings, MetaAlgorithm, MetaLearner, MetaOutput, match_adapted
 from gmeta_ds.algorithms.maml import FOMAML, MAML
 from gmeta_ds.algorithms.metasgd import MetaSGD
 from gmeta_ds.algorithms.reptile import Reptile
@@ -25,9 +25,10 @@ def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int =
                            f"{', '.join(ALGORITHMS.names())}"])
     tasks = cfg.tasks_per_micro_batch if isinstance(cfg.tasks_per_micro_batch, int) else DEFAULT_MICRO_BATCH
     vectorize = choose_vectorize(cfg.vectorize, bytes_per_task, tasks, cfg.vectorize_budget_mb)
-    return ALGORITHMS[cfg.algorithm](cfg.inner_steps, cfg.inner_lr, cfg.adapt, vectorize, kind,
-                                     cfg.split_body, cfg.inner_lr_scale, cfg.inner_loss_prior,
-                                     cfg.offset_first, cfg.support_level)
+    return ALGORITHMS[cfg.algorithm].from_settings(AlgorithmSettings(
+        inner_steps=cfg.inner_steps, inner_lr=cfg.inner_lr, adapt=cfg.adapt, vectorize=vectorize, kind=kind,
+        split_body=cfg.split_body, inner_lr_scale=cfg.inner_lr_scale, inner_loss_prior=cfg.inner_loss_prior,
+        offset_first=cfg.offset_first, support_level=cfg.support_level))
 
 
 __all__ = ["ALGORITHMS", "FOMAML", "MAML", "MetaAlgorithm", "MetaLearner", "MetaOutput",

@@ -9,6 +9,7 @@ and ranks (it averages, so the micro-batch loss is a mean over its tasks).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -220,58 +221,66 @@ def probe_model(learner: "MetaLearner", features: list[str], dim: int, where: st
     partitioned: its parameters are not here). Parameters are read, never changed;
     buffers are cloned (a forward that updates them in place is refused by training's own
     check); the global RNG is left as it was."""
-    from torch.func import vmap
-
     net = learner.net
     params = dict(net.named_parameters())
     floats = [p for p in params.values() if p.is_floating_point()]
     if not features or not floats or any(p.is_meta for p in floats):
         return  # no CTR rows to make, or parameters not materialised here
-    device, dtype = floats[0].device, floats[0].dtype
     generator = torch.Generator(device="cpu").manual_seed(0)
-    rows = torch.randn(2, PROBE_ROWS, len(features), dim, generator=generator).to(device, dtype)
+    rows = torch.randn(2, PROBE_ROWS, len(features), dim, generator=generator).to(floats[0].device, floats[0].dtype)
     state = {**params, **{n: b.clone() for n, b in net.named_buffers()}}
-    name = type(net).__name__
     shape = (f"rows of shape (N, F, d) = {tuple(rows.shape[1:])}: F = {len(features)} fields "
              f"({', '.join(features)}), d = {dim} (the tables' dim)")
-    kind = learner.algorithm.kind
     with torch.no_grad():
-        try:
-            out = functional_call(net, state, (rows[0],))
-        except TypeError as err:
-            raise ConfigError([f"model: {name}(rows) raised TypeError: {err}; {MODEL_CONTRACT}"], where) from None
-        except RuntimeError as err:
-            why = next((w for key, w in CONTRACT_ERRORS if key in str(err).lower()), None)
-            if why is None or type(err) is not RuntimeError:
-                raise
-            first = str(err).strip().splitlines()[0]
-            raise ConfigError([f"model: {name}(rows) failed on {shape}: {why}: a field the model does not "
-                               f"expect, or a model built for another dim (torch: {first}); "
-                               f"{MODEL_CONTRACT}"], where) from None
+        out = _probe_call(net, state, rows[0], shape, where)
         changed = [n for n, b in net.named_buffers() if not torch.equal(b, state[n])]
         if changed:
-            raise ConfigError([f"model: {name}.forward updated buffer(s) {', '.join(changed)} in place; "
-                               f"{MODEL_CONTRACT} (keep such state out of forward: e.g. LayerNorm, or "
+            raise ConfigError([f"model: {type(net).__name__}.forward updated buffer(s) {', '.join(changed)} in "
+                               f"place; {MODEL_CONTRACT} (keep such state out of forward: e.g. LayerNorm, or "
                                "BatchNorm in eval mode)"], where)
         if not isinstance(out, Tensor):
-            raise ConfigError([f"model: {name}(rows) returned {type(out).__name__}, not a tensor; "
+            raise ConfigError([f"model: {type(net).__name__}(rows) returned {type(out).__name__}, not a tensor; "
                                f"{MODEL_CONTRACT}"], where)
         try:
-            check_output(out, rows[0], kind)
+            check_output(out, rows[0], learner.algorithm.kind)
         except ConfigError as err:
             raise ConfigError(err.problems, where) from None
-        if not getattr(learner.algorithm, "vectorize", False):
-            return
-        try:
-            vmap(lambda r: functional_call(net, state, (r,)))(rows)
-        except RuntimeError as err:
-            if type(err) is not RuntimeError:
-                raise
-            first = str(err).strip().splitlines()[0]
-            raise ConfigError([f"model: {name}(rows) runs alone but not under torch.func.vmap over tasks "
-                               f"(torch: {first}): make forward vectorizable (docs/api.md, 'Writing a "
-                               "model that vectorizes'), or pass vectorize=False to gm.meta_learner "
-                               "(a loop over tasks, slower)"], where) from None
+        if getattr(learner.algorithm, "vectorize", False):
+            _probe_vmap(net, state, rows, where)
+
+
+def _probe_call(net: nn.Module, state: dict, rows: Tensor, shape: str, where: str):
+    """``net(rows)`` through ``state``; a wrong signature or a shape torch refuses is a
+    `ConfigError` naming the rows' fields and dim."""
+    name = type(net).__name__
+    try:
+        return functional_call(net, state, (rows,))
+    except TypeError as err:
+        raise ConfigError([f"model: {name}(rows) raised TypeError: {err}; {MODEL_CONTRACT}"], where) from None
+    except RuntimeError as err:
+        why = next((w for key, w in CONTRACT_ERRORS if key in str(err).lower()), None)
+        if why is None or type(err) is not RuntimeError:
+            raise
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError([f"model: {name}(rows) failed on {shape}: {why}: a field the model does not "
+                           f"expect, or a model built for another dim (torch: {first}); "
+                           f"{MODEL_CONTRACT}"], where) from None
+
+
+def _probe_vmap(net: nn.Module, state: dict, rows: Tensor, where: str) -> None:
+    """The same call under `torch.func.vmap` over the tasks of ``rows`` (T, N, F, d)."""
+    from torch.func import vmap
+
+    try:
+        vmap(lambda r: functional_call(net, state, (r,)))(rows)
+    except RuntimeError as err:
+        if type(err) is not RuntimeError:
+            raise
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError([f"model: {type(net).__name__}(rows) runs alone but not under torch.func.vmap over "
+                           f"tasks (torch: {first}): make forward vectorizable (docs/api.md, 'Writing a "
+                           "model that vectorizes'), or pass vectorize=False to gm.meta_learner "
+                           "(a loop over tasks, slower)"], where) from None
 
 
 def _optional_prior(key: str, value, kind: str) -> "float | None":
@@ -283,6 +292,24 @@ def _optional_prior(key: str, value, kind: str) -> "float | None":
     if kind not in ("binary", "regression"):
         raise ConfigError([f"{key}: fits a per-task offset for binary or regression labels, not {kind!r}"])
     return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSettings:
+    """Everything an algorithm is built from, by keyword, once (`MetaAlgorithm.from_settings`):
+    the run config's ``meta`` section, `gmeta_ds.meta_learner`'s arguments and a saved model's
+    ``model.json`` all go through it."""
+
+    inner_steps: int
+    inner_lr: float
+    adapt: list[str]
+    vectorize: bool
+    kind: str = "binary"
+    split_body: "bool | str" = "auto"
+    inner_lr_scale: "dict[str, float] | None" = None
+    inner_loss_prior: float = 0.0
+    offset_first: "float | None" = None
+    support_level: "float | None" = None
 
 
 class MetaAlgorithm:
@@ -314,6 +341,15 @@ class MetaAlgorithm:
         self.vectorize = vectorize
         self.kind = kind  # "binary" (click, BCE) or "regression" (rating, MSE)
         self.split_body = split_body  # meta.split_body: auto | true | false (`MetaLearner.prepare_engine`)
+
+    @classmethod
+    def from_settings(cls, settings: AlgorithmSettings) -> "MetaAlgorithm":
+        """The algorithm of ``settings`` (every field by keyword)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
+
+    def settings(self) -> AlgorithmSettings:
+        """This algorithm's `AlgorithmSettings` (what `from_settings` rebuilds it from)."""
+        return AlgorithmSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(AlgorithmSettings)})
 
     def init_learner(self, learner: "MetaLearner") -> None:
         """Add algorithm-owned meta-parameters to the learner (none by default)."""
