@@ -220,6 +220,35 @@ def synthesize_log(out: str | Path, interactions: int, shards: int = 1, seed: in
     t0 = time.perf_counter()
     out = Path(out)
     n_items = default_items(interactions) if items is None else int(items)
+    parent = _check_request(out, interactions, shards, n_items, overwrite)
+    lens = user_lengths(interactions, seed)
+    n_users = len(lens)
+    cum, bounds = _shard_bounds(lens, interactions, shards)
+    item_tables = _Items(n_items, seed)
+    thresholds = _thresholds(item_tables, seed)
+
+    tmp = parent / f"{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_shards(tmp, lens, cum, bounds, seed, item_tables, thresholds)
+        (tmp / SCHEMA_FILE).write_text(schema_yaml(out))
+        files = sorted(tmp.glob("part-*.parquet"))
+        size = sum(f.stat().st_size for f in files)
+        _move_into_place(tmp, out, parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    return {"path": str(out), "rows": interactions, "users": n_users, "items": n_items, "shards": shards,
+            "files": [str(out / f.name) for f in files], "bytes": size, "mb": size / 2**20,
+            "bytes_per_row": size / interactions, "seconds": seconds, "rows_per_s": interactions / seconds,
+            "seed": seed}
+
+
+def _check_request(out: Path, interactions: int, shards: int, n_items: int, overwrite: bool) -> Path:
+    """Check the sizes, ``out`` and the free disk before any work; returns ``out``'s parent
+    folder (created)."""
     if interactions < MIN_LEN:
         raise ValueError(f"--interactions {interactions}: must be >= {MIN_LEN} (one user's minimum)")
     if shards < 1:
@@ -236,65 +265,64 @@ def synthesize_log(out: str | Path, interactions: int, shards: int = 1, seed: in
     if need > free:
         raise NotEnoughDisk(28, f"not enough free disk for {interactions:,} rows in {str(out)!r}: about "
                           f"{need / 2**20:,.0f} MB needed, {free / 2**20:,.0f} MB free", str(parent))
-    lens = user_lengths(interactions, seed)
+    return parent
+
+
+def _shard_bounds(lens: np.ndarray, interactions: int, shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cumulative rows per user, shard bounds): shard k holds users [bounds[k], bounds[k+1]),
+    about interactions/shards rows each, and at least one user."""
     n_users = len(lens)
     if shards > n_users:
         raise ValueError(f"--shards {shards}: more than the {n_users} users of {interactions} interactions "
                          "(each shard holds whole users)")
     cum = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
-    # Shard k holds users [bounds[k], bounds[k+1]): about interactions/shards rows each.
     bounds = np.searchsorted(cum, np.arange(shards + 1) * interactions / shards, side="left")
     bounds[0], bounds[-1] = 0, n_users
     bounds = np.maximum.accumulate(bounds)
     for k in range(1, shards):  # every shard gets at least one user
         bounds[k] = min(max(bounds[k], bounds[k - 1] + 1), n_users - (shards - k))
-    item_tables = _Items(n_items, seed)
-    thresholds = _thresholds(item_tables, seed)
+    return cum, bounds
 
-    tmp = parent / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        shard, writer, open_shard = 0, None, -1
-        for b0 in range(0, n_users, USERS_PER_BLOCK):
-            b1 = min(b0 + USERS_PER_BLOCK, n_users)
-            rng = np.random.default_rng([seed, _BLOCK_KEY, b0 // USERS_PER_BLOCK])
-            cols, _ = _block(item_tables, lens[b0:b1], rng, thresholds)
-            u = b0
-            while u < b1:  # this block's users, cut at shard boundaries
-                while bounds[shard + 1] <= u:
-                    shard += 1
-                if open_shard != shard:
-                    if writer is not None:
-                        writer.close()
-                    writer = pq.ParquetWriter(tmp / f"part-{shard:05d}.parquet", ARROW_SCHEMA,
-                                              compression="snappy", store_schema=False)
-                    open_shard = shard
-                end = min(b1, int(bounds[shard + 1]))
-                lo, hi = int(cum[u] - cum[b0]), int(cum[end] - cum[b0])
-                writer.write_table(_table(cols, b0, lo, hi, item_tables), row_group_size=hi - lo)
-                u = end
-            del cols
-        writer.close()
-        (tmp / SCHEMA_FILE).write_text(schema_yaml(out))
-        files = sorted(tmp.glob("part-*.parquet"))
-        size = sum(f.stat().st_size for f in files)
-        if out.exists():
-            if any(out.iterdir()):  # overwrite: move the old one aside, then drop it
-                old = parent / f"{out.name}.old-{os.getpid()}"
-                out.rename(old)
-                tmp.rename(out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                out.rmdir()
-                tmp.rename(out)
-        else:
+
+def _write_shards(tmp: Path, lens: np.ndarray, cum: np.ndarray, bounds: np.ndarray, seed: int,
+                  item_tables: _Items, thresholds: np.ndarray) -> None:
+    """Draw the users block by block (seeded per block, so the rows do not depend on the
+    shard count) and write them into ``tmp/part-*.parquet``, cut at the shard bounds."""
+    n_users = len(lens)
+    shard, writer, open_shard = 0, None, -1
+    for b0 in range(0, n_users, USERS_PER_BLOCK):
+        b1 = min(b0 + USERS_PER_BLOCK, n_users)
+        rng = np.random.default_rng([seed, _BLOCK_KEY, b0 // USERS_PER_BLOCK])
+        cols, _ = _block(item_tables, lens[b0:b1], rng, thresholds)
+        u = b0
+        while u < b1:  # this block's users, cut at shard boundaries
+            while bounds[shard + 1] <= u:
+                shard += 1
+            if open_shard != shard:
+                if writer is not None:
+                    writer.close()
+                writer = pq.ParquetWriter(tmp / f"part-{shard:05d}.parquet", ARROW_SCHEMA,
+                                          compression="snappy", store_schema=False)
+                open_shard = shard
+            end = min(b1, int(bounds[shard + 1]))
+            lo, hi = int(cum[u] - cum[b0]), int(cum[end] - cum[b0])
+            writer.write_table(_table(cols, b0, lo, hi, item_tables), row_group_size=hi - lo)
+            u = end
+        del cols
+    writer.close()
+
+
+def _move_into_place(tmp: Path, out: Path, parent: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``out``, replacing an old ``out`` (moved aside
+    first, then removed) or an empty one."""
+    if out.exists():
+        if any(out.iterdir()):  # overwrite: move the old one aside, then drop it
+            old = parent / f"{out.name}.old-{os.getpid()}"
+            out.rename(old)
             tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    seconds = time.perf_counter() - t0
-    return {"path": str(out), "rows": interactions, "users": n_users, "items": n_items, "shards": shards,
-            "files": [str(out / f.name) for f in files], "bytes": size, "mb": size / 2**20,
-            "bytes_per_row": size / interactions, "seconds": seconds, "rows_per_s": interactions / seconds,
-            "seed": seed}
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            out.rmdir()
+            tmp.rename(out)
+    else:
+        tmp.rename(out)
