@@ -1,0 +1,35 @@
+"""Run configuration: dataclasses built from YAML, ``--set`` overrides, validation.
+
+Layer 0: no torch. Every problem is collected and raised at once as a `ConfigError` whose
+lines name the dotted key, the value and what is allowed. Defaults live here only, one module
+per section (``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``, ``text``), each
+with its dataclasses and its own checks; `run` holds `RunConfig`, the cross-section checks,
+loading and overrides; `bounds` the numeric limits; `yaml_io` the YAML reader.
+"""
+from __future__ import annotations
+
+from gmeta_ds.config.bounds import (BOUNDS, MAX_COUNT, MAX_FLOAT, MAX_LAYERS, MAX_SYNTHETIC_INTERACTIONS,
+                                    MAX_WIDTH)
+from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGES, ROW_OWNERS, SHARDINGS, SPLITS,
+                                    SUPPORTED_ZERO_STAGES, TABLE_DEVICES, TEXT_FORMATS, _one_of, _positive)
+from gmeta_ds.config.data import DataConfig, SchemaConfig, SyntheticConfig, parse_memory
+from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride
+from gmeta_ds.config.eval import EvalConfig
+from gmeta_ds.config.meta import MetaConfig
+from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig
+from gmeta_ds.config.run import (LOG_ONLY_KEYS, MAX_CONFIG_BYTES, SOURCE_ONLY_KEYS, RunConfig, apply_overrides,
+                                 config_from_dict, config_to_dict, load_config, parse_override)
+from gmeta_ds.config.text import TextConfig, TextDataConfig, TextModelConfig, TextSyntheticConfig
+from gmeta_ds.config.train import TrainConfig
+from gmeta_ds.config.yaml_io import MAX_YAML_NODES, YAMLLoader, load_yaml
+
+__all__ = [
+    "AUTO", "BAD_ID_POLICIES", "BOUNDS", "EXCHANGES", "LOG_ONLY_KEYS", "MAX_CONFIG_BYTES", "MAX_COUNT",
+    "MAX_FLOAT", "MAX_LAYERS", "MAX_SYNTHETIC_INTERACTIONS", "MAX_WIDTH", "MAX_YAML_NODES",
+    "MODEL_DEFAULT_ADAPT", "ROW_OWNERS", "SHARDINGS", "SOURCE_ONLY_KEYS", "SPLITS", "SUPPORTED_ZERO_STAGES",
+    "TABLE_DEVICES", "TEXT_FORMATS", "DataConfig", "EmbeddingConfig", "EvalConfig", "MetaConfig",
+    "ModelConfig", "RunConfig", "SchemaConfig", "SyntheticConfig", "TableOverride", "TextConfig",
+    "TextDataConfig", "TextModelConfig", "TextSyntheticConfig", "TrainConfig", "YAMLLoader", "_one_of",
+    "_positive", "apply_overrides", "config_from_dict", "config_to_dict", "load_config", "load_yaml",
+    "parse_memory", "parse_override",
+]

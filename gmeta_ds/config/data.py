@@ -1,0 +1,152 @@
+"""``data``: where tasks come from (synthetic or a log on disk), and its own checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from gmeta_ds.config.checks import SPLITS, _one_of, _positive
+from gmeta_ds.registry import LABEL_KINDS
+
+
+def parse_memory(text: str) -> str:
+    """``data.memory_limit`` ("2GB", "512MiB", bytes) as DuckDB's setting ("2048MB");
+    ValueError naming the key for anything else or below 64 MB."""
+    units = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    t = str(text).strip().upper().replace("IB", "B")
+    num = t.rstrip("KMGTB ")
+    unit = t[len(num):].strip()
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"data.memory_limit: {text!r} is not a size like 2GB or 512MB") from None
+    if value < 64 * 2**20:
+        raise ValueError(f"data.memory_limit: {text!r} is below 64MB; DuckDB needs more to sort")
+    return f"{int(value // 2**20)}MB"
+
+
+@dataclass
+class SyntheticConfig:
+    """Synthetic cold-start CTR data: users (tasks) and items with latent preferences."""
+
+    num_users: int = 2000
+    num_items: int = 500
+    latent_dim: int = 8
+    min_interactions: int = 13
+    max_interactions: int = 100
+    query_size: int = 10
+    zipf_exponent: float = 1.1
+    test_fraction: float = 0.2
+    # How strongly categorical features reveal the latent vectors (0 = pure noise).
+    feature_signal: float = 2.0
+    # Std of the per-user click propensity that no feature reveals (learned from support).
+    user_bias_std: float = 1.0
+    preference_scale: float = 2.0
+    base_logit: float = -0.5
+
+
+@dataclass
+class SchemaConfig:
+    """Column roles of a generic CSV/Parquet log (``data.source: table``)."""
+
+    task_key: str = "user_id"
+    item_key: str = "item_id"
+    label: str = "rating"
+    timestamp: Union[str, None] = None
+    user_features: list[str] = field(default_factory=list)
+    item_features: list[str] = field(default_factory=list)
+    # multi-hot column -> separator inside a cell, e.g. {genres: "|"}
+    multi_hot: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from: ``synthetic`` (generated), or an interaction log on disk
+    (``movielens-100k``, ``movielens-1m``, ``recbole``, ``table``) at ``path``."""
+
+    source: str = "synthetic"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    bucket_by_length: bool = True             # sort each meta-batch by task length: less padding
+    prefetch: bool = True                     # collate the next meta-step in a background thread
+    path: Union[str, None] = None
+    dataset_name: Union[str, None] = None     # recbole: <name>.inter, .user, .item
+    format: str = "auto"                      # table: auto | csv | parquet
+    sep: str = ","                            # table: CSV separator
+    schema: SchemaConfig = field(default_factory=SchemaConfig)
+    label: str = "binary"                     # binary: click = rating >= threshold; regression: the rating
+    threshold: float = 4.0
+    query_size: int = 10
+    split: str = "random"                     # support/query: random (seeded) or time (query = latest)
+    # Episode resampling: each time meta-training draws a task, its support and query are
+    # redrawn at random from all its rows (same sizes), keyed by (seed, meta-step); held-out
+    # users keep their one split. Needs split: random (a time split's query is the latest rows).
+    resample: bool = False
+    min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
+    max_interactions: int = 100
+    short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
+    # Tasks above max_interactions: skip (counted), or train (the warm users' logs): kept for
+    # meta-training only, never held out, each cut into ceil(n / max_interactions) tasks (rows
+    # dealt at random by their seeded order key), so they look like the held-out users' tasks.
+    # The held-out users are the same as with skip.
+    long_tasks: str = "skip"
+    min_count: int = 1                        # rarer categorical values share the OOV id 0
+    # Single-hot columns kept as raw int64 ids, no vocabulary (strings: 63 bits of their MD5,
+    # gmeta_ds.embedding.dynamic.string_id); the CTR workload adds every dynamic table's field.
+    raw_ids: list[str] = field(default_factory=list)
+    test_fraction: float = 0.2                # held-out (cold-start) users
+    valid_fraction: float = 0.0               # further held-out users for tuning (eval.split: valid, eval.finetune_search)
+    # MeLU's four states: items released in or after new_item_year are new; training uses
+    # existing users x existing items; evaluation reports warm, user_cold, item_cold and
+    # user_item_cold (eval.auc is user_cold's).
+    four_state: bool = False
+    new_item_year: int = 1998
+    cache_dir: str = "~/.cache/gmeta_ds"
+    # Memory the out-of-core task build may use (DuckDB's limit; it spills to disk beyond it).
+    memory_limit: str = "1GB"
+
+
+def _validate_log(data: DataConfig, problems: list[str]) -> None:
+    """``data.*`` for an interaction log on disk: where it is, how it is split and labelled."""
+    if not data.path:
+        problems.append(f"data.path: required for data.source {data.source!r} (the folder or file "
+                        "holding the log)")
+    if data.source == "recbole" and not data.dataset_name:
+        problems.append("data.dataset_name: required for data.source 'recbole' (<name>.inter)")
+    _one_of(problems, "data.split", data.split, SPLITS)
+    if data.source == "table" and data.split == "time" and not data.schema.timestamp:
+        problems.append("data.split: 'time' orders each task by its timestamp, but "
+                        "data.schema.timestamp names no column; name it, or use 'random'")
+    _one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
+    _one_of(problems, "data.label", data.label, LABEL_KINDS)
+    _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
+    try:
+        parse_memory(data.memory_limit)
+    except ValueError as exc:
+        problems.append(str(exc))
+    _positive(problems, "data.min_count", data.min_count)
+    _check_task_sizes(data, "data.", problems)
+
+
+def _check_task_sizes(section, p: str, problems: list[str]) -> None:
+    """Task-size keys shared by data and data.synthetic (``p`` is the dotted prefix)."""
+    for name in ("min_interactions", "query_size"):
+        _positive(problems, p + name, getattr(section, name))
+    if section.min_interactions <= section.query_size:
+        problems.append(f"{p}min_interactions: {section.min_interactions} must exceed "
+                        f"{p}query_size ({section.query_size}) so every task keeps a support set")
+    if section.max_interactions < section.min_interactions:
+        problems.append(f"{p}max_interactions: {section.max_interactions} must be >= "
+                        f"{p}min_interactions ({section.min_interactions})")
+    if not 0.0 < section.test_fraction < 1.0:
+        problems.append(f"{p}test_fraction: {section.test_fraction!r} must be in (0, 1)")
+
+
+def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
+    """``data.synthetic.*``: sizes of the generated users, items and tasks."""
+    for name in ("num_users", "num_items", "latent_dim"):
+        _positive(problems, "data.synthetic." + name, getattr(syn, name))
+    if syn.num_users == 1:
+        problems.append(f"data.synthetic.num_users: {syn.num_users} must be >= 2 (train and test "
+                        "each need a user)")
+    if syn.user_bias_std < 0:
+        problems.append(f"data.synthetic.user_bias_std: {syn.user_bias_std} must be >= 0")
+    _check_task_sizes(syn, "data.synthetic.", problems)

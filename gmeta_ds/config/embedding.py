@@ -1,0 +1,116 @@
+"""``embedding``: where embedding tables live, per-table overrides, and their checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGES, ROW_OWNERS, TABLE_DEVICES, _one_of,
+                                    _positive)
+from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
+
+
+@dataclass
+class TableOverride:
+    """Per-table settings under ``embedding.tables.<name>`` (unset = the section's default)."""
+
+    plan: str = "auto"
+    optimizer: Union[str, None] = None
+    lr: Union[float, None] = None
+    # static: a vocabulary of ids 0..V-1 from the task build; dynamic: any int64 id (the
+    # field's raw values, strings hashed), `capacity` rows per rank, an id's own row after
+    # `admit_after` lookups (rarer ids share a default row), `eviction` lru | lfu when full.
+    kind: str = "static"
+    capacity: Union[int, None] = None
+    admit_after: int = 1
+    eviction: str = "lru"
+    device: Union[str, None] = None           # auto | accelerator | host; unset: embedding.device
+    exchange: Union[str, None] = None         # auto | rows | pooled; unset: embedding.exchange
+
+
+@dataclass
+class EmbeddingConfig:
+    """Where embedding tables live.
+
+    ``replicated``: plain tables inside the DeepSpeed engine (dense gradients all-reduced; the
+    DMAML-like baseline). ``sharded``: gmeta_ds's own sharded tables outside DeepSpeed, looked
+    up by all-to-all, trained by sparse optimizers on owned rows.
+    """
+
+    sharding: str = "replicated"
+    # Sharded mode: plan kind for tables without an override; "auto" replicates tables with
+    # fewer than replicate_below_rows rows and shards the rest row-wise.
+    plan: str = "auto"
+    row_owner: str = "modulo"
+    replicate_below_rows: int = 1024
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    init_std: float = 0.05
+    bad_ids: str = "error"
+    dedup: bool = True
+    # Where sharded tables live: accelerator (the rank's GPU; exchanges over the default group,
+    # NCCL there), host (host memory, its own gloo group, rows moved to the device after the
+    # exchange) or auto (the accelerator when the tables fit half its memory, else the host).
+    device: str = "auto"
+    # What sharded lookups of multi-hot (pooled) fields send back: rows (every distinct row,
+    # pooled by the requester), pooled (each owner's partial sum per bag), or auto (by the
+    # expected bytes of each, from the training data's bag lengths and distinct ids).
+    exchange: str = "auto"
+    tables: dict[str, TableOverride] = field(default_factory=dict)
+
+
+def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
+    """``embedding.*``: choices, rates, every table, and what applies only when sharded."""
+    _one_of(problems, "embedding.plan", emb.plan, (AUTO, *PLANS.names()))
+    _one_of(problems, "embedding.row_owner", emb.row_owner, ROW_OWNERS)
+    _one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS.names())
+    _one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
+    _positive(problems, "embedding.lr", emb.lr)
+    _positive(problems, "embedding.init_std", emb.init_std)
+    _one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
+    _one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
+    for name, table in emb.tables.items():
+        _validate_table(name, table, problems)
+    if emb.sharding != "replicated":
+        return
+    if any(t.kind == "dynamic" for t in emb.tables.values()):
+        problems.append("embedding.tables: dynamic tables need embedding.sharding: sharded (they live "
+                        "outside the DeepSpeed engine, on their owner ranks)")
+    elif emb.tables or emb.plan != "auto":
+        problems.append("embedding.plan / embedding.tables apply to embedding.sharding: sharded; "
+                        "with 'replicated' every table lives inside the DeepSpeed engine")
+    if emb.exchange != AUTO:
+        problems.append("embedding.exchange applies to embedding.sharding: sharded; replicated tables "
+                        "are looked up inside the DeepSpeed engine, with no exchange")
+    if emb.device != AUTO:
+        problems.append("embedding.device applies to embedding.sharding: sharded; replicated tables "
+                        "live inside the DeepSpeed engine, on its device")
+
+
+def _validate_table(name: str, table: TableOverride, problems: list[str]) -> None:
+    """``embedding.tables.<name>``: a static or dynamic table's own settings."""
+    key = f"embedding.tables.{name}"
+    _one_of(problems, f"{key}.kind", table.kind, ("static", "dynamic"))
+    if table.device is not None:
+        _one_of(problems, f"{key}.device", table.device, TABLE_DEVICES)
+    if table.exchange is not None:
+        _one_of(problems, f"{key}.exchange", table.exchange, EXCHANGES)
+    if table.kind == "dynamic":
+        if not isinstance(table.capacity, int) or isinstance(table.capacity, bool) or table.capacity < 1:
+            problems.append(f"{key}.capacity: a dynamic table needs its rows per rank as an integer "
+                            f">= 1, got {table.capacity!r}")
+        if not isinstance(table.admit_after, int) or table.admit_after < 1:
+            problems.append(f"{key}.admit_after: expected an integer >= 1 (lookups before an id gets "
+                            f"its own row), got {table.admit_after!r}")
+        _one_of(problems, f"{key}.eviction", table.eviction, ("lru", "lfu"))
+        if table.plan not in (AUTO, "dynamic"):
+            problems.append(f"{key}.plan: {table.plan!r}, but a dynamic table's rows are placed by a "
+                            "hash of the id; leave plan at auto")
+    elif table.capacity is not None:
+        problems.append(f"{key}.capacity applies to kind: dynamic (a static table has one row per "
+                        "vocabulary id)")
+    if table.kind != "dynamic":
+        _one_of(problems, f"{key}.plan", table.plan, (AUTO, *PLANS.names()))
+    if table.optimizer is not None:
+        _one_of(problems, f"{key}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
+    if table.lr is not None:
+        _positive(problems, f"{key}.lr", table.lr)

@@ -1,0 +1,31 @@
+"""``eval``: cold-start evaluation on held-out users and its baselines."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from gmeta_ds.config.checks import AUTO
+
+
+@dataclass
+class EvalConfig:
+    """Cold-start evaluation on held-out users (adapt on support, score query)."""
+
+    enabled: bool = True
+    # Inner steps at evaluation; "auto" = meta.inner_steps.
+    inner_steps: Union[int, str] = AUTO
+    tasks_per_batch: int = 64
+    baseline: bool = True
+    baseline_epochs: int = 3
+    baseline_batch_size: int = 512
+    baseline_lr: float = 1e-3
+    # Fine-tune the baseline on each test user's support before scoring (its own metric).
+    baseline_finetune: bool = True
+    # Also fine-tune it with (lr, steps) chosen from a grid on the validation users
+    # (data.valid_fraction > 0): baseline_finetune_tuned_*, baseline_finetune_lr / _steps.
+    finetune_search: bool = False
+    # Item popularity (shrunk click rate / mean rating) + a per-user offset fitted on the
+    # support: baseline_popularity_* (gmeta_ds/baselines.py).
+    popularity_baseline: bool = True
+    # Which held-out users to score: test, or valid (log sources with data.valid_fraction > 0).
+    split: str = "test"

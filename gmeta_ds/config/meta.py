@@ -1,0 +1,56 @@
+"""``meta``: the meta-learning algorithm, its inner loop and how tasks are grouped."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from gmeta_ds.config.checks import AUTO, _positive
+
+
+@dataclass
+class MetaConfig:
+    """The meta-learning algorithm and how tasks are grouped."""
+
+    algorithm: str = "maml"
+    inner_steps: int = 1
+    inner_lr: float = 0.1
+    # Glob over adapted names -> multiplier of inner_lr (the first matching glob; others x1),
+    # e.g. {"popularity.*": 4.0}: the offset adapts faster than the layers.
+    inner_lr_scale: dict[str, float] = field(default_factory=dict)
+    # Shrinkage of small supports: the inner loss is sum / (support rows + inner_loss_prior)
+    # instead of the mean, so a task with n support rows adapts n / (n + prior) as far per step
+    # (0 = the mean). Like the popularity baseline's offset prior: few rows, small update.
+    inner_loss_prior: float = 0.0
+    # With model.item_popularity and popularity.bias adapted: before the inner steps, each task's
+    # offset is moved to the MAP of its support given the model's own logits (the popularity
+    # baseline's offset fit, Gaussian prior of precision offset_first); null = off.
+    offset_first: Union[float, None] = None
+    # With model.item_popularity: after the inner steps, each task's logits get one constant so
+    # that their mean over its support equals that of popularity + the task's MAP offset
+    # (prior precision support_level): the adapted model ranks, the shrunk statistic sets the
+    # user's level (InnerLoop.level_shift). Applies to the non-meta baseline's fine-tune too.
+    support_level: Union[float, None] = None
+    # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
+    # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
+    adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
+    tasks_per_micro_batch: Union[int, str] = 32
+    tasks_per_meta_step: Union[int, str] = 64
+    # Run a micro-batch's tasks with vmap (true), a per-task loop (false), or vmap when its
+    # estimated activation memory fits vectorize_budget_mb ("auto").
+    vectorize: Union[bool, str] = AUTO
+    # "auto": a quarter of the memory available to this rank (free GPU memory, or host RAM).
+    vectorize_budget_mb: Union[int, str] = AUTO
+    # Run the model's non-adapted body once per micro-batch as an ordinary module call and the
+    # inner loop on its head only (gmeta_ds.functional.split): "auto" under ZeRO-3, where the
+    # body then stays partitioned, when the model offers a split for meta.adapt; true at every
+    # ZeRO stage (an error if the model cannot be split); false never.
+    split_body: Union[bool, str] = AUTO
+
+
+def validate_meta_options(meta: MetaConfig, problems: list[str]) -> None:
+    """``meta.*`` execution switches: vectorize, split_body, the vectorize budget."""
+    if meta.vectorize not in (True, False, AUTO):
+        problems.append(f"meta.vectorize: {meta.vectorize!r} is not one of true, false, auto")
+    if meta.split_body not in (True, False, AUTO):
+        problems.append(f"meta.split_body: {meta.split_body!r} is not one of true, false, auto")
+    _positive(problems, "meta.vectorize_budget_mb", meta.vectorize_budget_mb, allow_auto=True)

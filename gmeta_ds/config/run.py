@@ -1,0 +1,351 @@
+"""The whole run config: `RunConfig`, building it from dicts, cross-section checks, loading
+files and ``--set`` overrides. Every problem is raised at once as one `ConfigError`."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from gmeta_ds.config.bounds import MAX_FLOAT, MAX_SYNTHETIC_INTERACTIONS, _check_bounds, _short
+from gmeta_ds.config.checks import SHARDINGS, _one_of, _positive
+from gmeta_ds.config.data import DataConfig, _validate_log, _validate_synthetic
+from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, _validate_embedding
+from gmeta_ds.config.eval import EvalConfig
+from gmeta_ds.config.meta import MetaConfig, validate_meta_options
+from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig, validate_model
+from gmeta_ds.config.text import TextConfig, _validate_text
+from gmeta_ds.config.train import TrainConfig, validate_train
+from gmeta_ds.config.yaml_io import load_yaml
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.registry import ALGORITHMS, DATA_SOURCES, WORKLOADS
+
+MAX_CONFIG_BYTES = 2**20  # a run config is a few KB; more is a wrong file, or an attack
+
+
+@dataclass
+class RunConfig:
+    """A whole run: sections ``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``,
+    ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    task: str = "ctr"                         # ctr (model.name on interaction logs) | text (Hugging Face)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    meta: MetaConfig = field(default_factory=MetaConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    deepspeed: Union[str, dict] = "ds_configs/zero0.json"
+    # Directory the config file was read from: relative paths resolve against it first.
+    config_dir: str = field(default=".", metadata={"internal": True})
+
+
+# ---------------------------------------------------------------- building from dicts
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether a YAML ``value`` fits the field type ``tp`` (ints are floats; bools are not ints)."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is dict or typing.get_origin(tp) is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    """``tp`` as a message names it: 'int or str', 'list of int'."""
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    """The dataclass ``cls`` from a mapping; unknown keys and wrong types go to ``problems``."""
+    if not isinstance(data, dict):
+        problems.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{dotted}: unknown key; valid keys here: {', '.join(sorted(fields))}")
+            continue
+        tp = hints[key]
+        inner = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if inner is not None and dataclasses.is_dataclass(inner):
+            if not isinstance(value, dict):
+                problems.append(f"{dotted}: expected a mapping of name -> settings, got {value!r}")
+                continue
+            kwargs[key] = {k: _build(inner, v or {}, f"{dotted}.{k}.", problems) for k, v in value.items()}
+        elif dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{dotted}.", problems)
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{dotted}: {value!r} is not a finite number")
+        elif tp is float and isinstance(value, int) and abs(value) > MAX_FLOAT:  # float() may overflow
+            problems.append(f"{dotted}: {_short(value)} is too large; at most {MAX_FLOAT:g}")
+        elif _type_ok(value, tp):
+            kwargs[key] = float(value) if tp is float else value
+        else:
+            problems.append(f"{dotted}: expected {_type_name(tp)}, got {value!r}")
+    return cls(**kwargs)
+
+
+# data.* keys that only interaction logs read (synthetic data has its own in data.synthetic),
+# and those that only one log source reads. Not here: the machine's settings (cache_dir,
+# memory_limit) and data.synthetic.* under a log source, so that one list of ``--set`` (a
+# site's, a test harness's) serves every source.
+LOG_ONLY_KEYS = ("path", "query_size", "split", "min_interactions", "max_interactions", "short_tasks",
+                 "long_tasks", "min_count", "raw_ids", "test_fraction", "label", "threshold",
+                 "four_state", "new_item_year")
+SOURCE_ONLY_KEYS = {"dataset_name": "recbole", "format": "table", "sep": "table", "schema": "table"}
+
+
+def _changed(section: Any, default: Any, names) -> list[str]:
+    """The names among ``names`` whose value in ``section`` differs from ``default``'s."""
+    return [n for n in names if getattr(section, n) != getattr(default, n)]
+
+
+def _not_applying(problems: list[str], keys: list[str], why: str) -> None:
+    """Report each of ``keys`` as set where nothing reads it, and ``why``."""
+    for key in keys:
+        problems.append(f"{key}: set, but {why}; remove it")
+
+
+def _validate_applies(cfg: RunConfig, data: dict, problems: list[str]) -> None:
+    """Keys set to a non-default value where the chosen source, model, table kind or task
+    never reads them: refused, since a run would silently do something else than asked."""
+    if cfg.task == "text":
+        machine = {"cache_dir": cfg.data.cache_dir, "memory_limit": cfg.data.memory_limit}
+        for name in ("model", "embedding", "data"):
+            default = type(getattr(cfg, name))(**(machine if name == "data" else {}))
+            if getattr(cfg, name) != default:
+                _not_applying(problems, [name], "task: text reads text.* (this section is the CTR task's)")
+        return
+    if cfg.text != TextConfig():
+        _not_applying(problems, ["text"], "task: ctr does not read it (it configures task: text)")
+    d, default = cfg.data, DataConfig()
+    if d.source == "synthetic":
+        keys = _changed(d, default, (*LOG_ONLY_KEYS, *SOURCE_ONLY_KEYS))
+        _not_applying(problems, [f"data.{n}" for n in keys],
+                      "data.source: synthetic does not read it (its settings are data.synthetic.*)")
+    else:
+        for name, source in SOURCE_ONLY_KEYS.items():
+            if d.source != source and _changed(d, default, [name]):
+                _not_applying(problems, [f"data.{name}"], f"only data.source: {source} reads it")
+        if d.label == "regression" and _changed(d, default, ["threshold"]):
+            _not_applying(problems, ["data.threshold"],
+                          "data.label: regression keeps the rating (no click threshold)")
+        if not d.four_state and _changed(d, default, ["new_item_year"]):
+            _not_applying(problems, ["data.new_item_year"], "it applies with data.four_state: true")
+    m = cfg.model
+    if not m.item_popularity and _changed(m, ModelConfig(), ["popularity_prior"]):
+        _not_applying(problems, ["model.popularity_prior"], "it applies with model.item_popularity: true")
+    given = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    default_adapt = tuple(cfg.meta.adapt) == tuple(MetaConfig().adapt)
+    if "adapt" in given and m.name in MODEL_DEFAULT_ADAPT and default_adapt:  # not replaced unseen
+        problems.append(f"meta.adapt: {cfg.meta.adapt!r} is given, but model.name: {m.name} has no mlp; "
+                        f"leave meta.adapt out for its default {list(MODEL_DEFAULT_ADAPT[m.name])} or "
+                        "name its parameters")
+    for name, table in cfg.embedding.tables.items():
+        if table.kind != "dynamic":
+            keys = _changed(table, TableOverride(), ("admit_after", "eviction"))
+            _not_applying(problems, [f"embedding.tables.{name}.{k}" for k in keys],
+                          "only kind: dynamic tables admit and evict ids")
+
+
+def _validate(cfg: RunConfig, problems: list[str]) -> None:
+    """Every value check, section by section, in the order their lines are reported."""
+    _check_bounds(cfg, "", "", problems)
+    _validate_run(cfg, problems)
+    validate_meta_options(cfg.meta, problems)
+    _validate_popularity(cfg, problems)
+    if cfg.task == "text":
+        _validate_text(cfg.text, problems)
+    _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
+    _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
+    _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES.names())
+    _validate_embedding(cfg.embedding, problems)
+    _validate_positives(cfg, problems)
+    _validate_held_out(cfg, problems)
+    _one_of(problems, "data.long_tasks", cfg.data.long_tasks, ("skip", "train"))
+    if cfg.data.resample and cfg.data.split == "time":
+        problems.append("data.resample: redraws each task's query at random, which would break "
+                        "data.split: time (query = the latest rows); use data.split: random")
+    if cfg.eval.baseline_epochs < 0:
+        problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
+    validate_train(cfg.train, problems)
+    if not cfg.meta.adapt:
+        problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
+    validate_model(cfg.model, problems)
+    if cfg.data.source == "synthetic":
+        _validate_synthetic(cfg.data.synthetic, problems)
+    else:
+        _validate_log(cfg.data, problems)
+
+
+def _validate_run(cfg: RunConfig, problems: list[str]) -> None:
+    """Top-level keys, and the in-memory size of generated data."""
+    syn = cfg.data.synthetic
+    sizes = (syn.num_users, syn.max_interactions)
+    if (cfg.data.source == "synthetic" and all(isinstance(v, int) for v in sizes)
+            and syn.num_users * syn.max_interactions > MAX_SYNTHETIC_INTERACTIONS):
+        problems.append(f"data.synthetic.num_users x max_interactions: {syn.num_users} x "
+                        f"{syn.max_interactions} interactions are too many; at most 2**31 (generated "
+                        "in memory, ~36 bytes each)")
+    _one_of(problems, "task", cfg.task, WORKLOADS.names())
+    if not cfg.output_dir.strip():
+        problems.append("output_dir: empty; expected the directory the run writes its files to")
+    if cfg.seed < 0:
+        problems.append(f"seed: {cfg.seed} must be an integer >= 0")
+
+
+def _validate_popularity(cfg: RunConfig, problems: list[str]) -> None:
+    """The meta keys that build on the item-popularity offset (model.item_popularity), and the
+    inner loss's prior and per-glob scales."""
+    meta = cfg.meta
+    if cfg.model.popularity_feature and not cfg.model.item_popularity:
+        problems.append("model.popularity_feature: needs model.item_popularity: true (the statistic it "
+                        "feeds in)")
+    if meta.support_level is not None and meta.support_level < 0:
+        problems.append(f"meta.support_level: {meta.support_level!r} must be null or a number >= 0")
+    if meta.support_level is not None and (cfg.task != "ctr" or not cfg.model.item_popularity):
+        problems.append("meta.support_level: sets each task's level from the item-popularity offset; "
+                        "set model.item_popularity: true")
+    if meta.offset_first is not None and meta.offset_first < 0:
+        problems.append(f"meta.offset_first: {meta.offset_first!r} must be null or a number >= 0")
+    if meta.offset_first is not None and (cfg.task != "ctr" or not cfg.model.item_popularity):
+        problems.append("meta.offset_first: fits the popularity offset's bias per task; set "
+                        "model.item_popularity: true")
+    if not isinstance(meta.inner_loss_prior, (int, float)) or meta.inner_loss_prior < 0:
+        problems.append(f"meta.inner_loss_prior: {meta.inner_loss_prior!r} must be a number >= 0")
+    for pattern, scale in meta.inner_lr_scale.items():
+        _positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
+
+
+def _validate_positives(cfg: RunConfig, problems: list[str]) -> None:
+    """Rates, steps and sizes across sections that must be > 0 (some may be 'auto')."""
+    for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
+                "train.log_every", "train.collective_timeout_s", "model.embed_dim",
+                "eval.tasks_per_batch", "eval.baseline_batch_size", "eval.baseline_lr"):
+        section, name = key.split(".")
+        _positive(problems, key, getattr(getattr(cfg, section), name))
+    for key in ("meta.tasks_per_micro_batch", "meta.tasks_per_meta_step"):
+        _positive(problems, key, getattr(cfg.meta, key.split(".")[1]), allow_auto=True)
+    _positive(problems, "train.threads", cfg.train.threads, allow_auto=True)
+    _positive(problems, "eval.inner_steps", cfg.eval.inner_steps, allow_auto=True)
+
+
+def _validate_held_out(cfg: RunConfig, problems: list[str]) -> None:
+    """Which held-out users eval scores (eval.split) against the fractions data holds out."""
+    _one_of(problems, "eval.split", cfg.eval.split, ("test", "valid"))
+    if cfg.eval.split == "valid" and (cfg.data.source == "synthetic" or cfg.data.valid_fraction <= 0):
+        problems.append("eval.split: 'valid' needs a log source with data.valid_fraction > 0")
+    if not 0.0 <= cfg.data.valid_fraction < 1.0 or cfg.data.valid_fraction + cfg.data.test_fraction >= 1.0:
+        problems.append(f"data.valid_fraction: {cfg.data.valid_fraction!r} must be in [0, 1) and leave "
+                        f"training users next to data.test_fraction ({cfg.data.test_fraction})")
+    if cfg.eval.finetune_search:
+        if cfg.data.valid_fraction <= 0:
+            problems.append("eval.finetune_search: chooses the fine-tuned baseline's lr and steps on "
+                            "validation users; set data.valid_fraction > 0 (e.g. 0.1)")
+        if not cfg.eval.baseline:
+            problems.append("eval.finetune_search: needs eval.baseline: true (it tunes that baseline)")
+        if cfg.eval.split == "valid":
+            problems.append("eval.finetune_search: chooses on the validation users, so it needs "
+                            "eval.split: test (not valid)")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"meta.inner_lr=0.05"`` -> (["meta", "inner_lr"], 0.05); values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError([f"--set {text!r}: expected dotted.key=value"])
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(part.strip() for part in path):
+        raise ConfigError([f"--set {text!r}: empty key part in {key.strip()!r}; expected dotted.key=value"])
+    try:
+        return path, load_yaml(raw)
+    except RecursionError:
+        raise ConfigError([f"--set {text!r}: the value nests too deeply"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"--set {text!r}: the value is not valid YAML "
+                           f"({getattr(exc, 'problem', None) or exc})"]) from exc
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Return a copy of ``data`` with each ``dotted.key=value`` override applied."""
+    data = copy.deepcopy(data)  # not a JSON round trip: YAML dates would fail it
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {text!r}: {part!r} is not a section"])
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict, source: str | None = None, config_dir: str = ".") -> RunConfig:
+    """Build and validate a `RunConfig`; raises `ConfigError` listing every problem."""
+    problems: list[str] = []
+    cfg = _build(RunConfig, data, "", problems)
+    _validate(cfg, problems)  # values with a wrong type kept their defaults: safe to check
+    _validate_applies(cfg, data, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    cfg.config_dir = config_dir
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config file, apply ``--set`` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, expected a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError([f"config file {str(path)!r} {what}"])
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"config file {str(path)!r} holds {path.stat().st_size} bytes; a run config "
+                               f"is a few KB (at most {MAX_CONFIG_BYTES}): is it the right file?"])
+        data = load_yaml(path.read_text())
+    except RecursionError:
+        raise ConfigError(["not valid as a config: its values nest too deeply"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], str(path)) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"config file {str(path)!r} cannot be read as text ({exc})"]) from exc
+    if data is None:
+        expected = "a YAML mapping of sections (model, meta, data, train, deepspeed, ...)"
+        raise ConfigError([f"the file is empty; expected {expected}"], str(path))
+    if not isinstance(data, dict):
+        raise ConfigError([f"config: expected a mapping of sections (model, meta, ...), got a "
+                           f"{type(data).__name__}"], str(path))
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, str(path), str(path.parent))
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain dict of a config (for logging and summary files), without internal fields."""
+    out = dataclasses.asdict(cfg)
+    out.pop("config_dir", None)
+    return out
