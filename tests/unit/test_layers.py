@@ -150,3 +150,21 @@ def test_data_and_embedding_share_only_the_sparse_bottom_layer():
         if name == "gmeta_ds.sparse":
             bad += [f"{name} imports {i}" for i in imports(path) if i.startswith("gmeta_ds")]
     assert not bad, "\n".join(bad)
+
+
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 600  # issue 35's targets
+
+
+def test_no_function_over_60_lines_and_no_module_over_600():
+    """Every function (with its docstring) fits a screen and every module stays readable."""
+    long_functions, long_modules = [], []
+    for name, path in modules():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    assert not long_functions and not long_modules, "\n".join(long_functions + long_modules)
