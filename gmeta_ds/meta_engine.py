@@ -314,7 +314,7 @@ class MetaEngine:
         rank 0 beside ``path`` and renamed into place (collective; None on other ranks).
         ``path`` may be new, empty or an earlier saved model; anything else is refused, on
         every rank, before the collective."""
-        from gmeta_ds.saved import META
+        from gmeta_ds.saved import target_problems
 
         where = "MetaEngine.save_model"
         problems = []
@@ -325,12 +325,7 @@ class MetaEngine:
                             f"vocabularies), got {type(data).__name__}")
         check(problems, where)
         folder = Path(path)
-        if folder.exists() and not folder.is_dir():
-            problems.append(f"path: {folder} is a file, expected a folder for the saved model")
-        elif folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
-            problems.append(f"path: {folder} is a folder that holds other files and no {META}; save into a new "
-                            "or empty folder, or over an earlier saved model")
-        check(problems, where)
+        check(target_problems(folder), where)
         state = self.state_dict()
         if self.rank != 0:
             return None

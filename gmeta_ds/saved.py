@@ -22,7 +22,6 @@ of it, and a folder being replaced stays whole until the new one is complete.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from gmeta_ds.algorithms.base import AlgorithmSettings, MetaLearner
+from gmeta_ds.checkpoint.manifest import _sha256 as sha256
 from gmeta_ds.data.vocab import Vocabulary, value_text
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.errors import ConfigError
@@ -44,14 +44,6 @@ from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
 FORMAT, VERSION = "gmeta_ds model", 1
 META, WEIGHTS, VOCAB = "model.json", "model.safetensors", "vocab.safetensors"
 ALGORITHM_KEYS = tuple(f.name for f in dataclasses.fields(AlgorithmSettings))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def algorithm_settings(algorithm) -> dict | None:
@@ -65,6 +57,17 @@ def algorithm_settings(algorithm) -> dict | None:
     return {"name": name, **dataclasses.asdict(algorithm.settings())}
 
 
+def target_problems(folder: Path) -> list[str]:
+    """Why ``folder`` cannot take a saved model: a file, or a folder holding other files and no
+    model.json (new, empty and earlier saved models are fine)."""
+    if folder.exists() and not folder.is_dir():
+        return [f"path: {folder} is a file, expected a folder for the saved model"]
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
+        return [f"path: {folder} is a folder that holds other files and no {META}; save into a new "
+                "or empty folder, or over an earlier saved model"]
+    return []
+
+
 def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, fields: list[FieldSpec],
                 tables: list[TableConfig], vocab: dict[str, Vocabulary], algorithm) -> Path:
     """Write the folder (module docstring); returns its path. ``folder`` may be missing,
@@ -73,12 +76,9 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    where = "MetaEngine.save_model"
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError([f"path: {folder} is a file, expected a folder for the saved model"], where)
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
-        raise ConfigError([f"path: {folder} is a folder that holds other files and no {META}; save into a new "
-                           "or empty folder, or over an earlier saved model"], where)
+    problems = target_problems(folder)
+    if problems:
+        raise ConfigError(problems, "MetaEngine.save_model")
     folder.parent.mkdir(parents=True, exist_ok=True)
     work = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -96,7 +96,7 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
                 "fields": [dataclasses.asdict(f) for f in fields],
                 "tables": [{**dataclasses.asdict(t), "features": list(t.features)} for t in tables],
                 "algorithm": algorithm_settings(algorithm),
-                "files": {name: _sha256(work / name) for name in (WEIGHTS, VOCAB)}}
+                "files": {name: sha256(work / name) for name in (WEIGHTS, VOCAB)}}
         (work / META).write_text(json.dumps(meta, indent=1) + "\n")
         for name in (WEIGHTS, VOCAB, META):
             with open(work / name, "rb") as fh:
@@ -263,7 +263,7 @@ def _read_files(folder: Path, meta: dict) -> dict[str, dict[str, Tensor]]:
     paths = {name: _member(folder, name) for name in (WEIGHTS, VOCAB)}
     tensors = {}
     for name, path in paths.items():
-        if _sha256(path) != meta["files"][name]:
+        if sha256(path) != meta["files"][name]:
             raise _refuse(path, f"its SHA-256 does not match the one {META} records (changed or damaged "
                                 "after it was saved)")
         try:
