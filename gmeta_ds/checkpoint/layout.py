@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 from gmeta_ds.errors import ConfigError
@@ -29,13 +28,6 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 def tag_of(step: int) -> str:
     """The directory name of checkpoint ``step`` (``step_NNNNNNNN``, sorting by step)."""
     return f"step_{step:08d}"
-
-
-
-def package():
-    """The ``gmeta_ds.checkpoint`` package, looked up when called: tests replace its ``_sha256``
-    and ``_convert`` there, and the replacement must take effect in the modules that call them."""
-    return sys.modules[__package__]
 
 
 def find(resume: str, output_dir: str | Path) -> Path | None:

@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from gmeta_ds.checkpoint.layout import FORMAT_VERSION, MANIFEST, MANIFEST_MAX_BYTES, package
+from gmeta_ds.checkpoint.layout import FORMAT_VERSION, MANIFEST, MANIFEST_MAX_BYTES
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.errors import ConfigError
 
@@ -39,7 +39,7 @@ def _verified_sha256(path: Path) -> str:
     key = (os.path.realpath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns,
            info.st_ctime_ns)
     if key not in _HASHED:
-        _HASHED[key] = package()._sha256(path)
+        _HASHED[key] = _sha256(path)
     return _HASHED[key]
 
 

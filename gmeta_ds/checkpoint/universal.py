@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.checkpoint.layout import checkpoint_root, package
+from gmeta_ds.checkpoint.layout import checkpoint_root
 from gmeta_ds.checkpoint.manifest import check_pickles
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.engine.dist import group_timeouts, is_collective_timeout, on_wire
@@ -46,7 +46,7 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
         tmp = root / (target.name + ".tmp")
         # Leave the waiting ranks time to hear of a failure before their all-reduce gives up.
         limit = 3600.0 if timeout_s is None else max(1.0, timeout_s - min(30.0, timeout_s / 5))
-        failure = package()._convert(ckpt, tmp, limit, timeout_s)
+        failure = _convert(ckpt, tmp, limit, timeout_s)
         if failure:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -71,7 +71,7 @@ def _snapshot(root: Path) -> dict:
 def no_hashing(monkeypatch):
     """Fail the test if any file is hashed (the refusal must come first)."""
     hashed = []
-    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path) or "0" * 64)
+    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda path: hashed.append(path) or "0" * 64)
     return hashed
 
 
@@ -265,7 +265,7 @@ def test_hashes_are_reused_only_for_unchanged_files(run_dir, monkeypatch):
     ckpt = run_dir / "checkpoints" / TAG
     checkpoint.read_manifest(ckpt)
     real, hashed = checkpoint._sha256, []
-    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda path: hashed.append(path.name) or real(path))
     checkpoint.read_manifest(ckpt)
     assert hashed == []
     dense = ckpt / "dense.safetensors"
