@@ -35,6 +35,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import on_wire
+from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import predict, score
 from gmeta_ds.functional.inner import LOSSES
@@ -340,7 +341,7 @@ class MetaEngine:
         """A plain copy of the learner holding every weight (its tables inside the model, as
         ``model.embedding``): for evaluation, serving or export. Collective without ``state``."""
         state = self.state_dict() if state is None else state
-        template = self.learner.__dict__.get("_skeleton", self.learner)
+        template = single_process_template(self.learner)
         learner = copy.deepcopy(template)
         if template is not self.learner:
             learner = learner.to_empty(device="cpu")

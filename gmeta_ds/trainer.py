@@ -237,7 +237,7 @@ def _engine_facts(meta: MetaEngine, plan: BatchPlan) -> dict:
     batch plan and the DeepSpeed config used (universal loading included when resumed)."""
     module = meta.engine.module
     return {"vectorize": module.algorithm.vectorize,
-            "split_body": getattr(module, "active_split", None) is not None,
+            "split_body": module.active_split is not None,
             "batch": plan.describe(), "ds_config": meta.ds_config}
 
 

@@ -8,11 +8,11 @@ and ranks (it averages, so the micro-batch loss is a mean over its tasks).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,10 +22,10 @@ from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.sparse import Jagged
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import (
-    LOSSES, MODEL_CONTRACT, OFFSET_PREFIX, InnerLoop, LearningRates, Params, TaskOutputs, check_output,
+    LOSSES, MODEL_CONTRACT, InnerLoop, LearningRates, Params, TaskOutputs, check_output,
     run_tasks)
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
-from gmeta_ds.functional.split import BodySplit, HeadModule, body_features, check_split
+from gmeta_ds.functional.split import BodySplit, HeadModule, body_features
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -429,7 +429,17 @@ class MetaLearner(nn.Module):
 
     ``forward(batch)`` looks up support and query ids in one fused call, then runs the
     algorithm; it returns a `MetaOutput`.
+
+    How the training forward runs is plain state set from outside, before an engine wraps the
+    learner (`gmeta_ds.engine.parallelize`), never decided here: ``active_split``, the model's
+    body split (`functional.split`) that runs the body once on every task's rows and the inner
+    loop on the head only (None: the whole model in the inner loop); ``runner``, a callable
+    ``runner(learner, batch, rows) -> MetaOutput`` that `forward` runs instead of `meta_forward`
+    (None: `meta_forward`).
     """
+
+    active_split: BodySplit | None = None
+    runner: Callable[[MetaLearner, TaskBatch, tuple | None], MetaOutput] | None = None
 
     def __init__(self, net: nn.Module, algorithm: MetaAlgorithm):
         super().__init__()
@@ -475,91 +485,12 @@ class MetaLearner(nn.Module):
             xq = (xq, popularity.statistic(batch.query_ids, batch.query_y if training else None))
         return theta, (xs, batch.support_y, batch.support_mask), (xq, batch.query_y, batch.query_mask)
 
-    def body_split(self) -> tuple[BodySplit | None, str]:
-        """The model's body split for the adapted parameters (`functional.split`), or None and
-        why there is none."""
-        if self.adapted_fields:
-            return None, "embedding rows adapt (meta.adapt names embedding.<field>)"
-        if getattr(getattr(self.net, "popularity", None), "feature", None) is not None:
-            return None, "the popularity feature enters the model's input rows (model.popularity_feature)"
-        offer = getattr(self.net, "split_body", None)
-        if offer is None:
-            return None, f"{type(self.net).__name__} defines no split_body"
-        # The popularity offset is added after the model's forward: never in its body.
-        adapted = [n for n in self.adapted if not n.startswith(OFFSET_PREFIX)]
-        split = offer(adapted)
-        if split is None:
-            return None, (f"{type(self.net).__name__}.split_body has no body for meta.adapt "
-                          f"{self.algorithm.adapt} (everything, or its first layers, adapt)")
-        why = check_split(self.net, split, adapted)
-        return (None, why) if why else (split, "")
-
-    @property
-    def active_split(self) -> BodySplit | None:
-        """The body split the training forward runs with (`prepare_engine`), if any."""
-        return self.__dict__.get("_split")
-
-    def split_wanted(self, zero_stage: int) -> bool:
-        """Whether ``meta.split_body`` asks for the body split at this ZeRO stage: ``auto``
-        under ZeRO-3 (when the model offers one), ``true`` always, ``false`` never."""
-        setting = self.algorithm.split_body
-        return setting is True or (setting == "auto" and zero_stage == 3)
-
-    def prepare_engine(self, zero_stage: int) -> None:
-        """Call before DeepSpeed wraps this module. With a body split (`split_wanted`) the
-        training forward runs the body once as an ordinary module call and the inner loop on
-        the head; under ZeRO-3 the body then stays partitioned (DeepSpeed's hooks gather it
-        layer by layer) and only the rest is gathered per micro-step (`step_parameters`).
-        ZeRO-3 without a split: `prepare_zero3`. ``meta.split_body: true`` without a split is
-        a `ConfigError` saying why."""
-        split, why = self.body_split() if self.split_wanted(zero_stage) else (None, "")
-        if split is None and self.algorithm.split_body is True:
-            raise ConfigError([f"meta.split_body: true, but the model cannot be split: {why}"])
-        if zero_stage == 3:
-            self.prepare_zero3()
-        if split is not None:
-            self.__dict__["_split"] = split
-
-    def check_split_body(self) -> None:
-        """`prepare_engine`'s refusal of ``meta.split_body: true`` without a split, for the
-        workloads' preflight (so ``gmeta-ds validate`` refuses what train refuses)."""
-        if self.algorithm.split_body is True:
-            split, why = self.body_split()
-            if split is None:
-                raise ConfigError([f"meta.split_body: true, but the model cannot be split: {why}"])
-
-    def step_parameters(self) -> list[nn.Parameter]:
-        """What one micro-step needs gathered under ZeRO-3: every parameter, or with an active
-        body split every parameter outside the body."""
-        split = self.active_split
-        if split is None:
-            return list(self.parameters())
-        body = {id(p) for p in split.body.parameters()}
-        return [p for p in self.parameters() if id(p) not in body]
-
-    def prepare_zero3(self) -> None:
-        """Call before ZeRO-3 partitions this module: keep a parameter-less copy of it (on the
-        meta device, not registered as a submodule, so DeepSpeed never sees it) that `forward`
-        runs with the full parameters gathered for the micro-step. The functional inner loop
-        then never goes through ZeRO-3's per-module fetch/release hooks, which would swap
-        parameters out from under a second-order graph. The copy never holds a second copy of
-        the weights, not even briefly (every tensor is mapped to a meta tensor as it is copied)."""
-        memo: dict = {}
-        for p in self.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for b in self.buffers():
-            memo[id(b)] = torch.empty_like(b, device="meta")
-        self.__dict__["_skeleton"] = copy.deepcopy(self, memo)
-
     def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
         """``rows``: support and query rows looked up outside (sharded tables); by default the
-        net's own embedding module looks them up. Under ZeRO-3 `step_parameters` must be
-        gathered (``ds_engine.gathered_for_step``) around the forward and the backward."""
-        skeleton = self.__dict__.get("_skeleton")
-        if skeleton is not None and self.active_split is None:
-            state = dict(self.named_parameters())
-            state.update(self.named_buffers())
-            return functional_call(skeleton, state, (batch, rows))
+        net's own embedding module looks them up. Runs `meta_forward`, or the ``runner`` set
+        from outside."""
+        if self.runner is not None:
+            return self.runner(self, batch, rows)
         return self.meta_forward(batch, rows)
 
     def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:

@@ -19,6 +19,7 @@ from torch import nn
 
 from gmeta_ds.ds_config import zero_stage
 from gmeta_ds.engine import ds_internals
+from gmeta_ds.engine.parallelize import parallelize, step_parameters
 
 
 def check_device_support(ds_config: dict, source: str = "deepspeed") -> None:
@@ -166,11 +167,12 @@ def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
     run on a fresh machine compiles no DeepSpeed op (the CPU backend's shared-memory op is
     skipped in `gmeta_ds.engine.dist.skip_deepspeed_shm_op`).
 
-    ZeRO-3 partitions the parameters themselves. With a body split
-    (`MetaLearner.prepare_engine`, `gmeta_ds.functional.split`) DeepSpeed's module hooks stay
-    on the body only, which is gathered layer by layer in its forward and backward; the rest
-    runs inside `gathered_for_step`. Without one, the module keeps a hook-free skeleton of
-    itself (`MetaLearner.prepare_zero3`) and every micro-step runs with all parameters gathered."""
+    ``module``: a `MetaLearner`, first set up for the ZeRO stage by
+    `gmeta_ds.engine.parallelize.parallelize`. ZeRO-3 partitions the parameters themselves.
+    With a body split (`gmeta_ds.functional.split`) DeepSpeed's module hooks stay on the body
+    only, which is gathered layer by layer in its forward and backward; the rest runs inside
+    `gathered_for_step`. Without one, the learner's forward runs through a hook-free skeleton
+    of it and every micro-step runs with all parameters gathered."""
     import deepspeed
 
     return_freed_host_memory()
@@ -179,16 +181,11 @@ def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
         written_with = ds_internals.saved_ds_config(resume)
     ds_config = with_torch_adam(ds_config, written_with)
     stage = zero_stage(ds_config)
-    prepare = getattr(module, "prepare_engine", None)
-    if prepare is not None:
-        prepare(stage)
-    elif stage == 3:
-        module.prepare_zero3()
+    split = parallelize(module, stage)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                            config=ds_config)
     if stage == 3:
         ds_internals.remove_zero3_module_hooks(engine)
-        split = getattr(module, "active_split", None)
         if split is not None:
             ds_internals.hook_zero3_body(engine, split.body)
     return engine
@@ -218,11 +215,10 @@ def gathered(module: nn.Module, params: list | None = None):
 
 
 def gathered_for_step(module: nn.Module):
-    """What one micro-step's forward and backward need gathered under ZeRO-3 (a no-op for
-    ZeRO 0-2): the module's ``step_parameters()`` (a `MetaLearner` with a body split: all but
-    the body, which DeepSpeed gathers layer by layer), else every parameter."""
-    step = getattr(module, "step_parameters", None)
-    return gathered(module, step() if step is not None and is_partitioned(module) else None)
+    """What one micro-step's forward and backward of the `MetaLearner` ``module`` need gathered
+    under ZeRO-3 (a no-op for ZeRO 0-2): `parallelize.step_parameters` (with a body split all
+    but the body, which DeepSpeed gathers layer by layer; else every parameter)."""
+    return gathered(module, step_parameters(module) if is_partitioned(module) else None)
 
 
 def to_device(obj, device):

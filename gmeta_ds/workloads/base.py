@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.config import RunConfig
 from gmeta_ds.ds_config import BatchPlan, size_text, zero_stage
+from gmeta_ds.engine.parallelize import body_split, split_wanted
 
 
 class BatchSource(Protocol):
@@ -50,8 +51,8 @@ def body_split_line(learner: MetaLearner, ds_config: dict) -> str:
     half = ds_config.get("bf16", {}).get("enabled", False) or ds_config.get("fp16", {}).get("enabled", False)
     width = 2 if half else 4
     total = sum(p.numel() for p in learner.parameters())
-    wanted = learner.split_wanted(stage)
-    split, why = learner.body_split() if wanted or learner.algorithm.split_body == "auto" else (None, "")
+    wanted = split_wanted(learner.algorithm.split_body, stage)
+    split, why = body_split(learner) if wanted or learner.algorithm.split_body == "auto" else (None, "")
     if split is not None and wanted:
         body = sum(p.numel() for p in split.body.parameters())
         largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in split.body.modules()), default=0)

@@ -31,6 +31,7 @@ from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
 from gmeta_ds.engine import ds_engine
+from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
 from gmeta_ds.functional.inner import LOSSES
@@ -196,7 +197,7 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
         except ValueError as exc:
             raise ConfigError([str(exc)]) from None
     learner = build_learner(cfg, fields, with_tables=False)
-    learner.check_split_body()
+    check_split_body(learner)
     # One forward of a small batch (and under vmap): a registered model (gmeta_ds.registry.MODELS)
     # that breaks the model contract fails here, in validate too, not at the first meta-step.
     probe_model(learner, [f.name for f in model_field_order(fields)], cfg.model.embed_dim, f"model {cfg.model.name}")

@@ -20,6 +20,7 @@ from gmeta_ds.algorithms import build_algorithm
 from gmeta_ds.config import RunConfig
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.engine import ds_engine
+from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.functional.inner import masked_cross_entropy
 from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
@@ -152,7 +153,7 @@ class TextWorkload(Workload):
 
     def preflight(self, cfg: RunConfig, world_size: int):
         prepared = build(cfg)  # tokenizer, episodes and learner: every rank, before any collective
-        prepared[2].check_split_body()
+        check_split_body(prepared[2])
         return prepared
 
     def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:

@@ -13,6 +13,8 @@ from helpers import tiny_batch, tiny_melu
 
 from gmeta_ds.algorithms import ALGORITHMS, MetaLearner, build_algorithm
 from gmeta_ds.config import MetaConfig, TextConfig, TextDataConfig, TextModelConfig, TextSyntheticConfig
+from gmeta_ds.engine.parallelize import (SkeletonForward, body_split, parallelize, single_process_template,
+                                        step_parameters)
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.split import BodySplit
 from gmeta_ds.text.data import build_tasks, generate_texts
@@ -50,7 +52,7 @@ def melu_learner(algorithm: str, adapt, vectorize=True):
 
 def activate(learner):
     learner = copy.deepcopy(learner)
-    learner.prepare_engine(0)  # split_body: true -> the split at every ZeRO stage
+    parallelize(learner, 0)  # split_body: true -> the split at every ZeRO stage
     assert learner.active_split is not None
     return learner
 
@@ -88,20 +90,41 @@ def test_melu_split_point_follows_adapt():
 def test_split_true_without_a_split_is_a_config_error():
     learner = melu_learner("maml", ["mlp.*"])
     with pytest.raises(ConfigError, match="meta.split_body: true, but the model cannot be split"):
-        learner.prepare_engine(0)
+        parallelize(learner, 0)
     rows = melu_learner("maml", ["mlp.4.*", "embedding.item_id"])
     with pytest.raises(ConfigError, match="embedding rows adapt"):
-        rows.prepare_engine(3)
+        parallelize(rows, 3)
 
 
 def test_auto_splits_under_zero3_only():
     learner = MetaLearner(tiny_melu(hidden=[6, 5]), ALGORITHMS["maml"](1, 0.1, ["mlp.4.*"], True))
-    learner.prepare_engine(2)
+    parallelize(learner, 2)
     assert learner.active_split is None
-    learner.prepare_engine(3)
+    parallelize(learner, 3)
     assert learner.active_split is not None
-    assert {id(p) for p in learner.step_parameters()} == {
+    assert {id(p) for p in step_parameters(learner)} == {
         id(p) for n, p in learner.named_parameters() if not n.startswith(("net.mlp.0.", "net.mlp.2."))}
+    assert learner.runner is None  # the body stays under DeepSpeed's hooks: no skeleton forward
+    assert single_process_template(learner) is not learner
+
+
+def test_zero3_without_a_split_runs_through_the_skeleton():
+    """ZeRO-3 without a split: `parallelize` gives the learner a runner that runs its meta-device
+    skeleton with the learner's own parameters (the same loss and gradients as the plain
+    forward), every parameter is gathered per micro-step, and single-process copies are made
+    from the skeleton."""
+    learner = melu_learner("maml", ["mlp.*"])
+    learner.algorithm.split_body = "auto"
+    plain = copy.deepcopy(learner)
+    assert parallelize(learner, 3) is None and learner.active_split is None
+    assert isinstance(learner.runner, SkeletonForward)
+    skeleton = single_process_template(learner)
+    assert skeleton is learner.runner.skeleton and skeleton.runner is None
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert [id(p) for p in step_parameters(learner)] == [id(p) for p in learner.parameters()]
+    batch = tiny_batch(tasks=3, support=6, query=4, seed=3)
+    compare(plain, learner, batch)
+    assert single_process_template(plain) is plain
 
 
 # ------------------------------------------------------------------------- text (HF BERT)
@@ -148,11 +171,11 @@ def test_other_hf_heads_split_or_fall_back(text_setup, model_type):
         compare(whole, activate(whole), tasks.episodes("train", [3, 4]))
     else:
         with pytest.raises(ConfigError, match="has no body for meta.adapt"):
-            whole.prepare_engine(3)
+            parallelize(whole, 3)
 
 
 def test_bert_everything_adapted_has_no_split(text_setup):
     cfg, tok, _ = text_setup
     learner = text_learner(cfg, tok, "maml", ("*",))
-    split, why = learner.body_split()
+    split, why = body_split(learner)
     assert split is None and "adapted parameters lie in the model's body" in why

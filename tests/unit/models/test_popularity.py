@@ -17,6 +17,7 @@ from gmeta_ds.algorithms.base import embed_batch, embedder
 from gmeta_ds.baselines import fit_popularity
 from gmeta_ds.config import EmbeddingConfig, config_from_dict
 from gmeta_ds.data.tasks import TaskSet, collate
+from gmeta_ds.engine.parallelize import parallelize
 from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import predict
@@ -190,7 +191,7 @@ def test_body_split_with_the_offset(algorithm):
     whole = pop_learner("melu", algorithm, True, adapt=["mlp.2.*", "popularity.*"])
     whole.algorithm.split_body = True
     split = copy.deepcopy(whole)
-    split.prepare_engine(0)
+    parallelize(split, 0)
     assert split.active_split is not None
     b = batch()
     g_whole, o_whole = meta_grads(whole, b)
@@ -250,7 +251,7 @@ def test_popularity_feature_adds_the_statistic_to_the_item_row_only():
         config_from_dict({"model": {"popularity_feature": True}})
     learner.algorithm.split_body = True
     with pytest.raises(ConfigError, match="the popularity feature enters the model's input rows"):
-        learner.prepare_engine(0)
+        parallelize(learner, 0)
 
 
 @pytest.mark.parametrize("algorithm", ["maml", "reptile"])
