@@ -12,7 +12,7 @@ features, and the outer backward differentiates the body's graph exactly once
 (``tests/unit/algorithms/test_split.py`` checks the body's meta-gradient against the unsplit
 path). It is what lets ZeRO-3 keep the body partitioned: DeepSpeed's own module hooks gather
 a body layer, run it, and release it, in the forward and again in the backward, while only
-the (small) head is gathered for the whole micro-step (`gmeta_ds.engine.ds_engine`).
+the (small) head is gathered for the whole micro-step (`gmeta_ds.engine.parallelize`).
 
 A model offers a split with ``split_body(adapted) -> BodySplit | None`` (``adapted``: the
 parameter names ``meta.adapt`` selects): ``body`` is a module over the model's own
