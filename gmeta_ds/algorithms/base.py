@@ -1,5 +1,7 @@
 """What every meta-learning algorithm shares: choosing the adapted parameters, the fused
-embedding lookup, and the contract ``outer_loss(...) -> MetaOutput``.
+embedding lookup, and the contract ``outer_loss(...) -> MetaOutput``. A `MetaAlgorithm`
+receives data (the inner loop, rates, parameters, the tasks' tensors), never the learner;
+`MetaLearner` reads the model's hooks (`models.protocol.model_hooks`) and calls it.
 
 Contract: ``MetaOutput.loss`` is one scalar whose gradient with respect to the meta-parameters
 is the algorithm's meta-gradient, so every algorithm goes through the same
