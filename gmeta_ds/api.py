@@ -50,6 +50,7 @@ from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.dist import destroy_process_group, init_process_group
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.meta_engine import BASELINES, MetaEngine, StepResult, api_checkpoint_meta, start_engine  # noqa: F401
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 
@@ -246,7 +247,7 @@ def _adapt_patterns(model: nn.Module, adapt, where: str) -> list[str]:
     a parameter of the model, or a list of them; None: the model's ``default_adapt``. Every
     glob given must select something (a pattern that matches nothing is a typo)."""
     if adapt is None:
-        return list(getattr(model, "default_adapt", ("mlp.*",)))
+        return list(model_hooks(model).default_adapt or ("mlp.*",))
     if isinstance(adapt, (str, nn.Parameter)):
         adapt = [adapt]
     try:
@@ -315,7 +316,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     ds_engine.check_device_support(ds_config)
     ds_engine.check_ds_config(ds_config)
     net = learner.net
-    if sharding == "dense" and tables and getattr(net, "embedding", None) is None:
+    if sharding == "dense" and tables and model_hooks(net).embedding is None:
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
     if not ds_engine.is_partitioned(learner):  # local: before any collective
         probe_model(learner, *_probe_shape(net, tables), "gmeta_ds.initialize")
@@ -330,7 +331,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
         raise ConfigError([f"the process group has {world} ranks but WORLD_SIZE said {plan.world_size}"])
     embeddings = None
     if tables and sharding != "dense":
-        if not getattr(net, "row_fields", None) and any(len(t.features) for t in tables):
+        if not model_hooks(net).row_fields and any(len(t.features) for t in tables):
             raise ConfigError(["model.row_fields: the model must name its single-hot fields in the "
                                "order of the tasks' id columns (e.g. [f.name for f in "
                                "gm.single_fields(data.fields)]) so sharded lookups can find their tables"])
@@ -348,12 +349,12 @@ def _probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], 
     if tables:
         features = list(dict.fromkeys(f for t in tables for f in t.features))
         dim = tables[0].dim
-    elif isinstance(getattr(net, "embedding", None), EmbeddingCollection):
+    elif isinstance(model_hooks(net).embedding, EmbeddingCollection):
         own = net.embedding
         features, dim = list(own.by_feature), next(iter(own.tables.values())).dim
     else:
         return [], 0
-    first = [f for f in getattr(net, "row_fields", None) or [] if f in features]
+    first = [f for f in model_hooks(net).row_fields or [] if f in features]
     return first + [f for f in features if f not in first], dim
 
 
@@ -380,7 +381,7 @@ def _check_engine_inputs(learner, tables, lr, resume, output_dir) -> list[TableC
     if len(set(dims.values())) > 1:
         problems.append(f"tables: every table must have the same dim (rows are stacked into (N, F, d)); got "
                         f"{', '.join(f'{n}: {d}' for n, d in dims.items())}")
-    want = getattr(learner.net, "embed_dim", None)
+    want = model_hooks(learner.net).embed_dim
     if dims and is_int(want) and len(set(dims.values())) == 1 and want != next(iter(dims.values())):
         problems.append(f"tables: dim {next(iter(dims.values()))} but the model's embed_dim is {want}")
     check(problems, where)

@@ -54,7 +54,7 @@ def predict(learner: MetaLearner, lrs: LearningRates, tasks: TaskSet, inner_step
     """
     net = learner.net
     lrs = {n: (lr.detach() if isinstance(lr, Tensor) else lr) for n, lr in lrs.items()}
-    inner = learner.algorithm.inner_loop(learner, inner_steps, first_order=True)
+    inner = learner.inner_loop(inner_steps, first_order=True)
     to_pred = PREDICTIONS[learner.algorithm.kind]
     which = np.arange(len(tasks)) if which is None else np.asarray(which)
     out: dict[str, list] = {"labels": [], "adapted": [], "plain": [], "task": []}

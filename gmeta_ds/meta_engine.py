@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner
-from gmeta_ds.algorithms.base import check_id_columns, check_task_fields, embed_batch
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, embed_batch
 from gmeta_ds.arguments import check, finite, int_at_least
 from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
@@ -39,6 +39,7 @@ from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import predict, score
 from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.profiling import phase
 
 # "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
@@ -237,7 +238,7 @@ class MetaEngine:
         self.engine, self.embeddings, self.tables = engine, embeddings, tables
         self.plan, self.ds_config, self.rank, self.seed = plan, ds_config, rank, seed
         self.nonfinite = nonfinite
-        self.fields = list(getattr(engine.module.net, "row_fields", []))
+        self.fields = list(model_hooks(engine.module.net).row_fields or [])
         self.step = 0  # meta-steps done (restored by `resume`)
         # The learner's weights before training (CPU copies; tables sharded outside it are
         # re-made from their configs): the non-meta baseline starts from them.
@@ -296,7 +297,7 @@ class MetaEngine:
         state = ds_engine.full_state_dict(self.learner)
         if self.embeddings is not None:
             for key, value in self.embeddings.gather_state(everywhere=True).items():
-                state[f"net.embedding.{key}"] = value
+                state[f"{EMBEDDING_PREFIX}{key}"] = value
         return state
 
     def save_weights(self, path: str | Path) -> Path | None:
@@ -334,7 +335,7 @@ class MetaEngine:
 
         net = self.learner.net
         tables = self.tables or (list(net.embedding.tables.values())
-                                 if isinstance(getattr(net, "embedding", None), EmbeddingCollection) else [])
+                                 if isinstance(model_hooks(net).embedding, EmbeddingCollection) else [])
         return write_model(folder, state, net, data.fields, tables, data.vocab, self.learner.algorithm)
 
     def single_process_learner(self, state: dict | None = None) -> MetaLearner:
@@ -392,7 +393,7 @@ class MetaEngine:
         check(problems, "MetaEngine.evaluate")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
         learner = self.single_process_learner()
-        lrs = learner.algorithm.learning_rates(learner)
+        lrs = learner.learning_rates()
         steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
         mine = predict(learner, lrs, tasks, steps, tasks_per_batch,
                        np.arange(self.rank, len(tasks), self.world_size))
@@ -419,7 +420,7 @@ class MetaEngine:
         state = dict(self.initial)
         if self.embeddings is not None:
             fresh = EmbeddingCollection(self.tables, self.seed).state_dict()
-            state.update({f"net.embedding.{k}": v for k, v in fresh.items()})
+            state.update({f"{EMBEDDING_PREFIX}{k}": v for k, v in fresh.items()})
         return self.single_process_learner(state)
 
     def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
@@ -485,7 +486,7 @@ def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorit
 # ---------------------------------------------------------------------------- start-up
 def api_checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
     """`checkpoint_meta` as the Python API names fields (``row_fields``) and algorithms."""
-    return checkpoint_meta(learner, embeddings, list(getattr(learner.net, "row_fields", [])),
+    return checkpoint_meta(learner, embeddings, list(model_hooks(learner.net).row_fields or []),
                            type(learner.algorithm).__name__.lower())
 
 

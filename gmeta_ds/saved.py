@@ -34,11 +34,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gmeta_ds.algorithms.base import AlgorithmSettings, MetaLearner
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, NET_PREFIX, AlgorithmSettings, MetaLearner
 from gmeta_ds.checkpoint.manifest import _sha256 as sha256
 from gmeta_ds.data.vocab import Vocabulary, value_text
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
 
 FORMAT, VERSION = "gmeta_ds model", 1
@@ -241,12 +242,12 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
     vocab = _vocabularies(folder, fields, tensors[VOCAB])
     model = _built(model, fields)
     state = tensors[WEIGHTS]
-    if tables and getattr(model, "embedding", None) is None and any(k.startswith("net.embedding.") for k in state):
+    if tables and model_hooks(model).embedding is None and any(k.startswith(EMBEDDING_PREFIX) for k in state):
         model.embedding = EmbeddingCollection(tables)
     settings = meta.get("algorithm")
     learner = _learner(model, settings, folder / META) if settings is not None else None
     if learner is None:  # a user's own algorithm class: the model's weights alone
-        state = {k[len("net."):]: v for k, v in state.items() if k.startswith("net.")}
+        state = {k[len(NET_PREFIX):]: v for k, v in state.items() if k.startswith(NET_PREFIX)}
     target = learner if learner is not None else model
     _check_architecture(target, state, model, folder, meta.get("model"))
     own = target.state_dict()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gmeta_ds import checkpoint
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables (workloads.ctr reads it here)
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
@@ -35,7 +36,6 @@ from gmeta_ds.run_log import Cadence, MetricsLog, StepWindow, dense_allreduce_by
 
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
 # ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
-EMBEDDING_PREFIX = "net.embedding."
 
 
 def run_phase(cfg: RunConfig, phase: str):

@@ -4,7 +4,7 @@ For every adapted parameter ``p`` the learner gains a meta-parameter ``alpha_p``
 initialised to ``meta.inner_lr`` (times ``meta.inner_lr_scale``'s multiplier); the inner step
 is ``p - alpha_p * grad`` and both ``theta`` and ``alpha`` receive second-order meta-gradients
 through the same ``engine.backward``.
-The rates live in the learner (``inner_lrs.<name with . -> __>``), so DeepSpeed owns,
+The rates live in the learner (``inner_lrs.<name with . -> __>``, `meta_parameters`), so DeepSpeed owns,
 partitions and checkpoints them like any dense parameter.
 """
 from __future__ import annotations
@@ -25,19 +25,17 @@ class MetaSGD(MetaAlgorithm):
 
     first_order = False
 
-    def init_learner(self, learner) -> None:
-        params = dict(learner.net.named_parameters())
-        rates = {_key(n): torch.full_like(params[n], self.rate(n)) for n in learner.adapted}
+    def meta_parameters(self, *, params, adapted, rows, embed_dim) -> dict[str, nn.Module]:
+        rates = {_key(n): torch.full_like(params[n], self.rate(n)) for n in adapted}
         # Deduplicated rows vary in number per micro-batch: one rate per embedding dimension.
-        rows = learner.adapted_names()[len(learner.adapted):]
-        dim = getattr(learner.net, "embed_dim", None)
-        if rows and not (isinstance(dim, int) and dim > 0):
+        if rows and not (isinstance(embed_dim, int) and embed_dim > 0):
             raise ConfigError([f"meta.algorithm: metasgd learns one inner rate per embedding dimension for the "
                                f"adapted rows ({', '.join(rows)}): the model must state the tables' dim as "
-                               f"model.embed_dim (an int), got {dim!r}"])
+                               f"model.embed_dim (an int), got {embed_dim!r}"])
         for name in rows:
-            rates[_key(name)] = torch.full((dim,), self.rate(name))
-        learner.inner_lrs = nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})
+            rates[_key(name)] = torch.full((embed_dim,), self.rate(name))
+        return {"inner_lrs": nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})}
 
-    def learning_rates(self, learner):
-        return {n: learner.inner_lrs[_key(n)] for n in learner.adapted_names()}
+    def learning_rates(self, names, owned=None):
+        rates = owned["inner_lrs"]
+        return {n: rates[_key(n)] for n in names}

@@ -19,8 +19,8 @@ class Reptile(MetaAlgorithm):
 
     first_order = True
 
-    def outer_loss(self, learner, theta, support, query) -> MetaOutput:
+    def outer_loss(self, inner, lrs, theta, support, query) -> MetaOutput:
         detach = lambda fast: {n: p.detach() for n, p in fast.items()}  # noqa: E731
-        out = self.run(learner, theta, support, query, query_fast=detach)
+        out = self.run(inner, lrs, theta, support, query, query_fast=detach)
         surrogate = sum((theta[n] * (theta[n] - out.fast[n].mean(dim=0)).detach()).sum() for n in theta)
         return _output(out.query_loss.mean() + surrogate, out)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX
 from gmeta_ds.checkpoint.manifest import read_manifest
 from gmeta_ds.engine.ds_engine import save_weights
 from gmeta_ds.errors import ConfigError
@@ -16,8 +17,9 @@ def _export_dynamic(name: str, files: list[dict[str, torch.Tensor]]) -> dict[str
     ids = torch.cat([f[f"table.{name}.ids"] for f in files])
     rows = torch.cat([f[f"table.{name}.rows"] for f in files])
     order = torch.argsort(ids)
-    return {f"net.embedding.dynamic.{name}.ids": ids[order], f"net.embedding.dynamic.{name}.rows": rows[order],
-            f"net.embedding.dynamic.{name}.defaults": torch.cat([f[f"dynamic.{name}.default"] for f in files])}
+    key = f"{EMBEDDING_PREFIX}dynamic.{name}"
+    return {f"{key}.ids": ids[order], f"{key}.rows": rows[order],
+            f"{key}.defaults": torch.cat([f[f"dynamic.{name}.default"] for f in files])}
 
 
 def export(ckpt: Path, out: Path) -> Path:
@@ -40,6 +42,6 @@ def export(ckpt: Path, out: Path) -> Path:
             seen[ids] = True
         if not bool(seen.all()):
             raise ConfigError([f"{ckpt}: table {name!r} is missing rows"])
-        state[f"net.embedding.weights.{name}"] = table
+        state[f"{EMBEDDING_PREFIX}weights.{name}"] = table
     out.parent.mkdir(parents=True, exist_ok=True)
     return save_weights(state, out)

@@ -27,8 +27,8 @@ from torch.func import functional_call
 
 from gmeta_ds.algorithms import MetaLearner, MetaOutput
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import OFFSET_PREFIX
 from gmeta_ds.functional.split import BodySplit, check_split
+from gmeta_ds.models.popularity import OFFSET_PREFIX
 
 # Each learner `parallelize` gave a skeleton -> that skeleton, kept outside the learner (as
 # torch's composable fully_shard keeps its state), for `single_process_template`.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -27,26 +27,8 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.rows import ROW_PREFIX, compose_rows, select_task
 
 Params = dict[str, Tensor]
-OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
 # A learning rate per adapted parameter: a float, or a tensor broadcastable to the parameter.
 LearningRates = Mapping[str, "float | Tensor"]
-NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on real supports)
-
-
-def map_offset(z: Tensor, y: Tensor, mask: Tensor, prior: float, kind: str = "binary") -> Tensor:
-    """The scalar b maximising sum_rows loglik(y | z + b) - prior * b^2 / 2 over the rows
-    where ``mask`` is 1 (the popularity baseline's per-user offset, gmeta_ds/baselines.py):
-    binary labels `NEWTON_STEPS` Newton steps from 0, ratings (Gaussian) the closed form
-    sum(y - z) / (rows + prior). Differentiable and vmap-compatible."""
-    if kind == "regression":
-        return ((y - z) * mask).sum() / (mask.sum() + prior)
-    b = torch.zeros((), dtype=z.dtype, device=z.device)
-    for _ in range(NEWTON_STEPS):
-        p = torch.sigmoid(z + b)
-        grad = ((y - p) * mask).sum() - prior * b
-        hess = (p * (1.0 - p) * mask).sum() + prior
-        b = b + grad / hess
-    return b
 
 
 def masked_bce(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
@@ -100,38 +82,56 @@ def check_output(out, inputs, kind: str) -> None:
                            f"{tuple(inputs.shape)}; expected {shape}{hint}: {MODEL_CONTRACT}"])
 
 
-@dataclass
+class TaskRecipe(Protocol):
+    """What a model's recipe adds to the inner loop (the item-popularity offset of
+    models/popularity.py is one; a model without a recipe gets none of it). With a recipe each
+    task's input is ``(x, side)``: ``side`` is per-row data of the recipe that bypasses the
+    model's body (models/protocol.py, `TaskRecipeSource.side_input`). ``own``: the recipe's
+    parameters among the adapted ones, ``prefix`` removed."""
+
+    prefix: str  # the recipe's parameter names among the adapted ones start with it
+    # (inner, fast, x, y, mask) -> fast: applied before the inner steps, or None
+    before_steps: "Callable[..., Params] | None"
+    # (inner, theta, fast, xs, ys, ms) -> Tensor: added to the adapted query logits, or None
+    query_shift: "Callable[..., Tensor] | None"
+
+    def model_inputs(self, rows: Tensor, side: Tensor, own: Params) -> Tensor:
+        """The model's input rows, given the rows, the side input and the recipe's parameters."""
+
+    def model_output(self, out: Tensor, side: Tensor, own: Params) -> Tensor:
+        """The task's logits, given the model's output."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InnerSettings:
+    """The algorithm's own inner-loop settings, by keyword, built once per algorithm
+    (`MetaAlgorithm.inner`): ``steps`` SGD steps, second or first order, the label ``kind``
+    (its loss: `LOSSES`) and ``support_prior`` (meta.inner_loss_prior k: the support loss is
+    sum / (rows + k) instead of the mean, so a task with n support rows takes steps
+    n / (n + k) as long: shrinkage of small supports)."""
+
+    steps: int
+    first_order: bool
+    kind: str = "binary"
+    support_prior: float = 0.0
+
+
+@dataclass(kw_only=True)
 class InnerLoop:
-    """How one task adapts: ``steps`` SGD steps with ``lrs`` on the support loss.
+    """How one task adapts: ``settings.steps`` SGD steps with ``lrs`` on the support loss.
 
     module: the single-device model; ``module(x)`` maps one task's inputs ``(N, ...)`` to
     logits ``(N,)``. Parameters not in the adapted dict come from the module itself.
     """
 
     module: torch.nn.Module
-    steps: int
-    first_order: bool
-    loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = masked_bce
+    settings: InnerSettings
     # Field position -> name of fields whose looked-up rows adapt too (see functional/rows.py).
     row_fields: dict[int, str] = field(default_factory=dict)
     # Prepended to parameter names for functional_call (``net.`` for a `split.HeadModule`).
     prefix: str = ""
-    # The net's item-popularity offset (models/popularity.py), or None. When set, one task's
-    # inputs are (x, statistic (N,)) and the logits get ``offset(statistic)`` added, with the
-    # offset's parameters (``popularity.*``) taken from the adapted ones when they adapt.
-    offset: torch.nn.Module | None = None
-    # meta.inner_loss_prior k: the support loss is sum / (rows + k) instead of the mean, so a
-    # task with n support rows takes steps n / (n + k) as long (shrinkage of small supports).
-    support_prior: float = 0.0
-    # meta.offset_first λ (needs ``offset`` and popularity.bias adapted): before the inner
-    # steps, each task's offset bias is moved to the MAP of its support (`offset_first`);
-    # None = off. ``kind``: binary (Newton on the log-likelihood) or regression (closed form).
-    offset_prior: float | None = None
-    kind: str = "binary"
-    # meta.support_level λ (needs ``offset``): after the inner steps, a task's logits are
-    # shifted by one constant so that their mean over its support equals that of the popularity
-    # offset plus the task's MAP offset (`level_shift`); None = off.
-    level_prior: float | None = None
+    # The model's recipe (`TaskRecipe`), or None: then each task's input is x, not (x, side).
+    recipe: "TaskRecipe | None" = None
 
     def __post_init__(self) -> None:
         # functional_call re-checks weight tying on every call by walking every parameter
@@ -139,26 +139,28 @@ class InnerLoop:
         unique = {n for n, _ in self.module.named_parameters()}
         every = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
         self.tied = unique != every
+        self.first_order = self.settings.first_order
+        self.kind = self.settings.kind
+        self.loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = LOSSES[self.kind]
 
     def logits(self, fast: Params, x) -> Tensor:
         """Model output of one task with the adapted ("fast") parameters ``fast``; ``x`` is
-        rows, or (rows, index) when embedding rows adapt too; with an ``offset``, (that,
-        statistic)."""
+        rows, or (rows, index) when embedding rows adapt too; with a recipe, (that, side)."""
         params = {self.prefix + n: v for n, v in fast.items() if not n.startswith(ROW_PREFIX)}
-        statistic = None
-        if self.offset is not None:
-            x, statistic = x
+        side = None
+        if self.recipe is not None:
+            x, side = x
         inputs = compose_rows(fast, x, self.row_fields)
         own = {}
-        if statistic is not None:
-            own = {n[len(OFFSET_PREFIX):]: v for n, v in fast.items() if n.startswith(OFFSET_PREFIX)}
-            # model.popularity_feature: the statistic enters the item row (no-op without it)
-            inputs = self.offset.with_feature(inputs, statistic, own.get("feature"))
+        if side is not None:
+            start = self.recipe.prefix
+            own = {n[len(start):]: v for n, v in fast.items() if n.startswith(start)}
+            inputs = self.recipe.model_inputs(inputs, side, own)
         out = functional_call(self.module, params, (inputs,), tie_weights=self.tied)
         check_output(out, inputs, self.kind)
-        if statistic is None:
+        if side is None:
             return out
-        return out + functional_call(self.offset, own, (statistic.to(out.dtype),))
+        return self.recipe.model_output(out, side, own)
 
     def task_loss(self, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
         """Loss of one task with the adapted parameters ``fast``."""
@@ -168,49 +170,19 @@ class InnerLoop:
         """The inner (adaptation) loss: `task_loss`, times n / (n + ``support_prior``) for a
         task with n real support rows."""
         loss = self.task_loss(fast, x, y, mask)
-        if not self.support_prior:
+        prior = self.settings.support_prior
+        if not prior:
             return loss
         n = mask.sum().clamp(min=1.0)
-        return loss * (n / (n + self.support_prior))
-
-    def offset_first(self, fast: Params, x, y: Tensor, mask: Tensor) -> Params:
-        """``fast`` with ``popularity.bias`` moved by the per-task offset the popularity baseline
-        fits (gmeta_ds/baselines.py), relative to the model's own logits z at ``fast``: b
-        maximises sum_support loglik(y | z + b) - λ b^2 / 2 (binary: `NEWTON_STEPS` Newton
-        steps from 0; regression: sum of residuals / (rows + λ)). So the user's level is
-        explained before the inner steps, which then adapt the rest on what is left."""
-        key = OFFSET_PREFIX + "bias"
-        z = self.logits(fast, x).detach() if self.first_order else self.logits(fast, x)
-        b = map_offset(z, y, mask, float(self.offset_prior), self.kind)
-        if self.first_order:
-            b = b.detach()
-        out = dict(fast)
-        out[key] = fast[key] + b.to(fast[key].dtype)
-        return out
-
-    def level_shift(self, theta: Params, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
-        """``meta.support_level``: the constant added to a task's adapted logits. With r the
-        popularity offset at ``theta`` (weight * s + bias) on the support rows and b the task's
-        MAP offset on them (prior precision λ, `map_offset`), it is mean_support(r + b) minus
-        mean_support of the adapted logits: the adapted model ranks a task's items, the
-        popularity statistic shrunk by the prior sets its level. Only support rows are used;
-        the reference (r + b) carries no gradient."""
-        statistic = x[1]
-        own = {n[len(OFFSET_PREFIX):]: v.detach() for n, v in theta.items() if n.startswith(OFFSET_PREFIX)}
-        own.pop("feature", None)
-        ref = functional_call(self.offset, own, (statistic.to(y.dtype),)).detach()
-        ref = ref + map_offset(ref, y, mask, float(self.level_prior), self.kind)
-        z = self.logits(fast, x)
-        n = mask.sum().clamp(min=1.0)
-        return ((ref - z) * mask).sum() / n
+        return loss * (n / (n + prior))
 
     def query_logits(self, theta: Params, fast: Params, xs, ys: Tensor, ms: Tensor, xq) -> Tensor:
-        """Adapted logits of the query rows ``xq``, shifted by `level_shift` when
-        ``level_prior`` is set."""
+        """Adapted logits of the query rows ``xq``, plus the recipe's ``query_shift`` if any."""
         out = self.logits(fast, xq)
-        if self.level_prior is None:
+        shift = None if self.recipe is None else self.recipe.query_shift
+        if shift is None:
             return out
-        return out + self.level_shift(theta, fast, xs, ys, ms)
+        return out + shift(self, theta, fast, xs, ys, ms)
 
     def _update(self, fast: Params, grads: Params, lrs: LearningRates) -> Params:
         if self.first_order:
@@ -223,10 +195,11 @@ class InnerLoop:
 
         Returns (fast params, support loss before the first step)."""
         fast, first_loss = dict(theta), None
-        if self.offset_prior is not None:
-            fast = self.offset_first(fast, x, y, mask)
+        before = None if self.recipe is None else self.recipe.before_steps
+        if before is not None:
+            fast = before(self, fast, x, y, mask)
         step_fn = grad_and_value(self.support_loss)
-        for _ in range(self.steps):
+        for _ in range(self.settings.steps):
             grads, loss = step_fn(fast, x, y, mask)
             first_loss = loss if first_loss is None else first_loss
             fast = self._update(fast, grads, lrs)
@@ -236,11 +209,12 @@ class InnerLoop:
                        mask: Tensor) -> tuple[Params, Tensor]:
         """Adapt with `torch.autograd.grad` (one task, no vmap). Same results as `adapt_func`."""
         fast, first_loss = dict(theta), None
-        if self.offset_prior is not None:
+        before = None if self.recipe is None else self.recipe.before_steps
+        if before is not None:
             # New graph nodes: the inner gradient is then w.r.t. these values alone, not also
-            # through the offset's dependence on theta (as `adapt_func`'s grad_and_value).
-            fast = {n: v.view_as(v) for n, v in self.offset_first(fast, x, y, mask).items()}
-        for _ in range(self.steps):
+            # through the hook's dependence on theta (as `adapt_func`'s grad_and_value).
+            fast = {n: v.view_as(v) for n, v in before(self, fast, x, y, mask).items()}
+        for _ in range(self.settings.steps):
             loss = self.support_loss(fast, x, y, mask)
             first_loss = loss if first_loss is None else first_loss
             names = [n for n, p in fast.items() if p.requires_grad]
@@ -265,10 +239,7 @@ class TaskOutputs:
 def _one_task(inner: InnerLoop, theta: Params, lrs: LearningRates, query_fast: Callable,
               adapt: Callable, xs, ys, ms, xq, yq, mq):
     fast, support_loss = adapt(theta, lrs, xs, ys, ms)
-    if inner.level_prior is None:
-        query_loss = inner.task_loss(query_fast(fast), xq, yq, mq)
-    else:
-        query_loss = inner.loss_fn(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
+    query_loss = inner.loss_fn(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
     return query_loss, support_loss, fast
 
 

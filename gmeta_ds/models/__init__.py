@@ -72,5 +72,7 @@ def resolve_adapt(net, adapt) -> list[str]:
     """``adapt`` as given, or the model's ``default_adapt`` when ``adapt`` is the config's
     default (``["mlp.*"]``) or None."""
     if adapt is None or tuple(adapt) == DEFAULT_ADAPT:
-        return list(getattr(net, "default_adapt", DEFAULT_ADAPT))
+        from gmeta_ds.models.protocol import model_hooks
+
+        return list(model_hooks(net).default_adapt or DEFAULT_ADAPT)
     return list(adapt)

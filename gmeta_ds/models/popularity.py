@@ -27,13 +27,36 @@ tasks). They index static item ids; an item field with raw ids (dynamic tables) 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from gmeta_ds.data.popularity import EPS, item_column, item_statistics, shrunk_score
 from gmeta_ds.data.tasks import TaskSet
 from gmeta_ds.sparse import FieldSpec, single_fields
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.functional.inner import Params
+
+OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
+NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on real supports)
+
+
+def map_offset(z: Tensor, y: Tensor, mask: Tensor, prior: float, kind: str = "binary") -> Tensor:
+    """The scalar b maximising sum_rows loglik(y | z + b) - prior * b^2 / 2 over the rows
+    where ``mask`` is 1 (the popularity baseline's per-user offset, gmeta_ds/baselines.py):
+    binary labels `NEWTON_STEPS` Newton steps from 0, ratings (Gaussian) the closed form
+    sum(y - z) / (rows + prior). Differentiable and vmap-compatible."""
+    if kind == "regression":
+        return ((y - z) * mask).sum() / (mask.sum() + prior)
+    b = torch.zeros((), dtype=z.dtype, device=z.device)
+    for _ in range(NEWTON_STEPS):
+        p = torch.sigmoid(z + b)
+        grad = ((y - p) * mask).sum() - prior * b
+        hess = (p * (1.0 - p) * mask).sum() + prior
+        b = b + grad / hess
+    return b
 
 
 class PopularityOffset(nn.Module):
@@ -91,6 +114,15 @@ class PopularityOffset(nn.Module):
             mean = mean.clamp(EPS, 1.0 - EPS)
         return shrunk_score(total, shown, self.prior, mean, self.kind)
 
+    def side_input(self, ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        """The recipe's per-row side input (`models.protocol.TaskRecipeSource`): `statistic`."""
+        return self.statistic(ids, labels)
+
+    def task_recipe(self, settings, prefix: str) -> PopularityRecipe:
+        """The inner loop's hooks (`PopularityRecipe`) for an algorithm's ``settings``: its
+        ``offset_first`` and ``support_level`` priors."""
+        return PopularityRecipe(self, prefix, settings.offset_first, settings.support_level)
+
     def forward(self, statistic: Tensor) -> Tensor:
         return self.weight * statistic + self.bias
 
@@ -105,6 +137,84 @@ class PopularityOffset(nn.Module):
         c = self.column  # the item field's position among the rows (single-hot fields first)
         item = rows[..., c, :] + statistic.unsqueeze(-1).to(rows.dtype) * feature
         return torch.cat([rows[..., :c, :], item.unsqueeze(-2), rows[..., c + 1:, :]], dim=-2)
+
+
+@dataclass(frozen=True)
+class PopularityRecipe:
+    """The popularity recipe's hooks in the inner loop (`functional.inner.TaskRecipe`): the
+    offset added to the model's logits (and with ``model.popularity_feature`` the statistic in
+    the item row); ``offset_prior`` (meta.offset_first λ, needs ``popularity.bias`` adapted):
+    before the inner steps each task's offset bias moves to the MAP of its support
+    (`offset_first`); ``level_prior`` (meta.support_level λ): after them a task's logits are
+    shifted by one constant so that their mean over its support equals that of the popularity
+    offset plus the task's MAP offset (`level_shift`). None = off. The task's labels are
+    binary (Newton on the log-likelihood) or ratings (closed form): ``inner.kind``."""
+
+    offset: PopularityOffset
+    prefix: str = OFFSET_PREFIX
+    offset_prior: float | None = None
+    level_prior: float | None = None
+
+    @property
+    def before_steps(self):
+        return None if self.offset_prior is None else self.offset_first
+
+    @property
+    def query_shift(self):
+        return None if self.level_prior is None else self.level_shift
+
+    def model_inputs(self, rows: Tensor, side: Tensor, own: Params) -> Tensor:
+        """model.popularity_feature: the statistic enters the item row (no-op without it)."""
+        return self.offset.with_feature(rows, side, own.get("feature"))
+
+    def model_output(self, out: Tensor, side: Tensor, own: Params) -> Tensor:
+        """The model's output plus the offset at the statistic ``side`` (its parameters from
+        ``own`` when they adapt)."""
+        return out + functional_call(self.offset, own, (side.to(out.dtype),))
+
+    def offset_first(self, inner, fast: Params, x, y: Tensor, mask: Tensor) -> Params:
+        """``fast`` with ``popularity.bias`` moved by the per-task offset the popularity baseline
+        fits (gmeta_ds/baselines.py), relative to the model's own logits z at ``fast``: b
+        maximises sum_support loglik(y | z + b) - λ b^2 / 2 (binary: `NEWTON_STEPS` Newton
+        steps from 0; regression: sum of residuals / (rows + λ)). So the user's level is
+        explained before the inner steps, which then adapt the rest on what is left."""
+        key = self.prefix + "bias"
+        z = inner.logits(fast, x).detach() if inner.first_order else inner.logits(fast, x)
+        b = map_offset(z, y, mask, float(self.offset_prior), inner.kind)
+        if inner.first_order:
+            b = b.detach()
+        out = dict(fast)
+        out[key] = fast[key] + b.to(fast[key].dtype)
+        return out
+
+    def level_shift(self, inner, theta: Params, fast: Params, x, y: Tensor, mask: Tensor) -> Tensor:
+        """``meta.support_level``: the constant added to a task's adapted logits. With r the
+        popularity offset at ``theta`` (weight * s + bias) on the support rows and b the task's
+        MAP offset on them (prior precision λ, `map_offset`), it is mean_support(r + b) minus
+        mean_support of the adapted logits: the adapted model ranks a task's items, the
+        popularity statistic shrunk by the prior sets its level. Only support rows are used;
+        the reference (r + b) carries no gradient."""
+        statistic = x[1]
+        own = {n[len(self.prefix):]: v.detach() for n, v in theta.items() if n.startswith(self.prefix)}
+        own.pop("feature", None)
+        ref = functional_call(self.offset, own, (statistic.to(y.dtype),)).detach()
+        ref = ref + map_offset(ref, y, mask, float(self.level_prior), inner.kind)
+        z = inner.logits(fast, x)
+        n = mask.sum().clamp(min=1.0)
+        return ((ref - z) * mask).sum() / n
+
+
+def check_settings(offset: nn.Module | None, settings, adapted: list[str]) -> None:
+    """The algorithm ``settings`` this recipe reads against the model's offset (``offset``:
+    its recipe, None without one) and the ``adapted`` names: meta.support_level needs the
+    offset, meta.offset_first the offset's bias adapted."""
+    if settings.support_level is not None and offset is None:
+        raise ConfigError(["meta.support_level: sets each task's level from the item-popularity "
+                           "offset; set model.item_popularity: true"])
+    if settings.offset_first is not None and OFFSET_PREFIX + "bias" not in adapted:
+        raise ConfigError(["meta.offset_first: sets each task's popularity.bias before the inner steps, "
+                           "so it needs model.item_popularity: true and popularity.bias adapted "
+                           f"(meta.adapt, e.g. \"popularity.*\"); adapted: {', '.join(adapted)}"])
 
 
 def fit(net: nn.Module, train: TaskSet) -> None:

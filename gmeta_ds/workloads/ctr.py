@@ -300,7 +300,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
 
 def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
     """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
-    lrs = learner.algorithm.learning_rates(learner)
+    lrs = learner.learning_rates()
     mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
                    np.arange(rank, len(tasks), world))
     parts = [mine]

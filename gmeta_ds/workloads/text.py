@@ -56,8 +56,8 @@ def episode_numbers(step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
 def adapted_accuracy(learner: TextMetaLearner, batch: TextEpisodes, steps: int) -> tuple[float, float]:
     """Query accuracy of each episode after ``steps`` inner steps on its support (first-order:
     no graph is kept), and before adapting; means over the episodes."""
-    inner = learner.algorithm.inner_loop(learner, steps=steps, first_order=True)
-    lrs = learner.algorithm.learning_rates(learner)
+    inner = learner.inner_loop(steps=steps, first_order=True)
+    lrs = learner.learning_rates()
     params = dict(learner.net.named_parameters())
     theta = {n: params[n] for n in learner.adapted}
     adapted, plain = [], []

@@ -41,7 +41,7 @@ from gmeta_ds.config import config_from_dict
 cfg = config_from_dict({"meta": {"algorithm": "maml_clipped", "inner_lr": 0.5}})
 from torch import nn
 learner = gm.meta_learner(nn.Sequential(nn.Linear(4, 1)), "maml_clipped", inner_lr=0.5, adapt=["0.*"])
-print("rates", sorted(set(learner.algorithm.learning_rates(learner).values())))
+print("rates", sorted(set(learner.learning_rates().values())))
 """
     (tmp_path / "register.py").write_text(script)
     out = run([str(BIN / "python"), "register.py"], cwd=tmp_path).stdout

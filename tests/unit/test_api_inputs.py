@@ -107,7 +107,7 @@ def test_evaluate_with_zero_inner_steps_does_not_adapt(data):
         some = engine.evaluate(data.test)
     assert none["auc"] == none["auc_no_adapt"] and none["logloss"] == none["logloss_no_adapt"]
     assert some["logloss"] != some["logloss_no_adapt"]  # the default (3 steps) does adapt
-    lrs = learner.algorithm.learning_rates(learner)
+    lrs = learner.learning_rates()
     with pytest.warns(MetricWarning):
         assert evaluate(learner, lrs, data.test, 0)["logloss"] == none["logloss_no_adapt"]
 

@@ -195,7 +195,7 @@ def test_only_rows_seen_in_the_support_adapt():
     batch.query_ids[0, :, 1] = torch.tensor([5, 9])
     rows_s, rows_q = embed_batch(learner.net.embed, batch)
     theta, support, query = learner.task_inputs(batch, rows_s, rows_q)
-    inner = learner.algorithm.inner_loop(learner)
+    inner = learner.inner_loop()
     fast, _ = inner.adapt_autograd(theta, {n: 1.0 for n in theta}, *(select_task(t, 0) for t in support))
     adapted = compose_rows(fast, select_task(query[0], 0), learner.adapted_fields)
     torch.testing.assert_close(adapted[1], rows_q[0, 1])          # item 9: untouched
@@ -274,7 +274,7 @@ def test_inner_lr_scale_gives_each_matched_parameter_its_own_rate():
     net = tiny_melu(embed_dim=3, hidden=[5]).double()
     scale = {"mlp.2.*": 3.0, "mlp.*": 0.5}  # first match wins: mlp.2.* x3, mlp.0.* x0.5
     learner = MetaLearner(net, Reptile(2, 0.3, ["mlp.*"], True, inner_lr_scale=scale)).double()
-    rates = learner.algorithm.learning_rates(learner)
+    rates = learner.learning_rates()
     assert rates == pytest.approx({"mlp.0.weight": 0.15, "mlp.0.bias": 0.15, "mlp.2.weight": 0.9,
                                    "mlp.2.bias": 0.9}, rel=1e-12)
     batch = as_double(tiny_batch())

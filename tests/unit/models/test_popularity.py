@@ -243,7 +243,7 @@ def test_popularity_feature_adds_the_statistic_to_the_item_row_only():
     b = batch()
     rows_s, rows_q = embed_batch(embedder(net), b)
     theta, _, query = learner.task_inputs(b, rows_s, rows_q)
-    inner = learner.algorithm.inner_loop(learner)
+    inner = learner.inner_loop()
     (xq, stat_q), _, _ = query
     for t in range(b.num_tasks):
         torch.testing.assert_close(inner.logits(theta, (xq[t], stat_q[t])), net_logits(net, xq[t], b.query_ids[t]))
@@ -283,7 +283,7 @@ def _support_logits(learner, b, t, fast=None):
     from gmeta_ds.algorithms.base import embed_batch, embedder
     rows_s, rows_q = embed_batch(embedder(learner.net), b)
     theta, support, _ = learner.task_inputs(b, rows_s, rows_q)
-    inner = learner.algorithm.inner_loop(learner)
+    inner = learner.inner_loop()
     from torch.utils._pytree import tree_map
     pick = lambda v: v[t]  # noqa: E731
     return inner, theta, tree_map(pick, support[0]), support[1][t], support[2][t]
@@ -297,9 +297,9 @@ def test_offset_first_sets_the_bias_to_the_map_of_the_support(lam):
     learner.algorithm.offset_first = lam
     b = batch()
     inner, theta, xs, ys, ms = _support_logits(learner, b, 0)
-    assert inner.offset_prior == lam
+    assert inner.recipe.offset_prior == lam
     theta = {n: v.detach() for n, v in theta.items()}
-    moved = inner.offset_first(theta, xs, ys, ms)
+    moved = inner.recipe.offset_first(inner, theta, xs, ys, ms)
     shift = (moved["popularity.bias"] - theta["popularity.bias"]).item()
     z = inner.logits(theta, xs).detach()
     p = torch.sigmoid(z + shift)
@@ -347,15 +347,15 @@ def test_support_level_shifts_each_task_to_the_map_level_of_its_support():
     """meta.support_level: after adaptation a task's logits move by one constant c with
     mean_support(adapted + c) = mean_support(r + b), r the offset at theta (weight * s + bias)
     and b the MAP offset of the support under prior λ (zero penalised score), by hand."""
-    from gmeta_ds.functional.inner import map_offset
+    from gmeta_ds.models.popularity import map_offset
     learner = pop_learner("melu", "reptile", True)
     learner.algorithm.support_level = 2.0
     b = batch()
     inner, theta, xs, ys, ms = _support_logits(learner, b, 1)
-    assert inner.level_prior == 2.0
+    assert inner.recipe.level_prior == 2.0
     theta = {n: v.detach() for n, v in theta.items()}
-    fast, _ = inner.adapt_func(theta, learner.algorithm.learning_rates(learner), xs, ys, ms)
-    shift = inner.level_shift(theta, fast, xs, ys, ms)
+    fast, _ = inner.adapt_func(theta, learner.learning_rates(), xs, ys, ms)
+    shift = inner.recipe.level_shift(inner, theta, fast, xs, ys, ms)
     stat = xs[1]
     r = theta["popularity.weight"] * stat + theta["popularity.bias"]
     off = map_offset(r, ys, ms, 2.0)
@@ -376,8 +376,8 @@ def test_support_level_moves_predictions_by_a_constant_per_task_in_every_path():
     plain = pop_learner("melu", "reptile", True)
     level = pop_learner("melu", "reptile", True)
     level.algorithm.support_level = 1.0
-    a = predict(plain, plain.algorithm.learning_rates(plain), tasks, 2)
-    c = predict(level, level.algorithm.learning_rates(level), tasks, 2)
+    a = predict(plain, plain.learning_rates(), tasks, 2)
+    c = predict(level, level.learning_rates(), tasks, 2)
     diff = np.log(c["adapted"] / (1 - c["adapted"])) - np.log(a["adapted"] / (1 - a["adapted"]))
     for t in np.unique(a["task"]):
         d = diff[a["task"] == t]

@@ -231,7 +231,7 @@ def test_zero_init_output_zeroes_only_the_last_layer_of_mlp(name):
         b = collate(task_set(3), [0, 1, 2])
         rows_s, rows_q = embed_batch(embedder(net), b)
         _, (xs, _, _), _ = learner.task_inputs(b, rows_s, rows_q)
-        loop = learner.algorithm.inner_loop(learner)
+        loop = learner.inner_loop()
         fast = dict(net.named_parameters())
         fast = {n: fast[n] for n in learner.adapted}
         torch.testing.assert_close(loop.logits(fast, (xs[0][0], xs[1][0])), net.popularity(xs[1][0]))
