@@ -51,6 +51,7 @@ from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.dist import destroy_process_group, init_process_group
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, choose_vectorize
+from gmeta_ds.models.base import FieldModel
 from gmeta_ds.meta_engine import BASELINES, MetaEngine, StepResult, api_checkpoint_meta, start_engine  # noqa: F401
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 
@@ -192,9 +193,10 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
     None: the model's ``default_adapt`` (the zoo models of ``gmeta_ds.models``), else ``mlp.*``.
     ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass.
     ``vectorize``: run a micro-batch's tasks under vmap (True), one by one (False), or "auto"
-    (``meta.vectorize``'s default): vmap unless the model's own estimate (``activation_floats()``,
-    the zoo's models) for `DEFAULT_MICRO_BATCH` tasks of ``data.max_interactions`` rows exceeds
-    a quarter of the rank's memory; a model without that estimate is vmapped.
+    (``meta.vectorize``'s default): vmap unless a zoo model's activation estimate
+    (``FieldModel.activation_floats()``) for `DEFAULT_MICRO_BATCH` tasks of
+    ``data.max_interactions`` rows exceeds a quarter of the rank's memory; a model of your own
+    is vmapped.
     ``split_body``: run the model's non-adapted body once per micro-batch and the inner loop
     on its head only, for a model with ``split_body(adapted) -> BodySplit``
     (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
@@ -226,12 +228,12 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
 
 def _task_bytes(model: nn.Module, inner_steps: int) -> int:
     """``vectorize="auto"``'s estimate of one task's activation memory, as ``gmeta-ds train``
-    makes it: the model's ``activation_floats()`` for a task of ``data.max_interactions`` rows
-    (the longest `build_tasks` keeps by default); 0 (vmap) for a model that states none."""
-    floats = getattr(model, "activation_floats", None)
-    if not callable(floats):
+    makes it: a zoo model's ``activation_floats()`` (`FieldModel`) for a task of
+    ``data.max_interactions`` rows (the longest `build_tasks` keeps by default); 0 (vmap) for
+    a model of the user's own, which states no estimate."""
+    if not isinstance(model, FieldModel):
         return 0
-    return task_activation_bytes(floats(), DEFAULTS.data.max_interactions, inner_steps)
+    return task_activation_bytes(model.activation_floats(), DEFAULTS.data.max_interactions, inner_steps)
 
 
 def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body, inner_lr_scale,

@@ -26,6 +26,7 @@ from torch import nn
 
 import gmeta_ds as gm
 from gmeta_ds import api
+from gmeta_ds.functional import inner
 from gmeta_ds.config import DEFAULTS, MetaConfig, RunConfig, TableOverride
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -164,15 +165,18 @@ def test_adapt_none_is_meta_adapts_default():
     assert api._adapt_patterns(gm.TwoTower.__new__(gm.TwoTower), None, "test") == list(gm.TwoTower.default_adapt)
 
 
-def test_vectorize_auto_resolves_as_the_cli_does():
+def test_vectorize_auto_resolves_as_the_cli_does(monkeypatch):
     """vectorize's default is meta.vectorize's "auto": the zoo's models vmap at their sizes, and a
-    model without an activation estimate vmaps (the API's earlier default, True)."""
+    model of the user's own (no activation estimate) vmaps: the API's earlier default, True."""
     fields = [gm.FieldSpec("user", 5, side="user"), gm.FieldSpec("item", 7, side="item")]
     zoo = gm.meta_learner(gm.MeLU(fields, embed_dim=4))
     assert zoo.algorithm.vectorize is True
     own = gm.meta_learner(nn.Sequential(nn.Flatten(), nn.Linear(8, 1)), adapt="1.*")
     assert own.algorithm.vectorize is True
     assert gm.meta_learner(gm.MeLU(fields, embed_dim=4), vectorize=False).algorithm.vectorize is False
+    monkeypatch.setattr(inner, "memory_bytes_per_rank", lambda: 1024)  # a 256-byte budget
+    assert gm.meta_learner(gm.MeLU(fields, embed_dim=4)).algorithm.vectorize is False
+    assert gm.meta_learner(nn.Sequential(nn.Flatten(), nn.Linear(8, 1)), adapt="1.*").algorithm.vectorize is True
 
 
 # ---------------------------------------------------------------------------- docs/api.md
