@@ -30,6 +30,7 @@ from gmeta_ds.functional import inner
 from gmeta_ds.config import DEFAULTS, MetaConfig, RunConfig, TableOverride
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+FIELDS = [gm.FieldSpec("user", 5, side="user"), gm.FieldSpec("item", 7, side="item")]
 
 # (callable as named here) -> the callable; classes by their constructor.
 WALKED = {
@@ -162,20 +163,19 @@ def test_adapt_none_is_meta_adapts_default():
     """``adapt=None`` and ``meta.adapt`` left out mean the same: the model's ``default_adapt``,
     else meta.adapt's default."""
     assert api._adapt_patterns(nn.Linear(2, 1), None, "test") == MetaConfig().adapt
-    assert api._adapt_patterns(gm.TwoTower.__new__(gm.TwoTower), None, "test") == list(gm.TwoTower.default_adapt)
+    assert api._adapt_patterns(gm.TwoTower(FIELDS, embed_dim=4), None, "test") == list(gm.TwoTower.default_adapt)
 
 
 def test_vectorize_auto_resolves_as_the_cli_does(monkeypatch):
     """vectorize's default is meta.vectorize's "auto": the zoo's models vmap at their sizes, and a
     model of the user's own (no activation estimate) vmaps: the API's earlier default, True."""
-    fields = [gm.FieldSpec("user", 5, side="user"), gm.FieldSpec("item", 7, side="item")]
-    zoo = gm.meta_learner(gm.MeLU(fields, embed_dim=4))
+    zoo = gm.meta_learner(gm.MeLU(FIELDS, embed_dim=4))
     assert zoo.algorithm.vectorize is True
     own = gm.meta_learner(nn.Sequential(nn.Flatten(), nn.Linear(8, 1)), adapt="1.*")
     assert own.algorithm.vectorize is True
-    assert gm.meta_learner(gm.MeLU(fields, embed_dim=4), vectorize=False).algorithm.vectorize is False
+    assert gm.meta_learner(gm.MeLU(FIELDS, embed_dim=4), vectorize=False).algorithm.vectorize is False
     monkeypatch.setattr(inner, "memory_bytes_per_rank", lambda: 1024)  # a 256-byte budget
-    assert gm.meta_learner(gm.MeLU(fields, embed_dim=4)).algorithm.vectorize is False
+    assert gm.meta_learner(gm.MeLU(FIELDS, embed_dim=4)).algorithm.vectorize is False
     assert gm.meta_learner(nn.Sequential(nn.Flatten(), nn.Linear(8, 1)), adapt="1.*").algorithm.vectorize is True
 
 
