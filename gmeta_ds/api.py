@@ -36,7 +36,8 @@ from gmeta_ds.arguments import check, finite, int_at_least, is_int, one_of
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import (
     AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)
-from gmeta_ds.config import RunConfig, config_from_dict
+from gmeta_ds.config import (AUTO, DEFAULT_MICRO_BATCH, DEFAULTS, RunConfig, TableOverride, config_from_dict,
+                             task_activation_bytes)
 from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.builder import build_tasks as build_task_store
 from gmeta_ds.data.readers import LogSchema, log_from_frame
@@ -49,7 +50,8 @@ from gmeta_ds.embedding.tables import EXCHANGES, EmbeddingCollection, TableConfi
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.dist import destroy_process_group, init_process_group
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.functional.inner import LOSSES, choose_vectorize
+from gmeta_ds.models.base import FieldModel
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.meta_engine import BASELINES, MetaEngine, StepResult, api_checkpoint_meta, start_engine  # noqa: F401
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
@@ -59,11 +61,17 @@ from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 # Every public function checks its arguments before any work: a wrong type or value is a
 # `ConfigError` naming the argument, the value and what is expected (as the config's keys are),
 # never a torch error later or a value silently taken for another (a str read per character).
+#
+# Defaults: an argument that is a run-config key takes that key's default from `DEFAULTS` (the
+# config dataclasses), never a literal of its own, so the YAML and the API cannot drift apart;
+# the few that differ on purpose are listed with their reasons in docs/api.md ("Defaults") and
+# pinned by tests/unit/test_api_defaults.py.
+_TABLE = TableOverride()  # embedding.tables.<name>.*: a dynamic table's capacity, admission, eviction
 # ---------------------------------------------------------------------------- tasks
 def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
                 timestamp: str | None = None, user_features: Iterable[str] = (),
                 item_features: Iterable[str] = (), multi_hot: dict[str, str] | None = None,
-                seed: int = 0, **options) -> TaskData:
+                seed: int = DEFAULTS.seed, **options) -> TaskData:
     """Cold-start tasks (one per ``task_key`` value) from an interaction log.
 
     ``source``: a CSV / Parquet file, a folder of shards (as ``gmeta-ds data synthesize`` and
@@ -131,9 +139,10 @@ def _as_frame(source: Any, schema: LogSchema):
     return frame
 
 
-def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr: float = 0.05,
-               init_std: float = 0.05, capacity: int | None = None, admit_after: int = 1,
-               eviction: str = "lru", exchange: str = "auto") -> list[TableConfig]:
+def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = DEFAULTS.embedding.optimizer,
+               lr: float = DEFAULTS.embedding.lr, init_std: float = DEFAULTS.embedding.init_std,
+               capacity: int | None = _TABLE.capacity, admit_after: int = _TABLE.admit_after,
+               eviction: str = _TABLE.eviction, exchange: str = DEFAULTS.embedding.exchange) -> list[TableConfig]:
     """One embedding table per field (named after it): single-hot fields sum their one row,
     multi-hot fields mean-pool their bag; ``optimizer``: the sparse row optimizer (sgd,
     adagrad, rowwise_adagrad, adam). Fields of raw ids (``raw_ids``) get dynamic tables of
@@ -168,13 +177,14 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = "adagrad", lr
 
 
 # ---------------------------------------------------------------------------- learner
-def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, inner_steps: int = 1,
-                 inner_lr: float = 0.1, adapt: Iterable[str | nn.Parameter] | None = None,
-                 loss: str = "binary", vectorize: bool = True,
-                 split_body: bool | str = "auto",
+def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.meta.algorithm, *,
+                 inner_steps: int = DEFAULTS.meta.inner_steps, inner_lr: float = DEFAULTS.meta.inner_lr,
+                 adapt: Iterable[str | nn.Parameter] | None = None, loss: str = DEFAULTS.data.label,
+                 vectorize: bool | str = DEFAULTS.meta.vectorize, split_body: bool | str = DEFAULTS.meta.split_body,
                  inner_lr_scale: dict[str, float] | None = None,
-                 inner_loss_prior: float = 0.0, offset_first: float | None = None,
-                 support_level: float | None = None) -> MetaLearner:
+                 inner_loss_prior: float = DEFAULTS.meta.inner_loss_prior,
+                 offset_first: float | None = DEFAULTS.meta.offset_first,
+                 support_level: float | None = DEFAULTS.meta.support_level) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
@@ -183,6 +193,11 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field;
     None: the model's ``default_adapt`` (the zoo models of ``gmeta_ds.models``), else ``mlp.*``.
     ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass.
+    ``vectorize``: run a micro-batch's tasks under vmap (True), one by one (False), or "auto"
+    (``meta.vectorize``'s default): vmap unless a zoo model's activation estimate
+    (``FieldModel.activation_floats()``) for `DEFAULT_MICRO_BATCH` tasks of
+    ``data.max_interactions`` rows exceeds a quarter of the rank's memory; a model of your own
+    is vmapped.
     ``split_body``: run the model's non-adapted body once per micro-batch and the inner loop
     on its head only, for a model with ``split_body(adapted) -> BodySplit``
     (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
@@ -204,11 +219,22 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = "maml", *, i
     if isinstance(algorithm, MetaAlgorithm):
         algo = algorithm
     else:
+        vmap = choose_vectorize(vectorize, _task_bytes(model, inner_steps), DEFAULT_MICRO_BATCH)
         algo = ALGORITHMS[algorithm].from_settings(AlgorithmSettings(
-            inner_steps=inner_steps, inner_lr=inner_lr, adapt=patterns, vectorize=vectorize, kind=loss,
+            inner_steps=inner_steps, inner_lr=inner_lr, adapt=patterns, vectorize=vmap, kind=loss,
             split_body=split_body, inner_lr_scale=inner_lr_scale, inner_loss_prior=inner_loss_prior,
             offset_first=offset_first, support_level=support_level))
     return MetaLearner(model, algo)
+
+
+def _task_bytes(model: nn.Module, inner_steps: int) -> int:
+    """``vectorize="auto"``'s estimate of one task's activation memory, as ``gmeta-ds train``
+    makes it: a zoo model's ``activation_floats()`` (`FieldModel`) for a task of
+    ``data.max_interactions`` rows (the longest `build_tasks` keeps by default); 0 (vmap) for
+    a model of the user's own, which states no estimate."""
+    if not isinstance(model, FieldModel):
+        return 0
+    return task_activation_bytes(model.activation_floats(), DEFAULTS.data.max_interactions, inner_steps)
 
 
 def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body, inner_lr_scale,
@@ -228,8 +254,9 @@ def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_b
     # 0 inner steps would train without adaptation (and leave no support loss): as meta.inner_steps.
     int_at_least(problems, "inner_steps", inner_steps, 1)
     finite(problems, "inner_lr", inner_lr)
-    if not isinstance(vectorize, bool):
-        problems.append(f"vectorize: {vectorize!r} is not True (vmap over tasks) or False (a loop)")
+    if not (isinstance(vectorize, bool) or vectorize == AUTO):
+        problems.append(f"vectorize: {vectorize!r} is not True (vmap over tasks) or False (a loop), "
+                        "or 'auto' (vmap when the model's activation estimate fits memory)")
     if inner_lr_scale is not None:
         if not isinstance(inner_lr_scale, dict):
             problems.append(f"inner_lr_scale: {inner_lr_scale!r} is not a dict of glob -> multiplier")
@@ -247,7 +274,7 @@ def _adapt_patterns(model: nn.Module, adapt, where: str) -> list[str]:
     a parameter of the model, or a list of them; None: the model's ``default_adapt``. Every
     glob given must select something (a pattern that matches nothing is a typo)."""
     if adapt is None:
-        return list(model_hooks(model).default_adapt or ("mlp.*",))
+        return list(model_hooks(model).default_adapt or DEFAULTS.meta.adapt)
     if isinstance(adapt, (str, nn.Parameter)):
         adapt = [adapt]
     try:
@@ -286,12 +313,12 @@ def _teardown_at_exit() -> None:
     destroy_process_group(clean_exit=getattr(sys, "last_value", None) is None)
 
 
-def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zero0.json", *,
+def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepspeed, *,
                tables: list[TableConfig] | None = None, sharding: str = "row_wise",
-               tasks_per_micro_batch: int | str = "auto", tasks_per_meta_step: int | str = "auto",
-               lr: float = 1e-3, seed: int = 0, resume: str | None = None,
-               output_dir: str | Path | None = None, nonfinite: str = "abort",
-               collective_timeout_s: int = 600) -> MetaEngine:
+               tasks_per_micro_batch: int | str = AUTO, tasks_per_meta_step: int | str = AUTO,
+               lr: float = DEFAULTS.train.lr, seed: int = DEFAULTS.seed, resume: str | None = DEFAULTS.train.resume,
+               output_dir: str | Path | None = None, nonfinite: str = DEFAULTS.train.nonfinite,
+               collective_timeout_s: int = DEFAULTS.train.collective_timeout_s) -> MetaEngine:
     """Put ``learner`` on DeepSpeed with its embedding ``tables``; returns a `MetaEngine`.
 
     ``config``: a DeepSpeed config dict or JSON path (the shipped ``ds_configs/zero0.json`` ...
@@ -300,7 +327,9 @@ def initialize(learner: MetaLearner, config: dict | str | Path = "ds_configs/zer
     per meta-step over all ranks ("auto" filled from the arguments). ``sharding``: how the
     tables are split over ranks, ``row_wise`` | ``table_wise`` | ``replicated`` | ``auto``
     (small tables replicated), or ``dense`` (tables inside the DeepSpeed module, trained by
-    its optimizer with the dense parameters). ``resume``: a checkpoint directory or
+    its optimizer with the dense parameters). ``tasks_per_micro_batch`` / ``tasks_per_meta_step``:
+    "auto" by default (the run config says 32 / 64): the DeepSpeed config's batch keys decide,
+    else 32 tasks per micro-batch and one micro-batch per rank. ``resume``: a checkpoint directory or
     ``"auto"`` (the newest complete one under ``output_dir``), at any world size.
     Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process),
     and then also tears it down at interpreter exit."""

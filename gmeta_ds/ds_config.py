@@ -14,14 +14,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-from gmeta_ds.config import AUTO, BOUNDS, MAX_CONFIG_BYTES, SUPPORTED_ZERO_STAGES, RunConfig
+from gmeta_ds.config import AUTO, BOUNDS, DEFAULT_MICRO_BATCH, MAX_CONFIG_BYTES, SUPPORTED_ZERO_STAGES, RunConfig
 from gmeta_ds.errors import ConfigError
 
 # The DeepSpeed configs shipped as package data (the checkout's top-level ``ds_configs/`` is a
 # symlink to this folder), named ``ds_configs/<file>.json`` in run configs and docs.
 SHIPPED_DIR = Path(__file__).resolve().parent / "ds_configs"
 SHIPPED_PREFIX = "ds_configs"
-DEFAULT_MICRO_BATCH = 32
 MAX_WORLD = 2**20  # ranks of one job (and WORLD_SIZE's bound): beyond any cluster, inside every counter
 
 

@@ -26,6 +26,7 @@ from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, embed_batch
 from gmeta_ds.arguments import check, finite, int_at_least
+from gmeta_ds.config import DEFAULTS
 from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
@@ -142,7 +143,7 @@ class _AnyRank:
 
 
 def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-              batches: list[TaskBatch], step: int = 0, nonfinite: str = "abort") -> StepResult:
+              batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite) -> StepResult:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
@@ -225,6 +226,9 @@ class _NonfiniteGuard:
                     "'skip' drops such meta-steps instead)")
 
 
+_EVAL = DEFAULTS.eval  # `MetaEngine.evaluate`'s defaults are eval.*'s
+
+
 class MetaEngine:
     """A meta-learner on a DeepSpeed engine with its embedding tables; made by `initialize`.
 
@@ -233,7 +237,7 @@ class MetaEngine:
     `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``."""
 
     def __init__(self, engine, embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig],
-                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = "abort",
+                 plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = DEFAULTS.train.nonfinite,
                  initial: dict[str, torch.Tensor] | None = None):
         self.engine, self.embeddings, self.tables = engine, embeddings, tables
         self.plan, self.ds_config, self.rank, self.seed = plan, ds_config, rank, seed
@@ -252,8 +256,8 @@ class MetaEngine:
     def world_size(self) -> int:
         return self.plan.world_size
 
-    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = True,
-                resample: bool = False) -> list[TaskBatch]:
+    def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = DEFAULTS.data.bucket_by_length,
+                resample: bool = DEFAULTS.data.resample) -> list[TaskBatch]:
         """This rank's micro-batches of meta-step ``step``: the global batch of
         ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
         permutation per epoch), split over (micro-batch, rank). ``resample``: episode
@@ -351,9 +355,9 @@ class MetaEngine:
         learner.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return learner
 
-    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = 64, *,
-                 baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = 3,
-                 baseline_lr: float = 1e-3, baseline_batch_size: int = 512) -> dict:
+    def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = _EVAL.tasks_per_batch, *,
+                 baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = _EVAL.baseline_epochs,
+                 baseline_lr: float = _EVAL.baseline_lr, baseline_batch_size: int = _EVAL.baseline_batch_size) -> dict:
         """Cold-start scores of ``tasks``: each adapted on its support set (first order,
         ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
         per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
@@ -461,7 +465,7 @@ class MetaEngine:
         """What a checkpoint must match to load into this engine (`api_checkpoint_meta`)."""
         return api_checkpoint_meta(self.learner, self.embeddings)
 
-    def save_checkpoint(self, output_dir: str | Path, keep_last: int = 2) -> Path:
+    def save_checkpoint(self, output_dir: str | Path, keep_last: int = DEFAULTS.train.keep_last) -> Path:
         """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
         files, every rank's table rows by global id and sparse-optimizer state, a manifest
         with every file's SHA-256; ``latest`` moves only once all of it is on disk.

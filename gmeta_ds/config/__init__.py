@@ -4,7 +4,8 @@ Layer 0: no torch. Every problem is collected and raised at once as a `ConfigErr
 lines name the dotted key, the value and what is allowed. Defaults live here only, one module
 per section (``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``, ``text``), each
 with its dataclasses and its own checks; `run` holds `RunConfig`, the cross-section checks,
-loading and overrides; `bounds` the numeric limits; `yaml_io` the YAML reader.
+loading and overrides, and `DEFAULTS` (every default, which the Python API's signatures read
+too); `bounds` the numeric limits; `yaml_io` the YAML reader.
 """
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGES, ROW_OWNERS
 from gmeta_ds.config.data import DataConfig, SchemaConfig, SyntheticConfig, parse_memory
 from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride
 from gmeta_ds.config.eval import EvalConfig
-from gmeta_ds.config.meta import MetaConfig
+from gmeta_ds.config.meta import DEFAULT_MICRO_BATCH, MetaConfig, task_activation_bytes
 from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig
-from gmeta_ds.config.run import (LOG_ONLY_KEYS, MAX_CONFIG_BYTES, SOURCE_ONLY_KEYS, RunConfig, apply_overrides,
-                                 config_from_dict, config_to_dict, load_config, parse_override)
+from gmeta_ds.config.run import (DEFAULTS, LOG_ONLY_KEYS, MAX_CONFIG_BYTES, SOURCE_ONLY_KEYS, RunConfig,
+                                 apply_overrides, config_from_dict, config_to_dict, load_config, parse_override)
 from gmeta_ds.config.text import TextConfig, TextDataConfig, TextModelConfig, TextSyntheticConfig
 from gmeta_ds.config.train import TrainConfig
 from gmeta_ds.config.yaml_io import MAX_YAML_NODES, YAMLLoader, load_yaml
 
 __all__ = [
-    "AUTO", "BAD_ID_POLICIES", "BOUNDS", "EXCHANGES", "LOG_ONLY_KEYS", "MAX_CONFIG_BYTES", "MAX_COUNT",
-    "MAX_FLOAT", "MAX_LAYERS", "MAX_SYNTHETIC_INTERACTIONS", "MAX_WIDTH", "MAX_YAML_NODES",
+    "AUTO", "BAD_ID_POLICIES", "BOUNDS", "DEFAULTS", "DEFAULT_MICRO_BATCH", "EXCHANGES", "LOG_ONLY_KEYS",
+    "MAX_CONFIG_BYTES", "MAX_COUNT", "MAX_FLOAT", "MAX_LAYERS", "MAX_SYNTHETIC_INTERACTIONS", "MAX_WIDTH",
+    "MAX_YAML_NODES",
     "MODEL_DEFAULT_ADAPT", "ROW_OWNERS", "SHARDINGS", "SOURCE_ONLY_KEYS", "SPLITS", "SUPPORTED_ZERO_STAGES",
     "TABLE_DEVICES", "TEXT_FORMATS", "DataConfig", "EmbeddingConfig", "EvalConfig", "MetaConfig",
     "ModelConfig", "RunConfig", "SchemaConfig", "SyntheticConfig", "TableOverride", "TextConfig",
     "TextDataConfig", "TextModelConfig", "TextSyntheticConfig", "TrainConfig", "YAMLLoader", "_one_of",
     "_positive", "apply_overrides", "config_from_dict", "config_to_dict", "load_config", "load_yaml",
-    "parse_memory", "parse_override",
+    "parse_memory", "parse_override", "task_activation_bytes",
 ]

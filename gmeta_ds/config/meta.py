@@ -6,6 +6,10 @@ from typing import Union
 
 from gmeta_ds.config.checks import AUTO, _positive
 
+# Tasks per micro-batch when neither meta.tasks_per_micro_batch nor the DeepSpeed config sets
+# one ("auto" on both sides), and the run config's own default.
+DEFAULT_MICRO_BATCH = 32
+
 
 @dataclass
 class MetaConfig:
@@ -33,7 +37,7 @@ class MetaConfig:
     # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
     # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
-    tasks_per_micro_batch: Union[int, str] = 32
+    tasks_per_micro_batch: Union[int, str] = DEFAULT_MICRO_BATCH
     tasks_per_meta_step: Union[int, str] = 64
     # Run a micro-batch's tasks with vmap (true), a per-task loop (false), or vmap when its
     # estimated activation memory fits vectorize_budget_mb ("auto").
@@ -45,6 +49,13 @@ class MetaConfig:
     # body then stays partitioned, when the model offers a split for meta.adapt; true at every
     # ZeRO stage (an error if the model cannot be split); false never.
     split_body: Union[bool, str] = AUTO
+
+
+def task_activation_bytes(floats_per_row: int, rows: int, inner_steps: int) -> int:
+    """Rough activation memory of one task (``meta.vectorize: auto``): ``rows`` padded rows of
+    ``floats_per_row`` fp32 activations each (the model's ``activation_floats()``), kept for
+    every inner step and the outer pass (x3: values, gradients, second-order terms)."""
+    return rows * floats_per_row * 4 * (inner_steps + 1) * 3
 
 
 def validate_meta_options(meta: MetaConfig, problems: list[str]) -> None:

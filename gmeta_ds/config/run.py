@@ -48,6 +48,13 @@ class RunConfig:
     config_dir: str = field(default=".", metadata={"internal": True})
 
 
+# Every default, read back: the Python API's signatures take theirs from here
+# (``inner_steps=DEFAULTS.meta.inner_steps``), so one edit of a section's dataclass changes the
+# YAML's default and the API's together (tests/unit/test_api_defaults.py keeps them so). Read
+# only: copy a list or dict before changing it.
+DEFAULTS = RunConfig()
+
+
 # ---------------------------------------------------------------- building from dicts
 def _type_ok(value: Any, tp: Any) -> bool:
     """Whether a YAML ``value`` fits the field type ``tp`` (ints are floats; bools are not ints)."""

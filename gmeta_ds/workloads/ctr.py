@@ -20,7 +20,7 @@ from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import probe_model
 from gmeta_ds.baselines import (fit_popularity, finetune_scores, finetune_search, item_column,
                                 popularity_scores)
-from gmeta_ds.config import RunConfig
+from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
@@ -212,11 +212,9 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True, train=None) 
                       oov_id=None if cfg.data.source == "synthetic" else 0)
     if train is not None:
         fit_popularity_offset(net, train)
-    # meta.vectorize: auto -- activations of one task's padded rows through the model (its
-    # rough floats per row), kept for every inner step and the outer pass (x3: values,
-    # gradients, second-order terms).
+    # meta.vectorize: auto -- activations of one task's padded rows (its longest) through the model.
     rows = cfg.data.synthetic.max_interactions if cfg.data.source == "synthetic" else cfg.data.max_interactions
-    per_task = rows * net.activation_floats() * 4 * (cfg.meta.inner_steps + 1) * 3
+    per_task = task_activation_bytes(net.activation_floats(), rows, cfg.meta.inner_steps)
     meta = dataclasses.replace(cfg.meta, adapt=resolve_adapt(net, cfg.meta.adapt))
     return MetaLearner(net, build_algorithm(meta, label_kind(cfg), per_task))
 
