@@ -145,6 +145,8 @@ class ShardedEmbeddingCollection:
         return strategies, {name: strategies[strategy_name(p)] for name, p in self.plan.tables.items()}
 
     def _initial_rows(self, name: str) -> Tensor:
+        """Table ``name``'s first rows on this rank (its strategy's), on the table's device;
+        host rows pinned where CUDA is available (faster copies to the device)."""
         rows = self.strategy[name].initial_rows(name).to(self.table_device[name])
         if rows.device.type == "cpu" and torch.cuda.is_available():
             rows = rows.pin_memory()

@@ -23,12 +23,13 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.comm import all_to_all
+from gmeta_ds.embedding.sharding.base import ShardContext, Sharding
 
 
 class Routed(NamedTuple):
     """One table's ids (on its device) with each id's owner rank, local row and occurrences."""
 
-    strategy: object
+    strategy: Sharding
     ids: Tensor
     owners: Tensor
     local: Tensor
@@ -39,11 +40,11 @@ class RowExchange:
     """The tables of one lookup whose rows travel to their requesters, grouped by (dimension,
     placement, process group); `rows` runs one exchange per group."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx: ShardContext):
         self.ctx = ctx
         self.groups: dict[tuple, dict[str, Routed]] = {}
 
-    def add(self, strategy, name: str, ids: Tensor, owners: Tensor, local: Tensor,
+    def add(self, strategy: Sharding, name: str, ids: Tensor, owners: Tensor, local: Tensor,
             counts: Tensor | None = None) -> None:
         """Table ``name``'s ``ids`` go to ``owners``, where ``strategy.lookup`` reads ``local``."""
         ctx = self.ctx
