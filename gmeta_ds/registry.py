@@ -11,10 +11,10 @@ use, so ``gmeta-ds validate`` stays torch-free) or as the object itself (what
     class MyMAML(gmeta_ds.MAML): ...
 
 Where each kind is implemented: algorithms in ``algorithms/``, sharding plans in
-``embedding/plan.py``, sparse row optimizers in ``embedding/optim.py``, interaction-log
-readers in ``data/readers.py`` (and the generator in ``data/synthetic.py``), losses in
-``functional/inner.py``, CTR models (what ``model.name`` names) in ``models/``, workloads (what
-``task:`` names) in ``workloads/``.
+``embedding/plan.py``, sharding strategies in ``embedding/sharding/`` (one file each), sparse
+row optimizers in ``embedding/optim.py``, interaction-log readers in ``data/readers.py`` (and
+the generator in ``data/synthetic.py``), losses in ``functional/inner.py``, CTR models (what
+``model.name`` names) in ``models/``, workloads (what ``task:`` names) in ``workloads/``.
 """
 from __future__ import annotations
 
@@ -75,6 +75,15 @@ ALGORITHMS = Registry("algorithm", "meta.algorithm", {
 # replicated below embedding.replicate_below_rows rows, else row_wise.
 PLANS = Registry("sharding plan", "embedding.plan", {
     "row_wise": "row_wise", "table_wise": "table_wise", "replicated": "replicated",
+})
+# How each planned table is stored, looked up and trained (embedding/sharding/, one file each):
+# a table's plan kind, or owner_pooled for exchange: pooled (embedding.sharding.base.strategy_name).
+SHARDINGS = Registry("sharding strategy", "embedding.plan", {
+    "row_wise": "gmeta_ds.embedding.sharding.row_wise:RowWise",
+    "table_wise": "gmeta_ds.embedding.sharding.table_wise:TableWise",
+    "replicated": "gmeta_ds.embedding.sharding.replicated:Replicated",
+    "dynamic": "gmeta_ds.embedding.sharding.dynamic:Dynamic",
+    "owner_pooled": "gmeta_ds.embedding.sharding.owner_pooled:OwnerPooled",
 })
 SPARSE_OPTIMIZERS = Registry("sparse optimizer", "embedding.optimizer", {
     "sgd": "torch.optim:SGD", "adagrad": "torch.optim:Adagrad",

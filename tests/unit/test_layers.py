@@ -10,6 +10,7 @@ LAYERS = {
     "gmeta_ds.plots": 0, "gmeta_ds.registry": 0,
     "gmeta_ds.sparse": 1, "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
+    "gmeta_ds.embedding.sharding": 3,
     "gmeta_ds.algorithms": 2,
     "gmeta_ds.engine": 3, "gmeta_ds.profiling": 3,
     "gmeta_ds.metrics": 1,

@@ -185,10 +185,10 @@ def _filled_shards(world: int, capacity: int, seed_ids: int = 0):
     for rank in range(world):
         emb = ShardedEmbeddingCollection(plan, rank, seed=1)
         mine = ids[owner_of(ids, world) == rank]
-        rows = emb._admit("u", mine, torch.full_like(mine, 2))
+        rows = emb.strategy["u"].admit("u", mine, torch.full_like(mine, 2))
         torch.nn.functional.embedding(rows, emb.shards["u"], sparse=True).sum().backward()
         emb.step()
-        emb._admit("u", mine[:5], torch.ones(5, dtype=torch.long))  # some use counts differ
+        emb.strategy["u"].admit("u", mine[:5], torch.ones(5, dtype=torch.long))  # some use counts differ
         shards.append(emb)
     return table, shards
 

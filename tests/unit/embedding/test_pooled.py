@@ -84,7 +84,7 @@ def test_a_group_without_ids_still_returns_every_bag():
 
 @pytest.mark.parametrize("world", [2, 3, 8, 9, 12])
 def test_partition_by_owner_is_a_stable_sort(world):
-    from gmeta_ds.embedding.pooled import _partition
+    from gmeta_ds.embedding.sharding.owner_pooled import _partition
 
     owners = torch.randint(0, world, (1000,), generator=torch.Generator().manual_seed(world))
     owners[:5] = 0  # runs of one owner, and owners that hold nothing

@@ -1,0 +1,15 @@
+"""Sharding strategies of `ShardedEmbeddingCollection`, one file each, over a shared base:
+
+- ``base.py`` — `Sharding` (the methods every strategy has: initial_rows, input_dist, lookup,
+  finish_gradients, direct_update, checksum, gather_table, gather_state), `ShardContext` (the
+  rank's shards, optimizers, groups and counters the strategies share), `Request`;
+- ``requests.py`` — the first step of input_dist common to every strategy that looks rows up:
+  check and deduplicate each table's ids (one unique across tables where that is linear);
+- ``exchange.py`` — `RowExchange`: one all-to-all per group of tables (same dimension,
+  placement, process group) for every strategy that adds to it, support and query together;
+- ``row_wise.py``, ``table_wise.py``, ``replicated.py``, ``dynamic.py``, ``owner_pooled.py`` —
+  the strategies (`registry.SHARDINGS` names them; `base.strategy_name` picks a table's).
+
+A new strategy is one file here with a subclass of `Sharding` and one line in
+`gmeta_ds.registry.SHARDINGS`.
+"""
