@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import probe_model
-from gmeta_ds.baselines import (fit_popularity, finetune_scores, finetune_search, item_column,
-                                popularity_scores)
+from gmeta_ds.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
+                                item_column, popularity_predict, popularity_scores_of)
 from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
@@ -33,7 +33,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_place
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
+from gmeta_ds.evaluation import HEADLINE, merge, paired, predict, score, train_baseline
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
@@ -125,9 +125,35 @@ class CTRWorkload(Workload):
             if f"baseline_popularity_{name}" in ev:
                 parts.append(f"popularity + user offset {ev['baseline_popularity_' + name]:.4f}")
             lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
+            lines += interval_lines(summary["eval"].get("intervals"))
             lines += [f"warning: {note}" for note in ev.get("warnings", [])]
         lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
         return lines
+
+
+# How the report names each baseline of ``eval.intervals`` and each metric.
+BASELINE_NAMES = {"baseline": "non-meta baseline", "baseline_finetune": "baseline + fine-tune",
+                  "baseline_finetune_tuned": "baseline + tuned fine-tune",
+                  "baseline_popularity": "popularity + user offset"}
+METRIC_NAMES = {"auc": "AUC", "auc_per_task": "per-user AUC", "logloss": "logloss", "mae": "MAE", "rmse": "RMSE"}
+
+
+def interval_lines(intervals: dict | None) -> list[str]:
+    """The report's lines of ``eval.intervals``: per baseline, each metric's difference
+    (meta-learned minus baseline) with its interval ([] without intervals)."""
+    if not intervals or not intervals["differences"]:
+        return []
+    lines = [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
+             f"{intervals['users']} held-out users ({intervals['resamples']} resamples):"]
+    for baseline, metrics in intervals["differences"].items():
+        parts = [f"{METRIC_NAMES[m]} {_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
+                 for m, d in metrics.items()]
+        lines.append(f"  vs {BASELINE_NAMES.get(baseline, baseline)}: " + " | ".join(parts))
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return "nan" if value is None else f"{value:+.4f}"
 
 
 def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
@@ -258,15 +284,35 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
     predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
     and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
-    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); with
-    the four-state split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
-    other ranks."""
+    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); under
+    ``intervals``, each metric's difference (meta-learned minus each baseline) with a 95%
+    interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
+    with the four-state split, the same per state under ``states``. Collective when ``world`` >
+    1; returns {} on other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
-    scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
+    rows = {name: _distributed_predict(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
     if rank != 0:
         return {}
+    scores = {name: {**score(rows[name], kind), "tasks": len(tasks)} if len(tasks) else {"tasks": 0}
+              for name, tasks in sets.items()}
+    compared, tuned = baseline_scores(cfg, data, sets, scores, kind)
+    for name, tasks in sets.items():
+        if len(tasks) and compared[name] and cfg.eval.bootstrap_resamples:
+            scores[name]["intervals"] = paired(merge(rows[name]), compared[name], kind,
+                                               cfg.eval.bootstrap_resamples, cfg.seed)
+    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
+    if scores:
+        result["states"] = scores
+    return result
+
+
+def baseline_scores(cfg: RunConfig, data, sets: dict, scores: dict, kind: str) -> tuple[dict, dict]:
+    """Score the configured baselines on every task set of ``sets``, into ``scores`` (one dict
+    per set). Returns each set's baseline prediction rows ({set: {baseline: (rows, key)}}, for
+    `paired`) and the chosen fine-tuning (lr, steps, grid; {} without ``eval.finetune_search``)."""
+    compared: dict = {name: {} for name in sets}
     tuned = {}
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields, train=data.train)
@@ -277,10 +323,14 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
             tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps,
                      "baseline_finetune_grid": grid}
         for name, tasks in sets.items():
-            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
+            if len(tasks) == 0:
+                continue
+            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind, compared[name]))
             if tuned:
-                lr, steps = tuned["baseline_finetune_lr"], tuned["baseline_finetune_steps"]
-                scores[name].update(finetune_scores(baseline, tasks, lr, steps, cfg.eval.tasks_per_batch))
+                out = finetune_predict(baseline, tasks, tuned["baseline_finetune_lr"],
+                                       tuned["baseline_finetune_steps"], cfg.eval.tasks_per_batch)
+                scores[name].update(finetune_scores_of(out, kind))
+                compared[name]["baseline_finetune_tuned"] = (out, "adapted")
     if cfg.eval.popularity_baseline:
         # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
         # raw ids (dynamic tables) have no OOV id.
@@ -289,15 +339,15 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
                                     oov_id=None if cfg.data.source == "synthetic" else 0,
                                     raw=single_fields(data.fields)[column].raw)
         for name, tasks in sets.items():
-            scores[name].update(popularity_scores(popularity, tasks))
-    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
-    if scores:
-        result["states"] = scores
-    return result
+            if len(tasks):
+                out = popularity_predict(popularity, tasks)
+                scores[name].update(popularity_scores_of(out, kind))
+                compared[name]["baseline_popularity"] = (out, "pred")
+    return compared, tuned
 
 
-def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
-    """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
+def _distributed_predict(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> list | None:
+    """`predict` of ``tasks`` by all ranks (tasks r::W on rank r): every rank's rows, on rank 0."""
     lrs = learner.learning_rates()
     mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
                    np.arange(rank, len(tasks), world))
@@ -305,24 +355,22 @@ def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, w
     if world > 1:
         parts = [None] * world if rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
-    if rank != 0:
-        return {}
-    if len(tasks) == 0:
-        return {"tasks": 0}
-    return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+    return parts
 
 
-def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) -> dict:
-    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
-    if len(tasks) == 0:
-        return {}
+def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str, compared: dict) -> dict:
+    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support; its
+    prediction rows go into ``compared`` (`paired`)."""
     fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}  # meta.inner_lr(_scale)
-    base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    rows = predict(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    base = score(rows, kind)
     out = {}
+    compared["baseline"] = (rows, "plain")
     for name in HEADLINE[kind]:
         out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
         if cfg.eval.baseline_finetune:
             out[f"baseline_finetune_{name}"] = base[name]
+            compared["baseline_finetune"] = (rows, "adapted")
     if kind == "binary":
         out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
     return out
