@@ -201,6 +201,8 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     for key in ("baseline_epochs", "bootstrap_resamples"):
         if getattr(cfg.eval, key) < 0:
             problems.append(f"eval.{key}: {getattr(cfg.eval, key)!r} must be >= 0")
+    if any(k < 1 for k in cfg.eval.few_shot):
+        problems.append(f"eval.few_shot: {cfg.eval.few_shot!r} must be support sizes >= 1")
     validate_train(cfg.train, problems)
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")

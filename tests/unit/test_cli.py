@@ -97,6 +97,15 @@ def _check_intervals(ev: dict, printed: str) -> None:
     assert (f"meta-learned minus baseline, 95% paired bootstrap interval over {ev['tasks']} held-out users "
             "(1000 resamples):") in printed
     assert "  vs popularity + user offset: AUC " in printed and "| per-user AUC " in printed
+    # The few-shot curve: every model at 1, 2, 5, 10, 20 support rows per user and all of them.
+    curve = ev["few_shot"]
+    assert curve["support"] == [1, 2, 5, 10, 20, "all"] and curve["support_rows"][0] == 1.0
+    assert set(curve["metrics"]) == {"meta", "baseline", "baseline_finetune", "baseline_popularity"}
+    assert curve["metrics"]["meta"]["auc_per_task"][-1] == pytest.approx(ev["auc_per_task"])
+    assert curve["metrics"]["baseline_popularity"]["auc"][-1] == pytest.approx(ev["baseline_popularity_auc"])
+    assert len(curve["intervals"]) == 6 and curve["intervals"][-1] == intervals["differences"]
+    assert "few-shot per-user AUC adapting on the first 1, 2, 5, 10, 20, all support rows of each user:" in printed
+    assert "\n  meta-learned + adaptation: " in printed
 
 
 def test_eval_without_weights_names_the_missing_file(tmp_path):
