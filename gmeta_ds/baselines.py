@@ -144,9 +144,13 @@ def popularity_scores(pop: Popularity, tasks: TaskSet) -> dict:
     """``baseline_popularity_<metric>`` of ``tasks`` ({} when there are none)."""
     if len(tasks) == 0:
         return {}
-    out = popularity_predict(pop, tasks)
-    scores = score_tasks(out["labels"], out["pred"], out["task"], pop.kind)
-    return {f"baseline_popularity_{name}": _null(scores[name]) for name in POPULARITY_METRICS[pop.kind]}
+    return popularity_scores_of(popularity_predict(pop, tasks), pop.kind)
+
+
+def popularity_scores_of(out: dict[str, np.ndarray], kind: str) -> dict:
+    """``baseline_popularity_<metric>`` of `popularity_predict` rows ``out``."""
+    scores = score_tasks(out["labels"], out["pred"], out["task"], kind)
+    return {f"baseline_popularity_{name}": _null(scores[name]) for name in POPULARITY_METRICS[kind]}
 
 
 def _headline(kind: str) -> tuple[str, float]:
@@ -192,8 +196,12 @@ def finetune_scores(baseline: MetaLearner, tasks: TaskSet, lr: float, steps: int
     """``baseline_finetune_tuned_<metric>`` of ``tasks`` fine-tuned with the chosen pair."""
     if len(tasks) == 0:
         return {}
-    kind = baseline.algorithm.kind
-    out = finetune_predict(baseline, tasks, lr, steps, tasks_per_batch)
+    return finetune_scores_of(finetune_predict(baseline, tasks, lr, steps, tasks_per_batch), baseline.algorithm.kind)
+
+
+def finetune_scores_of(out: dict[str, np.ndarray], kind: str) -> dict:
+    """``baseline_finetune_tuned_<metric>`` of `finetune_predict` rows ``out`` (None when the
+    fine-tuning diverged: predictions not finite)."""
     if not np.isfinite(out["adapted"]).all():
         return {f"baseline_finetune_tuned_{n}": None for n in POPULARITY_METRICS[kind]}
     scores = score(out, kind, warn=False)

@@ -18,6 +18,7 @@ from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_c
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.sparse import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, check_output, masked_bce
+from gmeta_ds.intervals import paired_intervals
 from gmeta_ds.metrics import score_tasks
 from gmeta_ds.models.popularity import net_logits
 
@@ -139,14 +140,11 @@ def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str 
     AUC when no task holds both classes, nDCG with no positive label) is None, and
     ``warnings`` (also issued as `MetricWarning`, unless not ``warn``) says why; so does a
     score of fewer than `FEW_TASKS` tasks (one user's AUC is not a cold-start AUC)."""
-    parts = preds if isinstance(preds, list) else [preds]
-    merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    order = np.argsort(merged["task"], kind="stable")  # the same row order at any world size
-    merged = {k: v[order] for k, v in merged.items()}
+    merged = merge(preds)
     with_adapt = score_tasks(merged["labels"], merged["adapted"], merged["task"], kind)
     without = score_tasks(merged["labels"], merged["plain"], merged["task"], kind)
     names = HEADLINE[kind] + (("auc_per_task",) if kind == "binary" else ())
-    out = {**with_adapt, **{f"{n}_no_adapt": without[n] for n in names}, "query_rows": int(len(order)),
+    out = {**with_adapt, **{f"{n}_no_adapt": without[n] for n in names}, "query_rows": int(len(merged["task"])),
            "tasks_scored": int(with_adapt["tasks"])}
     notes = few_tasks_notes(out, kind)
     if notes:
@@ -155,6 +153,31 @@ def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str 
             for note in notes:
                 warnings.warn(note, MetricWarning, stacklevel=2)
     return defined(out, merged["labels"], warn)
+
+
+def merge(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Prediction rows of one or several parts (`predict` of each rank, `popularity_predict`...)
+    as one, ordered by task (stable: the same row order at any world size)."""
+    parts = preds if isinstance(preds, list) else [preds]
+    merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.argsort(merged["task"], kind="stable")
+    return {k: v[order] for k, v in merged.items()}
+
+
+def paired(meta: dict[str, np.ndarray], baselines: dict[str, dict[str, np.ndarray]], kind: str,
+           resamples: int, seed: int) -> dict:
+    """`gmeta_ds.intervals.paired_intervals` of the meta-learned model's adapted predictions
+    ``meta`` (merged by `merge`) against each baseline's, given as {name: (rows, key)}: its prediction
+    rows (any row order; merged here) and the key of the prediction to compare. Every baseline
+    must hold the same query rows: a mismatch is a bug, raised, never a wrong interval."""
+    preds = {}
+    for name, (rows, key) in baselines.items():
+        rows = merge(rows)
+        if not (np.array_equal(rows["task"], meta["task"]) and np.array_equal(rows["labels"], meta["labels"])):
+            raise RuntimeError(f"paired intervals: the {name} predictions are not of the meta-learned model's "
+                               "query rows")
+        preds[name] = rows[key]
+    return paired_intervals(meta["labels"], meta["task"], meta["adapted"], preds, kind, resamples, seed)
 
 
 def few_tasks_notes(scores: dict, kind: str) -> list[str]:

@@ -38,7 +38,7 @@ from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import on_wire
 from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import predict, score
+from gmeta_ds.evaluation import merge, paired, predict, score
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.profiling import phase
@@ -102,6 +102,21 @@ def _baseline_names(problems: list[str], baselines) -> list[str]:
     if bad:
         problems.append(f"baselines: {', '.join(map(repr, bad))} not among {', '.join(BASELINES)}")
     return [n for n in BASELINES if n in names]
+
+
+def _check_baselines(problems: list[str], wanted: list[str], train, epochs, lr, batch_size, initial_kept: bool) -> None:
+    """``evaluate``'s baseline arguments: the training tasks and the non-meta baseline's
+    training settings, and initial weights to start it from."""
+    if not isinstance(train, TaskSet):
+        problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
+                        f"pass train=data.train (got {type(train).__name__})")
+    int_at_least(problems, "baseline_epochs", epochs, 0)
+    finite(problems, "baseline_lr", lr)
+    int_at_least(problems, "baseline_batch_size", batch_size, 1)
+    if "non_meta" in wanted and not initial_kept:
+        problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
+                        "engine did not keep (its parameters were already partitioned when "
+                        "gm.initialize got them)")
 
 
 @dataclass
@@ -357,7 +372,8 @@ class MetaEngine:
 
     def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = _EVAL.tasks_per_batch, *,
                  baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = _EVAL.baseline_epochs,
-                 baseline_lr: float = _EVAL.baseline_lr, baseline_batch_size: int = _EVAL.baseline_batch_size) -> dict:
+                 baseline_lr: float = _EVAL.baseline_lr, baseline_batch_size: int = _EVAL.baseline_batch_size,
+                 bootstrap_resamples: int = _EVAL.bootstrap_resamples) -> dict:
         """Cold-start scores of ``tasks``: each adapted on its support set (first order,
         ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
         per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
@@ -376,24 +392,18 @@ class MetaEngine:
         (``baseline_finetune_<metric>``); ``"popularity"``, each item's shrunk training click
         rate (or mean rating) plus a per-user offset fitted on the support
         (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
-        alone (no collective; deterministic on CPU)."""
+        alone (no collective; deterministic on CPU). ``intervals``: each difference, meta-learned
+        minus baseline, with a paired-bootstrap 95% interval (`gmeta_ds.intervals`; 0 resamples: none)."""
         problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
                                                           f"{type(tasks).__name__}"]
         if inner_steps is not None:
             int_at_least(problems, "inner_steps", inner_steps, 0)
         int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
+        int_at_least(problems, "bootstrap_resamples", bootstrap_resamples, 0)
         wanted = _baseline_names(problems, baselines)
         if wanted:
-            if not isinstance(train, TaskSet):
-                problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
-                                f"pass train=data.train (got {type(train).__name__})")
-            int_at_least(problems, "baseline_epochs", baseline_epochs, 0)
-            finite(problems, "baseline_lr", baseline_lr)
-            int_at_least(problems, "baseline_batch_size", baseline_batch_size, 1)
-            if "non_meta" in wanted and self.initial is None:
-                problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
-                                "engine did not keep (its parameters were already partitioned when "
-                                "gm.initialize got them)")
+            _check_baselines(problems, wanted, train, baseline_epochs, baseline_lr, baseline_batch_size,
+                             self.initial is not None)
         check(problems, "MetaEngine.evaluate")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
         learner = self.single_process_learner()
@@ -408,11 +418,17 @@ class MetaEngine:
         if len(tasks) == 0:
             return {"tasks": 0}
         result = {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+        compared = {}
         if "non_meta" in wanted:
-            result.update(self._non_meta_scores(tasks, train, steps, tasks_per_batch, baseline_epochs,
-                                                baseline_lr, baseline_batch_size))
+            scores, compared = self._non_meta_scores(tasks, train, steps, tasks_per_batch, baseline_epochs,
+                                                     baseline_lr, baseline_batch_size)
+            result.update(scores)
         if "popularity" in wanted:
-            result.update(self._popularity_scores(tasks, train))
+            scores, compared["baseline_popularity"] = self._popularity_scores(tasks, train)
+            result.update(scores)
+        if compared and bootstrap_resamples:
+            result["intervals"] = paired(merge(parts), compared, learner.algorithm.kind, bootstrap_resamples,
+                                         self.seed)
         return result
 
     def initial_learner(self) -> MetaLearner:
@@ -428,24 +444,27 @@ class MetaEngine:
         return self.single_process_learner(state)
 
     def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
-                         epochs: int, lr: float, batch_size: int) -> dict:
-        from gmeta_ds.evaluation import HEADLINE, evaluate, train_baseline
+                         epochs: int, lr: float, batch_size: int) -> tuple[dict, dict]:
+        """``baseline_*`` / ``baseline_finetune_*`` scores and their prediction rows (`paired`)."""
+        from gmeta_ds.evaluation import HEADLINE, train_baseline
 
         baseline = self.initial_learner()
         kind = baseline.algorithm.kind
         train_baseline(baseline.net, train, epochs, batch_size, lr, self.seed, LOSSES[kind])
         fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
-        base = evaluate(baseline, fixed, tasks, steps, tasks_per_batch)
+        rows = predict(baseline, fixed, tasks, steps, tasks_per_batch)
+        base = score(rows, kind)
         out = {}
         for name in HEADLINE[kind]:
             out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
             out[f"baseline_finetune_{name}"] = base[name]
         if kind == "binary":
             out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
-        return out
+        return out, {"baseline": (rows, "plain"), "baseline_finetune": (rows, "adapted")}
 
-    def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> dict:
-        from gmeta_ds.baselines import POPULARITY_METRICS, fit_popularity, popularity_scores
+    def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> tuple[dict, tuple]:
+        """``baseline_popularity_*`` scores and its prediction rows (`paired`)."""
+        from gmeta_ds.baselines import POPULARITY_METRICS, fit_popularity, popularity_predict, popularity_scores_of
         from gmeta_ds.data.popularity import item_column
 
         kind = self.learner.algorithm.kind
@@ -458,7 +477,8 @@ class MetaEngine:
             raise ConfigError([f"baselines: 'popularity': {err}"], "MetaEngine.evaluate") from None
         raw = single_fields(train.fields)[column].raw
         popularity = fit_popularity(train, column, kind, oov_id=None if raw else 0, raw=raw)
-        return popularity_scores(popularity, tasks)
+        rows = popularity_predict(popularity, tasks)
+        return popularity_scores_of(rows, kind), (rows, "pred")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict:

@@ -91,10 +91,7 @@ def score_tasks(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray, kin
     Raises ValueError on empty input, mismatched lengths, non-finite values, bad labels or k.
     """
     labels, preds, task_ids = _check(labels, preds, task_ids, kind, k)
-    _, tid, counts = np.unique(task_ids, return_inverse=True, return_counts=True)
-    tid = tid.reshape(-1)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    ranked = _Ranked(*_rank_desc(preds, tid, starts), tid=tid, labels=labels)
+    tid, counts, ranked = _grouped(labels, preds, task_ids)
     out: dict = {"tasks": int(len(counts)), "rows": int(len(labels))}
     if kind == "binary":
         out.update(_binary_scores(labels, preds, tid, counts, ranked))
@@ -104,6 +101,15 @@ def score_tasks(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray, kin
         out["rmse"] = float(np.sqrt(np.mean(err * err)))
     out.update(_ndcg_scores(labels, tid, len(counts), ranked, k))
     return out
+
+
+def _grouped(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray):
+    """(tid, counts, ranked): each row's task index (tasks in ``np.unique`` order), each
+    task's row count, and the rows ranked within their task (`_Ranked`)."""
+    _, tid, counts = np.unique(task_ids, return_inverse=True, return_counts=True)
+    tid = tid.reshape(-1)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    return tid, counts, _Ranked(*_rank_desc(preds, tid, starts), tid=tid, labels=labels)
 
 
 @dataclass
@@ -129,8 +135,21 @@ def _binary_scores(labels: np.ndarray, preds: np.ndarray, tid: np.ndarray, count
     and ``logloss`` (see `score_tasks`)."""
     from sklearn.metrics import log_loss, roc_auc_score  # not at import time: sklearn takes ~1 s
 
-    n, n_tasks = len(labels), len(counts)
+    n = len(labels)
     out = {"auc": float(roc_auc_score(labels, preds)) if 0 < labels.sum() < n else float("nan")}
+    auc_t = _task_auc(labels, tid, counts, r)
+    ok = ~np.isnan(auc_t)
+    out["auc_per_task"] = float(auc_t[ok].mean()) if ok.any() else float("nan")
+    out["tasks_with_auc"] = int(ok.sum())
+    eps = np.finfo(np.float64).eps
+    out["logloss"] = float(log_loss(labels, np.clip(preds, eps, 1.0 - eps), labels=[0, 1]))
+    return out
+
+
+def _task_auc(labels: np.ndarray, tid: np.ndarray, counts: np.ndarray, r: _Ranked) -> np.ndarray:
+    """(T,) Mann-Whitney AUC of each task's rows (ties averaged), NaN for a task whose labels
+    are all one class."""
+    n_tasks = len(counts)
     # Mann-Whitney: ascending 1-based rank of a tie run holding descending positions [s, e] of
     # a task of size m is m - (s + e) / 2.
     first = np.bincount(r.gid, r.pos) / r.group_size - (r.group_size - 1) / 2.0
@@ -139,12 +158,17 @@ def _binary_scores(labels: np.ndarray, preds: np.ndarray, tid: np.ndarray, count
     n_neg = counts - n_pos
     rank_sum = np.bincount(r.t_sorted, run_rank * r.g_sorted, minlength=n_tasks)
     ok = (n_pos > 0) & (n_neg > 0)
-    auc_t = (rank_sum[ok] - n_pos[ok] * (n_pos[ok] + 1) / 2.0) / (n_pos[ok] * n_neg[ok])
-    out["auc_per_task"] = float(auc_t.mean()) if ok.any() else float("nan")
-    out["tasks_with_auc"] = int(ok.sum())
-    eps = np.finfo(np.float64).eps
-    out["logloss"] = float(log_loss(labels, np.clip(preds, eps, 1.0 - eps), labels=[0, 1]))
+    out = np.full(n_tasks, np.nan)
+    out[ok] = (rank_sum[ok] - n_pos[ok] * (n_pos[ok] + 1) / 2.0) / (n_pos[ok] * n_neg[ok])
     return out
+
+
+def per_task_auc(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray) -> np.ndarray:
+    """(T,) AUC of each task's query rows, tasks in ``np.unique(task_ids)`` order, NaN for a
+    task whose labels are all one class: the values ``auc_per_task`` averages (`score_tasks`;
+    binary labels, same checks)."""
+    labels, preds, task_ids = _check(labels, preds, task_ids, "binary", ())
+    return _task_auc(labels, *_grouped(labels, preds, task_ids))
 
 
 def _ndcg_scores(labels: np.ndarray, tid: np.ndarray, n_tasks: int, r: _Ranked, k: tuple[int, ...]) -> dict:

@@ -98,6 +98,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     evaluation = _summary(summary_path).get("eval") if summary_path.is_file() else None
     if evaluation:
         save(_coldstart_chart(plt, evaluation), "coldstart.png")
+    if evaluation and evaluation.get("few_shot"):
+        save(_few_shot_chart(plt, evaluation["few_shot"]), "few_shot.png")
     return written
 
 
@@ -129,4 +131,40 @@ def _coldstart_chart(plt, evaluation: dict):
     if metric == "auc":
         ax.set_ylim(0.4, 1.0)
     ax.legend(fontsize=8)
+    return fig
+
+
+# How the few-shot chart names each model of summary.json's ``eval.few_shot``.
+_MODELS = {"meta": "meta-learned + adaptation", "baseline": "non-meta baseline",
+           "baseline_finetune": "baseline + fine-tune", "baseline_finetune_tuned": "baseline + tuned fine-tune",
+           "baseline_popularity": "popularity + user offset"}
+
+
+def _few_shot_chart(plt, curve: dict):
+    """The few-shot curve (``eval.few_shot``): left, every model's mean per-user AUC (MAE for
+    ratings) against the support rows each user adapted on; right, the meta-learned model
+    minus each baseline with its paired 95% interval (error bars). Null values are gaps."""
+    metric = "auc_per_task" if "auc_per_task" in curve["metrics"].get("meta", {}) else "mae"
+    label = "mean per-user AUC" if metric == "auc_per_task" else "MAE"
+    x = list(range(len(curve["support"])))
+    ticks = [str(k) for k in curve["support"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {name: f"C{i}" for i, name in enumerate(curve["metrics"])}  # one colour per model in both panels
+    for name, values in curve["metrics"].items():
+        left.plot(x, [float("nan") if v is None else v for v in values[metric]], marker="o", color=colors[name],
+                  label=_MODELS.get(name, name))
+    left.set(xlabel="support interactions per user", ylabel=label, title=f"few-shot curve: {label}")
+    right.axhline(0.0, color="grey", linewidth=0.8)
+    for i, name in enumerate(sorted({b for point in curve["intervals"] for b in point})):
+        d = [point.get(name, {}).get(metric) or {} for point in curve["intervals"]]
+        mid = [float("nan") if p.get("diff") is None else p["diff"] for p in d]
+        low = [0.0 if p.get("low") is None else p["diff"] - p["low"] for p in d]
+        high = [0.0 if p.get("high") is None else p["high"] - p["diff"] for p in d]
+        right.errorbar([v + 0.06 * i for v in x], mid, yerr=[low, high], marker="o", capsize=3,
+                       color=colors.get(name), label=f"minus {_MODELS.get(name, name)}")
+    right.set(xlabel="support interactions per user", ylabel=f"difference in {label}",
+              title="meta-learned minus baseline (95% paired bootstrap)")
+    for ax in (left, right):
+        ax.set_xticks(x, ticks)
+        ax.legend(fontsize=7)
     return fig

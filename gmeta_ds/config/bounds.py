@@ -25,6 +25,7 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "data.synthetic.latent_dim": (MAX_WIDTH, f"{MAX_WIDTH} dimensions"),
     "meta.inner_steps": (10_000, "10000 steps"),
     "eval.inner_steps": (10_000, "10000 steps"),
+    "eval.bootstrap_resamples": (100_000, "100000 resamples (each holds a weight per held-out user)"),
     "meta.tasks_per_micro_batch": (2**20, "2**20 tasks"),
     "meta.tasks_per_meta_step": (2**30, "2**30 tasks"),
     "text.model.vocab_size": (2**24, "2**24 tokens"),

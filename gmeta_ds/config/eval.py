@@ -1,7 +1,7 @@
 """``eval``: cold-start evaluation on held-out users and its baselines."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from gmeta_ds.config.checks import AUTO
@@ -29,3 +29,9 @@ class EvalConfig:
     popularity_baseline: bool = True
     # Which held-out users to score: test, or valid (log sources with data.valid_fraction > 0).
     split: str = "test"
+    # Paired bootstrap over the held-out users (seeded by the run seed): a 95% interval of each
+    # metric's difference, meta-learned minus each baseline, under ``intervals`` (0: none).
+    bootstrap_resamples: int = 1000
+    # The few-shot curve (``few_shot``): every model re-scored on the held-out users with only
+    # the first k rows of each support, for each k here, and with all of it ([]: none).
+    few_shot: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 20])

@@ -198,8 +198,11 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.data.resample and cfg.data.split == "time":
         problems.append("data.resample: redraws each task's query at random, which would break "
                         "data.split: time (query = the latest rows); use data.split: random")
-    if cfg.eval.baseline_epochs < 0:
-        problems.append(f"eval.baseline_epochs: {cfg.eval.baseline_epochs!r} must be >= 0")
+    for key in ("baseline_epochs", "bootstrap_resamples"):
+        if getattr(cfg.eval, key) < 0:
+            problems.append(f"eval.{key}: {getattr(cfg.eval, key)!r} must be >= 0")
+    if any(k < 1 for k in cfg.eval.few_shot):
+        problems.append(f"eval.few_shot: {cfg.eval.few_shot!r} must be support sizes >= 1")
     validate_train(cfg.train, problems)
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")

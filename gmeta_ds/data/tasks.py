@@ -74,6 +74,19 @@ class TaskSet:
         return TaskSet(self.fields, self.ids[rows], self.labels[rows], offsets,
                        self.support_len[tasks].copy(), self.task_keys[tasks].copy(), multi)
 
+    def first_support(self, k: int) -> "TaskSet":
+        """A new TaskSet whose tasks keep only the first ``k`` rows of their support (all of a
+        shorter one) and every query row: what adaptation on fewer interactions sees."""
+        support = np.asarray(self.support_len, dtype=np.int64)
+        kept = np.minimum(support, k)
+        lengths = np.diff(self.offsets) - support + kept
+        start = np.repeat(np.asarray(self.offsets[:-1], dtype=np.int64), lengths)
+        within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        rows = start + within + np.where(within >= np.repeat(kept, lengths), np.repeat(support - kept, lengths), 0)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        multi = {name: take_rows(values, row_offsets, rows) for name, (values, row_offsets) in self.multi.items()}
+        return TaskSet(self.fields, self.ids[rows], self.labels[rows], offsets, kept, self.task_keys.copy(), multi)
+
 
 def take_rows(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The bags of ``rows`` from a jagged (values, offsets): a new (values, offsets)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import probe_model
-from gmeta_ds.baselines import (fit_popularity, finetune_scores, finetune_search, item_column,
-                                popularity_scores)
+from gmeta_ds.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
+                                item_column, popularity_predict, popularity_scores_of)
 from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
@@ -33,7 +34,8 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_place
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import HEADLINE, evaluate, predict, score, train_baseline
+from gmeta_ds.evaluation import HEADLINE, merge, paired, predict, score, train_baseline
+from gmeta_ds.few_shot import Named, few_shot_curve
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
@@ -125,9 +127,50 @@ class CTRWorkload(Workload):
             if f"baseline_popularity_{name}" in ev:
                 parts.append(f"popularity + user offset {ev['baseline_popularity_' + name]:.4f}")
             lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
+            lines += interval_lines(summary["eval"].get("intervals"))
+            lines += few_shot_lines(summary["eval"].get("few_shot"))
             lines += [f"warning: {note}" for note in ev.get("warnings", [])]
         lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
         return lines
+
+
+# How the report names each baseline of ``eval.intervals`` and each metric.
+BASELINE_NAMES = {"baseline": "non-meta baseline", "baseline_finetune": "baseline + fine-tune",
+                  "baseline_finetune_tuned": "baseline + tuned fine-tune",
+                  "baseline_popularity": "popularity + user offset"}
+METRIC_NAMES = {"auc": "AUC", "auc_per_task": "per-user AUC", "logloss": "logloss", "mae": "MAE", "rmse": "RMSE"}
+
+
+def interval_lines(intervals: dict | None) -> list[str]:
+    """The report's lines of ``eval.intervals``: per baseline, each metric's difference
+    (meta-learned minus baseline) with its interval ([] without intervals)."""
+    if not intervals or not intervals["differences"]:
+        return []
+    lines = [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
+             f"{intervals['users']} held-out users ({intervals['resamples']} resamples):"]
+    for baseline, metrics in intervals["differences"].items():
+        parts = [f"{METRIC_NAMES[m]} {_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
+                 for m, d in metrics.items()]
+        lines.append(f"  vs {BASELINE_NAMES.get(baseline, baseline)}: " + " | ".join(parts))
+    return lines
+
+
+def few_shot_lines(curve: dict | None) -> list[str]:
+    """The report's lines of ``eval.few_shot``: each model's mean per-user AUC (MAE for
+    ratings) at each support size ([] without the curve)."""
+    if not curve:
+        return []
+    metric = "auc_per_task" if "auc_per_task" in curve["metrics"]["meta"] else "mae"
+    lines = [f"few-shot {METRIC_NAMES[metric]} adapting on the first {', '.join(map(str, curve['support']))} "
+             "support rows of each user:"]
+    for name, values in curve["metrics"].items():
+        numbers = " ".join("nan" if v is None else f"{v:.4f}" for v in values[metric])
+        lines.append(f"  {BASELINE_NAMES.get(name, 'meta-learned + adaptation')}: {numbers}")
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return "nan" if value is None else f"{value:+.4f}"
 
 
 def build_data(cfg: RunConfig) -> SyntheticData | TaskData:
@@ -258,29 +301,77 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
     predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
     and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
-    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); with
-    the four-state split, the same per state under ``states``. Collective when ``world`` > 1; returns {} on
-    other ranks."""
+    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); under
+    ``intervals``, each metric's difference (meta-learned minus each baseline) with a 95%
+    interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
+    under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
+    rank 0; gmeta_ds/few_shot.py); with the four-state split, the scores and intervals per
+    state under ``states``. Collective when ``world`` > 1; returns {} on other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
-    scores = {name: _distributed_score(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
+    rows = {name: _distributed_predict(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
     if rank != 0:
         return {}
-    tuned = {}
+    models, tuned = baseline_models(cfg, data, kind)
+    scored = {name: _scored_set(cfg, rows[name], tasks, models, kind) for name, tasks in sets.items()}
+    scores = {name: out for name, (out, _) in scored.items()}
+    if cfg.eval.few_shot and len(held_out):
+        def meta(tasks) -> Named:
+            return {"meta": (predict(learner, learner.learning_rates(), tasks, eval_inner_steps(cfg),
+                                     cfg.eval.tasks_per_batch), "adapted")}
+
+        full = {"meta": (rows["test"], "adapted"), **scored["test"][1]}
+        scores["test"]["few_shot"] = few_shot_curve(held_out, [meta, *(m.predict for m in models)], full,
+                                                    cfg.eval.few_shot, kind, cfg.eval.bootstrap_resamples, cfg.seed)
+    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
+    if scores:
+        result["states"] = scores
+    return result
+
+
+def _scored_set(cfg: RunConfig, meta_rows: list, tasks, models: list["Baseline"], kind: str) -> tuple[dict, Named]:
+    """One held-out set's scores: the meta-learned model's (``meta_rows``: `predict` parts),
+    every baseline's and the paired intervals; and the baselines' prediction rows."""
+    if len(tasks) == 0:
+        return {"tasks": 0}, {}
+    out = {**score(meta_rows, kind), "tasks": len(tasks)}
+    compared: Named = {}
+    for model in models:
+        named = model.predict(tasks)
+        out.update(model.scores(named, kind))
+        compared.update(named)
+    if compared and cfg.eval.bootstrap_resamples:
+        out["intervals"] = paired(merge(meta_rows), compared, kind, cfg.eval.bootstrap_resamples, cfg.seed)
+    return out, compared
+
+
+@dataclasses.dataclass
+class Baseline:
+    """A fitted baseline: ``predict`` (a task set -> its named prediction rows, `Named`) and
+    ``scores`` (those rows -> its ``baseline_*`` entries of the evaluation)."""
+
+    predict: Callable[[Any], Named]
+    scores: Callable[[Named, str], dict]
+
+
+def baseline_models(cfg: RunConfig, data, kind: str) -> tuple[list[Baseline], dict]:
+    """The configured baselines, fitted on the training users (rank 0), and the chosen
+    fine-tuning (lr, steps, grid; {} without ``eval.finetune_search``)."""
+    models, tuned = [], {}
+    tasks_per_batch = cfg.eval.tasks_per_batch
     if cfg.eval.baseline:
         baseline = build_learner(cfg, data.fields, train=data.train)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
+        models.append(Baseline(lambda tasks: _non_meta_rows(cfg, baseline, tasks), _non_meta_scores))
         if cfg.eval.finetune_search:  # chosen on validation users only; test users scored once
-            lr, steps, grid = finetune_search(baseline, data.valid, cfg.eval.tasks_per_batch)
-            tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps,
-                     "baseline_finetune_grid": grid}
-        for name, tasks in sets.items():
-            scores[name].update(_baseline_scores(cfg, baseline, tasks, kind))
-            if tuned:
-                lr, steps = tuned["baseline_finetune_lr"], tuned["baseline_finetune_steps"]
-                scores[name].update(finetune_scores(baseline, tasks, lr, steps, cfg.eval.tasks_per_batch))
+            lr, steps, grid = finetune_search(baseline, data.valid, tasks_per_batch)
+            tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps, "baseline_finetune_grid": grid}
+            models.append(Baseline(
+                lambda tasks: {"baseline_finetune_tuned": (finetune_predict(baseline, tasks, lr, steps,
+                                                                            tasks_per_batch), "adapted")},
+                lambda named, kind: finetune_scores_of(named["baseline_finetune_tuned"][0], kind)))
     if cfg.eval.popularity_baseline:
         # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
         # raw ids (dynamic tables) have no OOV id.
@@ -288,16 +379,14 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
         popularity = fit_popularity(data.train, column, kind,
                                     oov_id=None if cfg.data.source == "synthetic" else 0,
                                     raw=single_fields(data.fields)[column].raw)
-        for name, tasks in sets.items():
-            scores[name].update(popularity_scores(popularity, tasks))
-    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
-    if scores:
-        result["states"] = scores
-    return result
+        models.append(Baseline(
+            lambda tasks: {"baseline_popularity": (popularity_predict(popularity, tasks), "pred")},
+            lambda named, kind: popularity_scores_of(named["baseline_popularity"][0], kind)))
+    return models, tuned
 
 
-def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> dict:
-    """Scores of ``tasks`` predicted by all ranks (tasks r::W on rank r), on rank 0."""
+def _distributed_predict(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> list | None:
+    """`predict` of ``tasks`` by all ranks (tasks r::W on rank r): every rank's rows, on rank 0."""
     lrs = learner.learning_rates()
     mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
                    np.arange(rank, len(tasks), world))
@@ -305,23 +394,24 @@ def _distributed_score(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, w
     if world > 1:
         parts = [None] * world if rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
-    if rank != 0:
-        return {}
-    if len(tasks) == 0:
-        return {"tasks": 0}
-    return {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
+    return parts
 
 
-def _baseline_scores(cfg: RunConfig, baseline: MetaLearner, tasks, kind: str) -> dict:
-    """The baseline's headline metrics on ``tasks``, as is and fine-tuned on each support."""
-    if len(tasks) == 0:
-        return {}
+def _non_meta_rows(cfg: RunConfig, baseline: MetaLearner, tasks) -> Named:
+    """The non-meta baseline's rows: as is (``baseline``) and, with ``eval.baseline_finetune``,
+    fine-tuned on each support with the meta inner loop's rates (``baseline_finetune``)."""
     fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}  # meta.inner_lr(_scale)
-    base = evaluate(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    rows = predict(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    return {"baseline": (rows, "plain"), **({"baseline_finetune": (rows, "adapted")} if cfg.eval.baseline_finetune else {})}
+
+
+def _non_meta_scores(named: Named, kind: str) -> dict:
+    """The non-meta baseline's headline metrics, as is and (when predicted) fine-tuned."""
+    base = score(named["baseline"][0], kind)
     out = {}
     for name in HEADLINE[kind]:
         out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
-        if cfg.eval.baseline_finetune:
+        if "baseline_finetune" in named:
             out[f"baseline_finetune_{name}"] = base[name]
     if kind == "binary":
         out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]

@@ -91,6 +91,12 @@ def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
     for key in ("auc", "auc_per_task", "logloss", "ndcg@10", "auc_no_adapt", "baseline_auc"):
         assert b["eval"][key] == pytest.approx(a["eval"][key], rel=1e-5), key
     assert b["eval"]["query_rows"] == a["eval"]["query_rows"] > 0
+    # the paired intervals and the few-shot curve (rank 0, from the gathered predictions)
+    for ev_a, ev_b in ((a["eval"]["intervals"]["differences"], b["eval"]["intervals"]["differences"]),
+                       (a["eval"]["few_shot"]["intervals"][0], b["eval"]["few_shot"]["intervals"][0])):
+        assert ev_b["baseline_popularity"]["auc"] == pytest.approx(ev_a["baseline_popularity"]["auc"], rel=1e-5)
+    assert b["eval"]["few_shot"]["metrics"]["meta"]["auc_per_task"] == pytest.approx(
+        a["eval"]["few_shot"]["metrics"]["meta"]["auc_per_task"], rel=1e-5)
 
 
 def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_pool(tmp_path):

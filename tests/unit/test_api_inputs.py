@@ -456,6 +456,15 @@ def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_
     popularity = popularity_scores(fit_popularity(data.train, 1, "binary", oov_id=0), data.test)
     assert {k: trained[k] for k in popularity} == popularity
     assert trained["logloss_no_adapt"] != same["logloss_no_adapt"]  # the meta-learned model is scored as it is
+    # Paired bootstrap intervals of each difference, meta-learned minus each baseline.
+    differences = trained["intervals"]["differences"]
+    assert set(differences) == {"baseline", "baseline_finetune", "baseline_popularity"}
+    pop = differences["baseline_popularity"]["logloss"]
+    assert pop["diff"] == pytest.approx(trained["logloss"] - trained["baseline_popularity_logloss"], abs=1e-9)
+    assert pop["low"] <= pop["high"] and trained["intervals"]["users"] == len(data.test)
+    assert same["intervals"]["differences"]["baseline_finetune"]["logloss"] == {"diff": 0.0, "low": 0.0, "high": 0.0}
+    assert "intervals" not in engine.evaluate(data.test, baselines=["popularity"], train=data.train,
+                                              bootstrap_resamples=0)
     after = learner.state_dict()  # and never trained in place
     assert all(torch.equal(moved[k], after[k]) for k in moved)
 

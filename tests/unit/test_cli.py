@@ -69,11 +69,43 @@ def test_train_then_eval_in_one_plain_process(tmp_path):
         assert 0.0 < summary["eval"][key] < 1.5, key
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3] and records[0]["tasks"] == 24
+    _check_intervals(summary["eval"], proc.stdout)
     proc = subprocess.run([sys.executable, "-m", "gmeta_ds.cli", "eval", "--config", config],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evaluated = json.loads((out / "eval.json").read_text())
     assert evaluated["auc"] == pytest.approx(summary["eval"]["auc"], rel=1e-6)
+    assert json.loads(proc.stdout)["intervals"] == evaluated["intervals"]
+    for metric, d in evaluated["intervals"]["differences"]["baseline_popularity"].items():
+        assert d == pytest.approx(summary["eval"]["intervals"]["differences"]["baseline_popularity"][metric],
+                                  rel=1e-6), metric
+
+
+def _check_intervals(ev: dict, printed: str) -> None:
+    """summary.json's paired intervals: each baseline's difference per metric with a 95%
+    interval over the held-out users, the point difference that of the reported scores, and
+    the train report's lines of them."""
+    intervals = ev["intervals"]
+    assert (intervals["resamples"], intervals["level"], intervals["users"]) == (1000, 0.95, ev["tasks"])
+    assert set(intervals["differences"]) == {"baseline", "baseline_finetune", "baseline_popularity"}
+    for name, metrics in intervals["differences"].items():
+        assert set(metrics) == {"auc", "auc_per_task", "logloss"}
+        for metric, d in metrics.items():
+            if f"{name}_{metric}" in ev:  # baseline_finetune_auc_per_task is not reported on its own
+                assert d["diff"] == pytest.approx(ev[metric] - ev[f"{name}_{metric}"], abs=1e-9), (name, metric)
+            assert d["low"] <= d["high"]
+    assert (f"meta-learned minus baseline, 95% paired bootstrap interval over {ev['tasks']} held-out users "
+            "(1000 resamples):") in printed
+    assert "  vs popularity + user offset: AUC " in printed and "| per-user AUC " in printed
+    # The few-shot curve: every model at 1, 2, 5, 10, 20 support rows per user and all of them.
+    curve = ev["few_shot"]
+    assert curve["support"] == [1, 2, 5, 10, 20, "all"] and curve["support_rows"][0] == 1.0
+    assert set(curve["metrics"]) == {"meta", "baseline", "baseline_finetune", "baseline_popularity"}
+    assert curve["metrics"]["meta"]["auc_per_task"][-1] == pytest.approx(ev["auc_per_task"])
+    assert curve["metrics"]["baseline_popularity"]["auc"][-1] == pytest.approx(ev["baseline_popularity_auc"])
+    assert len(curve["intervals"]) == 6 and curve["intervals"][-1] == intervals["differences"]
+    assert "few-shot per-user AUC adapting on the first 1, 2, 5, 10, 20, all support rows of each user:" in printed
+    assert "\n  meta-learned + adaptation: " in printed
 
 
 def test_eval_without_weights_names_the_missing_file(tmp_path):

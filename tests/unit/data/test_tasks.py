@@ -73,3 +73,16 @@ def test_bag_statistics_mean_length_and_expected_distinct_ids():
     rng = np.random.default_rng(0)  # the same by simulation
     simulated = np.mean([len(np.unique(rng.choice(values, 9))) / 9 for _ in range(20000)])
     assert abs(stats.distinct_ratio - simulated) < 0.01
+
+
+def test_first_support_keeps_the_first_k_support_rows_and_every_query_row():
+    ts = task_set()
+    cut = ts.first_support(2)  # task 0: support rows 0-1 of 0-2, query row 3; task 1: support 4, query 5-6
+    assert cut.support_len.tolist() == [2, 1] and cut.offsets.tolist() == [0, 3, 6]
+    assert cut.ids.tolist() == ts.ids[[0, 1, 3, 4, 5, 6]].tolist()
+    assert cut.labels.tolist() == ts.labels[[0, 1, 3, 4, 5, 6]].tolist()
+    assert cut.multi["genres"][0].tolist() == [1, 2, 0, 1, 2, 3, 4, 4]
+    assert cut.multi["genres"][1].tolist() == [0, 2, 2, 5, 6, 8, 8]
+    assert cut.task_keys.tolist() == [10, 11]
+    whole = ts.first_support(5)
+    assert whole.ids.tolist() == ts.ids.tolist() and whole.support_len.tolist() == [3, 1]

@@ -1,0 +1,73 @@
+"""The few-shot curve: held-out metrics as a function of how many support interactions each
+user's adaptation sees (``eval.few_shot``).
+
+For each size k every held-out user keeps the first k rows of its support (all of a shorter
+one; `TaskSet.first_support`) and all of its query rows, so every point scores the same query
+rows; the meta-learned model adapts on that support and so does each baseline (fine-tuning on
+it, or a popularity offset fitted on it). The last point, ``"all"``, is the full evaluation.
+Per point: every model's metrics (`gmeta_ds.intervals.METRICS`) and each baseline's paired
+bootstrap difference to the meta-learned model (`gmeta_ds.evaluation.paired`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from gmeta_ds.data.tasks import TaskSet
+from gmeta_ds.evaluation import merge, paired
+from gmeta_ds.intervals import METRICS
+from gmeta_ds.metrics import score_tasks
+
+# Support sizes of the curve (the full support is always added as "all").
+SIZES = (1, 2, 5, 10, 20)
+# Prediction rows of named models on a task set: {name: (predict-style rows, key of the prediction)}.
+Named = dict[str, tuple[dict, str]]
+Predictor = Callable[[TaskSet], Named]
+
+
+def few_shot_curve(tasks: TaskSet, predictors: list[Predictor], full: Named, sizes, kind: str,
+                   resamples: int, seed: int) -> dict:
+    """The curve over ``sizes`` and "all" (module docstring).
+
+    predictors: functions of a task set returning named prediction rows; one of them names
+    the meta-learned model ``"meta"`` (its ``adapted`` predictions), the others the baselines
+    (the names of ``eval.intervals``). full: the same rows already computed on ``tasks``
+    (the "all" point). Returns {"support": [k..., "all"], "support_rows": mean support rows per
+    user at each point, "metrics": {model: {metric: [value per point]}}, "intervals":
+    [{baseline: {metric: {"diff", "low", "high"}}} per point] (empty dicts with 0 resamples)}."""
+    sizes = sorted({int(k) for k in sizes})
+    points = []
+    for k in sizes:
+        cut = tasks.first_support(k)
+        named: Named = {}
+        for predictor in predictors:
+            named.update(predictor(cut))
+        points.append((float(np.mean(cut.support_len)), named))
+    points.append((float(np.mean(tasks.support_len)), full))
+    out = {"support": [*sizes, "all"], "support_rows": [rows for rows, _ in points], "metrics": {},
+           "intervals": []}
+    for _, named in points:
+        for name, values in _metrics(named, kind).items():
+            for metric, value in values.items():
+                out["metrics"].setdefault(name, {}).setdefault(metric, []).append(value)
+        baselines = {n: v for n, v in named.items() if n != "meta"}
+        differences = {}
+        if resamples and baselines:
+            differences = paired(merge(named["meta"][0]), baselines, kind, resamples, seed)["differences"]
+        out["intervals"].append(differences)
+    return out
+
+
+def _metrics(named: Named, kind: str) -> dict[str, dict[str, float | None]]:
+    """{model: {metric: value}} of named prediction rows; None where undefined (one class, or
+    predictions that are not finite: a diverged fine-tune)."""
+    out = {}
+    for name, (rows, key) in named.items():
+        rows = merge(rows)
+        if not np.isfinite(rows[key]).all():
+            out[name] = dict.fromkeys(METRICS[kind])
+            continue
+        scores = score_tasks(rows["labels"], rows[key], rows["task"], kind)
+        out[name] = {m: None if np.isnan(scores[m]) else float(scores[m]) for m in METRICS[kind]}
+    return out
