@@ -1,0 +1,128 @@
+"""A loaded export that adapts to users and scores their candidates (`load_adapter`), with a
+cache of adapted parameters.
+
+One call of `ServedModel.predict` takes a batch of users: each user's support rows are encoded,
+users whose (user id, support) were adapted recently take their cached parameters, the others
+are adapted together in one vectorised inner loop (users without support rows keep the
+meta-initialisation), and every user's candidates are scored together. The cache
+(`cachetools.TTLCache`: least recently used out when full, entries expire after ``ttl_s``)
+keys on the user's id and a digest of its encoded support rows and labels, so a user whose
+support changed is adapted again.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from gmeta_ds.serving.adapter import Adapted, Adapter, build_learner
+from gmeta_ds.serving.encoding import Encoded, Encoder
+from gmeta_ds.serving.export import open_export
+
+
+@dataclass
+class UserRequest:
+    """One user: ``support`` and ``candidates`` map each field to one raw value per row (a
+    multi-hot field: one list per row); ``labels`` the support's labels; ``user_id`` keys
+    the cache (None: the support alone does)."""
+
+    support: dict[str, list]
+    labels: list[float]
+    candidates: dict[str, list]
+    user_id: str | None = None
+
+
+@dataclass
+class Scored:
+    """A user's candidate scores (probabilities; ratings for regression), whether its adapted
+    parameters came from the cache, and how many of its values were unknown."""
+
+    scores: list[float]
+    cached: bool
+    unknown: int
+    adapted: bool = field(default=True)
+
+
+class AdaptedCache:
+    """Adapted parameters by (user id, support digest): LRU with a TTL, thread-safe."""
+
+    def __init__(self, size: int, ttl_s: float):
+        from cachetools import TTLCache
+
+        self.entries = TTLCache(maxsize=max(size, 1), ttl=ttl_s) if size > 0 else None
+        self.lock = threading.Lock()
+
+    def get(self, key) -> Adapted | None:
+        if self.entries is None:
+            return None
+        with self.lock:
+            return self.entries.get(key)
+
+    def put(self, key, value: Adapted) -> None:
+        if self.entries is not None:
+            with self.lock:
+                self.entries[key] = value
+
+    def __len__(self) -> int:
+        return 0 if self.entries is None else len(self.entries)
+
+
+class ServedModel:
+    """An export ready to adapt and score (module docstring): ``name``, ``version``
+    (`Export.version`), ``inner_steps``."""
+
+    def __init__(self, path: str | Path, model: nn.Module | Callable | None = None, cache_size: int = 10000,
+                 cache_ttl_s: float = 600.0, inner_steps: int | None = None):
+        self.export = open_export(path)
+        self.learner = build_learner(self.export, model)
+        steps = self.export.serving["inner_steps"] if inner_steps is None else inner_steps
+        self.adapter = Adapter(self.learner, steps)
+        self.encoder = Encoder(self.export)
+        self.cache = AdaptedCache(cache_size, cache_ttl_s)
+        self.name, self.version, self.inner_steps = self.export.name, self.export.version, steps
+        self.fields = self.export.fields
+
+    def predict(self, users: list[UserRequest]) -> list[Scored]:
+        """Adapt (or take from the cache) and score every user of the batch; a user's bad
+        value raises `RequestError` naming it."""
+        support = [self.encoder.encode(u.support, u.labels, "support") for u in users]
+        candidates = [self.encoder.encode(u.candidates, None, "candidates") for u in users]
+        keys = [(u.user_id, _digest(s)) for u, s in zip(users, support)]
+        params: list[Adapted | None] = [self.cache.get(k) for k in keys]
+        cached = [p is not None for p in params]
+        todo = [i for i, p in enumerate(params) if p is None and len(support[i].labels)]
+        if todo:
+            for i, adapted in zip(todo, self.adapter.adapt(self.encoder.pad([support[i] for i in todo]))):
+                params[i] = adapted
+                self.cache.put(keys[i], adapted)
+        initial = None
+        for i, p in enumerate(params):
+            if p is None:  # no support rows: the meta-initialisation
+                initial = initial or self.adapter.initial()
+                params[i] = initial
+        scores = self.adapter.score(params, self.encoder.pad(candidates))
+        return [Scored(scores[i, :len(c.labels)].tolist(), cached[i], s.unknown + c.unknown, bool(len(s.labels)))
+                for i, (s, c) in enumerate(zip(support, candidates))]
+
+
+def _digest(rows: Encoded) -> str:
+    """A digest of one user's encoded support rows and labels."""
+    h = hashlib.blake2b(rows.ids.tobytes(), digest_size=16)
+    h.update(rows.labels.tobytes())
+    for name in sorted(rows.bags):
+        for bag in rows.bags[name]:
+            h.update(len(bag).to_bytes(4, "little") + bag.tobytes())
+    return h.hexdigest()
+
+
+def load_adapter(path: str | Path, model: nn.Module | Callable | None = None, **options) -> ServedModel:
+    """An export folder (``engine.save_model`` or ``gmeta-ds export --config``) ready to adapt
+    to users and score their candidates, in this process, without DeepSpeed: ``model`` is the
+    saved architecture (a module, or a function of the saved fields) and may be left out when
+    the export holds its recipe (the CLI's). ``options``: ``cache_size`` (users; 0 turns the
+    cache off), ``cache_ttl_s``, ``inner_steps`` (default the export's)."""
+    return ServedModel(path, model, **options)
