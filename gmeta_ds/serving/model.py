@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -89,24 +90,32 @@ class ServedModel:
     def predict(self, users: list[UserRequest]) -> list[Scored]:
         """Adapt (or take from the cache) and score every user of the batch; a user's bad
         value raises `RequestError` naming it."""
-        support = [self.encoder.encode(u.support, u.labels, "support") for u in users]
-        candidates = [self.encoder.encode(u.candidates, None, "candidates") for u in users]
-        keys = [(u.user_id, _digest(s)) for u, s in zip(users, support)]
+        return self.predict_encoded(users, [self.encode(u) for u in users])[0]
+
+    def encode(self, user: UserRequest) -> tuple[Encoded, Encoded]:
+        """A user's support and candidate rows as ids (`RequestError` naming a bad value)."""
+        return (self.encoder.encode(user.support, user.labels, "support"),
+                self.encoder.encode(user.candidates, None, "candidates"))
+
+    def predict_encoded(self, users: list[UserRequest], rows: list[tuple[Encoded, Encoded]]) -> tuple[list, dict]:
+        """`predict` of encoded users; also returns what it did: ``adapted`` (users adapted
+        now), ``adapt_s`` and ``score_s`` (seconds)."""
+        keys = [(u.user_id, _digest(s)) for u, (s, _) in zip(users, rows)]
         params: list[Adapted | None] = [self.cache.get(k) for k in keys]
         cached = [p is not None for p in params]
-        todo = [i for i, p in enumerate(params) if p is None and len(support[i].labels)]
+        todo = [i for i, p in enumerate(params) if p is None and len(rows[i][0].labels)]
+        start = time.perf_counter()
         if todo:
-            for i, adapted in zip(todo, self.adapter.adapt(self.encoder.pad([support[i] for i in todo]))):
+            for i, adapted in zip(todo, self.adapter.adapt(self.encoder.pad([rows[i][0] for i in todo]))):
                 params[i] = adapted
                 self.cache.put(keys[i], adapted)
-        initial = None
-        for i, p in enumerate(params):
-            if p is None:  # no support rows: the meta-initialisation
-                initial = initial or self.adapter.initial()
-                params[i] = initial
-        scores = self.adapter.score(params, self.encoder.pad(candidates))
+        middle = time.perf_counter()
+        initial = self.adapter.initial() if any(p is None for p in params) else None
+        params = [initial if p is None else p for p in params]  # no support rows: the meta-initialisation
+        scores = self.adapter.score(params, self.encoder.pad([c for _, c in rows]))
+        done = {"adapted": len(todo), "adapt_s": middle - start, "score_s": time.perf_counter() - middle}
         return [Scored(scores[i, :len(c.labels)].tolist(), cached[i], s.unknown + c.unknown, bool(len(s.labels)))
-                for i, (s, c) in enumerate(zip(support, candidates))]
+                for i, (s, c) in enumerate(rows)], done
 
 
 def _digest(rows: Encoded) -> str:

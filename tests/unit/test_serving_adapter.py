@@ -85,7 +85,7 @@ def test_unknown_values_go_to_the_oov_row_and_are_counted(data, tmp_path):
 
 
 def test_serving_imports_no_deepspeed():
-    code = ("import sys, gmeta_ds.serving; "
+    code = ("import sys, gmeta_ds.serving, gmeta_ds.serving.server; "
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if 'deepspeed' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
