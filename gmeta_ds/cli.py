@@ -126,12 +126,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                    help="a function fields -> model, for an export saved through the Python API")
     p.add_argument("--max-batch", type=_at_least(1), default=64, help="users adapted together (default 64)")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="longest wait to fill a batch (default 2)")
+    p.add_argument("--max-wait-ms", type=float, default=1.0, help="longest wait to fill a batch (default 1)")
     p.add_argument("--max-rows", type=_at_least(1), default=1000,
                    help="most support rows, and most candidates, per request (default 1000)")
     p.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20, help="largest request body (1 MiB)")
     p.add_argument("--cache-size", type=_at_least(0), default=10000, help="users' adapted parameters kept")
     p.add_argument("--cache-ttl-s", type=float, default=600.0, help="how long they are kept (seconds)")
+    p.add_argument("--threads", type=_at_least(1), default=1, help="torch threads (default 1)")
 
 
 def _at_least(low: int):
@@ -329,7 +330,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_rows=args.max_rows,
                             max_body_bytes=args.max_body_bytes, cache_size=args.cache_size,
-                            cache_ttl_s=args.cache_ttl_s, model=args.model)
+                            cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads)
     serve(args.export, args.host, args.port, options)
     return 0
 

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from gmeta_ds.serving.encoding import RequestError
 from gmeta_ds.serving.model import Scored, ServedModel, UserRequest
 
@@ -38,7 +40,9 @@ class Batcher:
                  observe: Callable[[int, dict], None]):
         self.holder, self.max_batch, self.max_wait_s, self.observe = holder, max_batch, max_wait_s, observe
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gmeta-serve")
+        # torch's thread count is per thread under OpenMP: the inference thread takes this one's
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gmeta-serve", initializer=torch.set_num_threads,
+                                       initargs=(torch.get_num_threads(),))
         self.worker: asyncio.Task | None = None
 
     def start(self) -> None:

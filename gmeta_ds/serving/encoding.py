@@ -98,10 +98,13 @@ class Encoder:
                 return ids, 0
             pos = np.searchsorted(admitted, ids).clip(max=len(admitted) - 1)
             return ids, int((admitted[pos] != ids).sum()) if len(admitted) else len(ids)
-        try:
-            ids = np.asarray([int(v) for v in values], np.int64)
-        except (TypeError, ValueError):
-            raise RequestError(where, f"expected integer ids in [0, {f.num_ids})") from None
+        ids = np.asarray(values)
+        if ids.dtype.kind not in "iu":
+            try:
+                ids = np.asarray([int(v) for v in values], np.int64)
+            except (TypeError, ValueError):
+                raise RequestError(where, f"expected integer ids in [0, {f.num_ids})") from None
+        ids = ids.astype(np.int64, copy=False).reshape(len(values))
         bad = (ids < 0) | (ids >= f.num_ids)
         return np.where(bad, 0, ids), int(bad.sum())
 

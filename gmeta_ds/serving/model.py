@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from torch import nn
 
 from gmeta_ds.serving.adapter import Adapted, Adapter, build_learner
@@ -86,6 +87,12 @@ class ServedModel:
         self.cache = AdaptedCache(cache_size, cache_ttl_s)
         self.name, self.version, self.inner_steps = self.export.name, self.export.version, steps
         self.fields = self.export.fields
+
+    def warm_up(self) -> None:
+        """Adapt and score one user of all-zero ids (nothing cached, no unknown counted)."""
+        zero = Encoded(np.zeros((1, len(self.encoder.single)), np.int64),
+                       {f.name: [np.zeros(0, np.int64)] for f in self.encoder.multi}, np.zeros(1, np.float32), 0)
+        self.adapter.score(self.adapter.adapt(self.encoder.pad([zero])), self.encoder.pad([zero]))
 
     def predict(self, users: list[UserRequest]) -> list[Scored]:
         """Adapt (or take from the cache) and score every user of the batch; a user's bad

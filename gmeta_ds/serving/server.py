@@ -41,12 +41,13 @@ class ServerOptions:
     """`gmeta-ds serve`'s knobs (its --help)."""
 
     max_batch: int = 64
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 1.0
     max_rows: int = 1000
     max_body_bytes: int = 1 << 20
     cache_size: int = 10000
     cache_ttl_s: float = 600.0
     model: str | None = None  # MODULE:FUNCTION building the model from the saved fields
+    threads: int = 1  # torch threads: a request's work is small, more threads mostly wait on each other
 
 
 class HTTPProblem(Exception):
@@ -72,7 +73,11 @@ def model_function(spec: str | None):
 
 
 def load(path: str | Path, options: ServerOptions) -> ServedModel:
-    return ServedModel(path, model_function(options.model), options.cache_size, options.cache_ttl_s)
+    """The export at ``path``, warmed up: one user adapted and scored (torch's first calls of
+    the vectorised inner loop take seconds; no request should wait for them)."""
+    model = ServedModel(path, model_function(options.model), options.cache_size, options.cache_ttl_s)
+    model.warm_up()
+    return model
 
 
 class Metrics:
@@ -277,8 +282,11 @@ def _version() -> str:
 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None) -> None:
     """Load the export (a bad one is refused before listening) and serve until interrupted."""
+    import torch
     import uvicorn
 
+    options = options or ServerOptions()
+    torch.set_num_threads(options.threads)
     app = create_app(path, options)
     model = app.state.served.holder.model
     print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
