@@ -14,13 +14,20 @@ Measured, for ``adapt`` (support rows) and ``score`` (no support: the meta-initi
 - ``http``: ``gmeta-ds serve`` in a subprocess (``--max-batch 64 --max-wait-ms 1``), with 1, 8
   and 64 concurrent clients (asyncio + httpx, at most 8 per client process: httpx's pool slows
   down past that; bodies encoded beforehand), each for ``--seconds`` (default 8): users/s and
-  the p50 / p99 of each request's latency.
+  the p50 / p99 of each request's latency, the server process's CPU time per user answered
+  (/proc: what the server itself spends, whatever the clients cost) and its mean batch.
 
 The client shares the machine's cores with the server: on a 2-core machine the client's own
 JSON and HTTP work is part of what limits the HTTP numbers. Results go to
 ``benchmarks/results/serve.json`` (or ``--out``) and are printed as a table.
 
+``--startup-rows N`` instead measures start-up: the demo's export with an item table of N rows
+(random), the seconds from starting ``gmeta-ds serve`` to its first ready answer (imports, the
+SHA-256 of every file, the mapping, a warm-up adaptation) and its resident memory against the
+export's size (``benchmarks/results/serve_startup.json``).
+
 Run from the repo root:  python benchmarks/serve.py [--seconds 8] [--clients 1 8 64]
+                         python benchmarks/serve.py --startup-rows 10000000
 """
 from __future__ import annotations
 
@@ -53,6 +60,44 @@ def build_export(folder: Path) -> Path:
     learner = build_learner(cfg, build_data(cfg).fields)
     weights = save_weights(learner.state_dict(), folder / "weights.safetensors")
     return export_run(cfg, weights, folder / "export")
+
+
+def big_export(folder: Path, rows: int) -> Path:
+    """The demo's export with an item table of ``rows`` rows (random), for the start-up check."""
+    import dataclasses
+
+    from gmeta_ds.saved import write_model
+    from gmeta_ds.serving.adapter import build_learner
+    from gmeta_ds.serving.export import open_export, serving_section
+
+    small = open_export(build_export(folder))
+    meta = small.meta
+    fields = [dataclasses.replace(f, num_ids=rows) if f.name == "item_id" else f for f in meta["fields"]]
+    tables = [dataclasses.replace(t, num_rows=rows) if "item_id" in t.features else t for t in meta["tables"]]
+    name = next(t.name for t in tables if "item_id" in t.features)
+    state = {k: v.clone() for k, v in small.state.items()}
+    state[f"net.embedding.weights.{name}"] = torch.randn(rows, state[f"net.embedding.weights.{name}"].shape[1])
+    learner = build_learner(small, None)
+    section = serving_section(small.name, small.serving["inner_steps"], small.serving["recipe"])
+    return write_model(folder / "big", state, learner.net, fields, tables, {}, learner.algorithm, section)
+
+
+def startup(export: Path, log: Path) -> dict:
+    """Seconds from starting ``gmeta-ds serve`` to its first ready answer and its resident
+    memory (anonymous and file-backed) against the export's size."""
+    port = free_port()
+    start = time.perf_counter()
+    server = start_server(export, port, log)
+    ready = time.perf_counter() - start
+    try:
+        status = dict(ln.split(":", 1) for ln in Path(f"/proc/{server.pid}/status").read_text().splitlines())
+        mib = {k: int(status[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    size = sum(f.stat().st_size for f in export.iterdir()) / 2**20
+    return {"ready_s": ready, "rss_mib": mib["VmRSS"], "rss_anon_mib": mib["RssAnon"], "rss_file_mib": mib["RssFile"],
+            "export_mib": size}
 
 
 def user_bodies(fields, count: int, support: int, candidates: int, seed: int, adapt: bool) -> list[dict]:
@@ -143,6 +188,32 @@ def http_run(url: str, bodies: list[bytes], clients: int, seconds: float) -> dic
             "errors": sum(p["errors"] for p in parts), "client_processes": procs}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def batch_totals(url: str) -> tuple[float, float]:
+    """(users, batches) the server has run, from its /metrics."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("gmeta_serve_batch_users_")}
+    return value["gmeta_serve_batch_users_sum"], value["gmeta_serve_batch_users_count"]
+
+
+def measured_http(url: str, pid: int, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """`http_run`, with the server's CPU per user answered and its mean batch size."""
+    users0, batches0 = batch_totals(url)
+    cpu0 = process_cpu_s(pid)
+    out = http_run(url, bodies, clients, seconds)
+    cpu = process_cpu_s(pid) - cpu0
+    users1, batches1 = batch_totals(url)
+    users, batches = users1 - users0, batches1 - batches0
+    return {**out, "server_cpu_ms_per_user": 1000 * cpu / max(users, 1), "mean_batch": users / max(batches, 1)}
+
+
 def start_server(export: Path, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(export), "--port", str(port), "--cache-size", "0",
            "--max-batch", "64", "--max-wait-ms", "1"]
@@ -168,8 +239,18 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--support", type=int, default=20)
     parser.add_argument("--candidates", type=int, default=100)
-    parser.add_argument("--out", default=str(REPO / "benchmarks/results/serve.json"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results/serve.json "
+                        "(serve_startup.json with --startup-rows)")
+    parser.add_argument("--startup-rows", type=int, default=0,
+                        help="only the start-up check, on an item table of this many rows (e.g. 10000000)")
     args = parser.parse_args()
+    if args.startup_rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = {"machine": machine(), "rows": args.startup_rows,
+                      **startup(big_export(Path(tmp), args.startup_rows), Path(tmp) / "server.log")}
+        print(json.dumps(result, indent=1))
+        Path(args.out or REPO / "benchmarks/results/serve_startup.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     results: dict = {"machine": machine(), "support": args.support, "candidates": args.candidates,
                      "seconds": args.seconds, "direct": {}, "http": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,17 +269,18 @@ def main() -> int:
             for mode, these in bodies.items():
                 encoded = [json.dumps(b).encode() for b in these]
                 for clients in args.clients:
-                    results["http"][f"{mode}/clients{clients}"] = http_run(
-                        f"http://127.0.0.1:{port}", encoded, clients, args.seconds)
+                    results["http"][f"{mode}/clients{clients}"] = measured_http(
+                        f"http://127.0.0.1:{port}", server.pid, encoded, clients, args.seconds)
         finally:
             server.terminate()
             server.wait(timeout=30)
     results["machine"]["load_avg_at_end"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"{'':22} {'users/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    Path(args.out or REPO / "benchmarks/results/serve.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"{'':22} {'users/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU ms/user':>19} {'mean batch':>10}")
     for kind in ("direct", "http"):
         for name, r in results[kind].items():
-            print(f"{kind + ' ' + name:22} {r['users_per_s']:9.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}")
+            extra = f" {r['server_cpu_ms_per_user']:19.2f} {r['mean_batch']:10.1f}" if kind == "http" else ""
+            print(f"{kind + ' ' + name:22} {r['users_per_s']:9.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}{extra}")
     return 0
 
 
