@@ -70,9 +70,21 @@ def build_learner(export: Export, model: nn.Module | Callable | None) -> MetaLea
     if getattr(net, "embedding", None) is None and any(k.startswith("net.embedding.") for k in export.state):
         net.embedding = mapped_tables(export)
     learner = saved_learner(net, export.meta["algorithm"], export.path / "model.json")
+    _fit_dynamic(learner, export.state)
     _check_architecture(learner, export.state, net, export.path, export.meta.get("model"))
     learner.load_state_dict(export.state, assign=True)
     return learner.eval()
+
+
+def _fit_dynamic(learner: nn.Module, state: dict[str, Tensor]) -> None:
+    """Each dynamic table sized to the ids it admitted in ``state`` (`DynamicRows` resizes when
+    it loads), so that the architecture check compares everything else."""
+    from gmeta_ds.embedding.tables import DynamicRows
+
+    for name, module in learner.named_modules():
+        if isinstance(module, DynamicRows):
+            own = {k: state[f"{name}.{k}"] for k in ("ids", "rows", "defaults") if f"{name}.{k}" in state}
+            module.load_state_dict(own, strict=False)
 
 
 def mapped_tables(export: Export) -> nn.Module:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import gmeta_ds as gm
+from gmeta_ds.api import MetaEngine
 from gmeta_ds.evaluation import predict
 from gmeta_ds.serving import UserRequest
 from tests.helpers import click_log
@@ -125,3 +128,64 @@ def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path):
                                  {n: data.test.ids[q, j].tolist() for j, n in enumerate(names)}))
     got = np.concatenate([g.scores for g in served.predict(users)])
     assert np.allclose(got, expected["adapted"], atol=1e-5, rtol=0)
+
+
+def test_a_dynamic_tables_id_map_serves_its_admitted_rows_and_counts_the_rest(tmp_path):
+    """A field of raw ids on a dynamic table: the export keeps the admitted ids with their rows;
+    an admitted id reads its row, any other the default row, counted as unknown."""
+    data = gm.build_tasks(click_log(users=24), **KEYS, raw_ids=["item"])
+    tables = gm.tables_for(data.fields, 4, capacity=64)
+    learner = gm.meta_learner(Tower(), "maml", inner_steps=2, inner_lr=0.2, adapt="head.*")
+    learner.net.embedding = gm.EmbeddingCollection(tables, seed=0)
+    dynamic = learner.net.embedding.dynamic["item"]
+    seen = torch.unique(torch.as_tensor(data.train.ids[:, 1], dtype=torch.long))
+    dynamic.ids = seen[::2].clone()  # half the training items admitted
+    dynamic.rows = nn.Parameter(torch.randn(len(dynamic.ids), 4))
+    plan = SimpleNamespace(world_size=1, tasks_per_micro_batch=2, grad_accum_steps=1)
+    MetaEngine(SimpleNamespace(module=learner), None, [], plan, {}, 0, 0).save_model(tmp_path / "export", data)
+    served = gm.load_adapter(tmp_path / "export", Tower())
+    expected = predict(learner, learner.algorithm.learning_rates(learner), data.test, 2)
+    users = []
+    for t in range(len(data.test)):
+        s, q = data.test.split(t)
+        cols = [_columns_raw(data, data.test, part) for part in (s, q)]
+        users.append(UserRequest(cols[0], data.test.labels[s].tolist(), cols[1]))
+    got = served.predict(users)
+    assert np.allclose(np.concatenate([g.scores for g in got]), expected["adapted"], atol=1e-5, rtol=0)
+    items = np.asarray(data.test.ids[:, 1])
+    assert sum(g.unknown for g in got) == int((~np.isin(items, dynamic.ids.numpy())).sum())
+
+
+def _columns_raw(data, tasks, rows: slice) -> dict:
+    """`_columns`, with a raw field's ids given as they are (their value is the id)."""
+    cols = {}
+    for j, f in enumerate(gm.single_fields(data.fields)):
+        ids = [int(r) for r in tasks.ids[rows, j]]
+        cols[f.name] = ids if f.raw else [data.vocab[f.name].value(r) for r in ids]
+    values, offsets = tasks.multi["tags"]
+    cols["tags"] = [[data.vocab["tags"].value(int(v)) for v in values[offsets[r]:offsets[r + 1]]]
+                    for r in range(rows.start, rows.stop)]
+    return cols
+
+
+def test_a_malformed_export_refuses_to_load_naming_the_file(data, tmp_path, capsys):
+    import json
+
+    from gmeta_ds.cli import main
+
+    folder = _engine(Tower(), data, "maml", adapt="head.*").save_model(tmp_path / "export", data)
+    meta = json.loads((folder / "model.json").read_text())
+    (folder / "model.json").write_text(json.dumps({**meta, "serving": None}))
+    with pytest.raises(gm.ConfigError, match=r"model.json: 'serving' is None"):
+        gm.load_adapter(folder, Tower())
+    (folder / "model.json").write_text(json.dumps(meta))
+    weights = folder / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(gm.ConfigError, match=r"model.safetensors: its SHA-256 does not match"):
+        gm.load_adapter(folder, Tower())
+    assert main(["serve", str(folder), "--port", "0"]) == 2
+    assert "model.safetensors: its SHA-256 does not match" in capsys.readouterr().err
+    with pytest.raises(gm.ConfigError, match=r"holds no recipe .*gm.load_adapter\(path, model\)"):
+        gm.load_adapter(_engine(Tower(), data, "maml", adapt="head.*").save_model(tmp_path / "again", data))
