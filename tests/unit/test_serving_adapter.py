@@ -93,9 +93,13 @@ def test_serving_imports_no_deepspeed():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path):
-    """gmeta-ds export WEIGHTS OUT --config: the run's model comes back without passing it, and
-    scores the held-out users as gmeta-ds eval's predictions do."""
+ZOO = ["melu", "dcn_v2", "deepfm", "wide_deep", "dlrm", "two_tower"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path, name):
+    """gmeta-ds export WEIGHTS OUT --config: every zoo model comes back without passing it, and
+    scores the held-out users as gmeta-ds eval's predictions do (its default adapted layers)."""
     import yaml
 
     from gmeta_ds.cli import main
@@ -104,9 +108,9 @@ def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path):
     from gmeta_ds.workloads.ctr import build_data, build_learner
 
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"name": "dcn_v2", "embed_dim": 4,
-                                      "hidden": [8], "cross_layers": 1},
-                                      "meta": {"inner_steps": 2, "inner_lr": 0.3, "adapt": ["mlp.*"]},
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"name": name, "embed_dim": 4,
+                                      "hidden": [8], "cross_layers": 1, "tower_hidden": [8, 4]},
+                                      "meta": {"inner_steps": 2, "inner_lr": 0.3},
                                       "data": {"synthetic": {"num_users": 30, "num_items": 40, "max_interactions": 25}}}))
     cfg = load_config(config)
     data = build_data(cfg)
@@ -117,7 +121,7 @@ def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path):
     weights = save_weights(learner.state_dict(), tmp_path / "model.safetensors")
     assert main(["export", str(weights), str(tmp_path / "export"), "--config", str(config)]) == 0
     served = gm.load_adapter(tmp_path / "export")
-    assert type(served.learner.net) is type(learner.net) and served.name == "dcn_v2"
+    assert type(served.learner.net) is type(learner.net) and served.name == name
     expected = predict(learner, learner.algorithm.learning_rates(learner), data.test, 2)
     names = [f.name for f in gm.single_fields(data.fields)]
     users = []
