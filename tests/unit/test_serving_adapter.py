@@ -93,7 +93,9 @@ def test_serving_imports_no_deepspeed():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-ZOO = ["melu", "dcn_v2", "deepfm", "wide_deep", "dlrm", "two_tower"]
+ZOO = ["melu", "dcn_v2", "deepfm", "wide_deep", "dlrm", "two_tower", "melu+popularity"]
+POPULARITY = ({"item_popularity": True, "popularity_feature": True},
+              {"adapt": ["mlp.*", "popularity.*"], "offset_first": 2.0, "support_level": 3.0})
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -108,13 +110,15 @@ def test_the_cli_export_rebuilds_the_zoo_model_from_its_recipe(tmp_path, name):
     from gmeta_ds.workloads.ctr import build_data, build_learner
 
     config = tmp_path / "c.yaml"
+    name, _, extra = name.partition("+")  # melu+popularity: the offset, offset_first and support_level
+    model, meta = POPULARITY if extra else ({}, {})
     config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"name": name, "embed_dim": 4,
-                                      "hidden": [8], "cross_layers": 1, "tower_hidden": [8, 4]},
-                                      "meta": {"inner_steps": 2, "inner_lr": 0.3},
+                                      "hidden": [8], "cross_layers": 1, "tower_hidden": [8, 4], **model},
+                                      "meta": {"inner_steps": 2, "inner_lr": 0.3, **meta},
                                       "data": {"synthetic": {"num_users": 30, "num_items": 40, "max_interactions": 25}}}))
     cfg = load_config(config)
     data = build_data(cfg)
-    learner = build_learner(cfg, data.fields)
+    learner = build_learner(cfg, data.fields, train=data.train)  # the popularity counts fitted
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(torch.randn_like(p) * 0.2)
