@@ -1,8 +1,10 @@
 """Dynamic batching: concurrent requests become one vectorised adaptation.
 
 Requests wait in a queue; one worker takes the first, then whatever arrives within
-``max_wait_s`` up to ``max_batch`` users, and runs them as one batch on a single inference
-thread (torch runs there; the event loop keeps accepting requests meanwhile). Each user's rows
+``max_wait_s`` up to ``max_batch`` users (no wait when the last batch held one user and
+nobody else is waiting: at low load a request runs at once), and runs them as one batch on
+a single inference thread (torch runs there; the event loop keeps accepting requests
+meanwhile). Each user's rows
 are padded to the longest of its batch (`Encoder.pad`). A request whose values cannot be
 encoded fails alone; the rest of its batch is scored. The model is read from ``holder`` once
 per batch, so a reload (`ModelHolder.swap`) takes effect between batches and a batch never
@@ -44,6 +46,7 @@ class Batcher:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="gmeta-serve", initializer=torch.set_num_threads,
                                        initargs=(torch.get_num_threads(),))
         self.worker: asyncio.Task | None = None
+        self.last_size = 0  # users in the last batch run
 
     def start(self) -> None:
         self.worker = asyncio.get_running_loop().create_task(self._run())
@@ -64,6 +67,8 @@ class Batcher:
         """The next batch: the first waiting request, then more until full or the wait ends."""
         loop = asyncio.get_running_loop()
         batch = [await self.queue.get()]
+        if self.last_size == 1 and self.queue.empty():
+            return batch  # one user at a time lately: waiting would only add latency
         deadline = loop.time() + self.max_wait_s
         while len(batch) < self.max_batch:
             try:
@@ -83,6 +88,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect()
+            self.last_size = len(batch)
             model = self.holder.model
             try:
                 outcomes = await loop.run_in_executor(self.pool, _predict, model, [u for u, _ in batch], self.observe)
