@@ -31,6 +31,7 @@ _PUBLIC = {
     "multi_fields": "gmeta_ds.sparse", "TaskData": "gmeta_ds.data.tasks",
     "ConfigError": "gmeta_ds.errors", "DataError": "gmeta_ds.errors",
     "load_model": "gmeta_ds.saved", "SavedModel": "gmeta_ds.saved", "Vocabulary": "gmeta_ds.data.vocab",
+    "load_adapter": "gmeta_ds.serving",
     # the model zoo (docs/architecture.md "Models"): each takes (fields, embed_dim, ...)
     "MeLU": "gmeta_ds.models.melu", "DCNv2": "gmeta_ds.models.dcn_v2", "DeepFM": "gmeta_ds.models.deepfm",
     "WideDeep": "gmeta_ds.models.wide_deep", "DLRM": "gmeta_ds.models.dlrm",

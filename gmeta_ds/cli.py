@@ -6,6 +6,8 @@
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
     gmeta-ds export   CHECKPOINT OUT.safetensors [--overwrite]
+    gmeta-ds export   CHECKPOINT|WEIGHTS OUT_DIR --config FILE.yaml [--set ...] [--overwrite]
+    gmeta-ds serve    EXPORT_DIR [--host H] [--port P] [--model MODULE:FUNCTION] [...]
     gmeta-ds data synthesize --interactions N --out DIR [--shards K] [--seed S] [--items M]
 
 ``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
@@ -79,10 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--weights", default=None,
                            help="safetensors file (default: OUTPUT_DIR/model.safetensors)")
-    p = sub.add_parser("export", help="one safetensors file (dense + full tables) from a checkpoint")
-    p.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints (its latest) or one step_* directory")
-    p.add_argument("out", help="the .safetensors file to write (outside the checkpoints folder)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    _export_parser(sub)
+    _serve_parser(sub)
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
@@ -100,6 +100,39 @@ def _parser() -> argparse.ArgumentParser:
                    help="distinct items (default: max(1000, N // 100))")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
     return parser
+
+
+def _export_parser(sub) -> None:
+    """``gmeta-ds export``'s arguments."""
+    p = sub.add_parser("export", help="one safetensors file (dense + full tables) from a checkpoint; with "
+                       "--config, the self-contained folder gmeta-ds serve loads")
+    p.add_argument("checkpoint", help="OUTPUT_DIR/checkpoints (its latest) or one step_* directory; with "
+                   "--config also a weights file (OUTPUT_DIR/model.safetensors)")
+    p.add_argument("out", help="the .safetensors file to write (outside the checkpoints folder); with "
+                   "--config, the export folder")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--config", default=None, help="the run config YAML: write the serving export "
+                   "(docs/serving.md)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (repeatable; with --config)")
+
+
+def _serve_parser(sub) -> None:
+    """``gmeta-ds serve``'s arguments (gmeta_ds/serving/server.py)."""
+    p = sub.add_parser("serve", help="adapt to each user and score candidates over HTTP (docs/serving.md)")
+    p.add_argument("export", help="the folder gmeta-ds export --config (or engine.save_model) wrote")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                   help="a function fields -> model, for an export saved through the Python API")
+    p.add_argument("--max-batch", type=_at_least(1), default=64, help="users adapted together (default 64)")
+    p.add_argument("--max-wait-ms", type=float, default=1.0, help="longest wait to fill a batch (default 1)")
+    p.add_argument("--max-rows", type=_at_least(1), default=1000,
+                   help="most support rows, and most candidates, per request (default 1000)")
+    p.add_argument("--max-body-bytes", type=_at_least(1), default=1 << 20, help="largest request body (1 MiB)")
+    p.add_argument("--cache-size", type=_at_least(0), default=10000, help="users' adapted parameters kept")
+    p.add_argument("--cache-ttl-s", type=float, default=600.0, help="how long they are kept (seconds)")
+    p.add_argument("--threads", type=_at_least(1), default=1, help="torch threads (default 1)")
 
 
 def _at_least(low: int):
@@ -235,9 +268,8 @@ def _cmd_plot(run_dir: str, out: str | None) -> int:
     return 0
 
 
-def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
-    from safetensors import SafetensorError
-
+def _find_checkpoint(checkpoint_path: str) -> Path:
+    """The checkpoint CHECKPOINT names (a step_* folder, or the latest of a checkpoints folder)."""
     from gmeta_ds import checkpoint
 
     source = Path(checkpoint_path)
@@ -250,6 +282,15 @@ def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
     except ConfigError as exc:  # find() words its errors for train.resume
         problems = [p.replace("train.resume: ", "CHECKPOINT ", 1) for p in exc.problems]
         raise ConfigError([problems[0] + _no_checkpoint_hint(source), *problems[1:]]) from exc
+    return ckpt
+
+
+def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
+    from safetensors import SafetensorError
+
+    from gmeta_ds import checkpoint
+
+    ckpt = _find_checkpoint(checkpoint_path)
     if Path(out).is_dir():
         raise ConfigError([f"OUT {out!r} is a directory; expected the path of the .safetensors "
                            "file to write"])
@@ -263,6 +304,34 @@ def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
         raise ConfigError([f"CHECKPOINT {str(ckpt)!r}: its manifest and files do not make one gmeta-ds "
                            f"checkpoint ({type(exc).__name__}: {exc})"]) from exc
     print(f"wrote {path} (checkpoint {ckpt})")
+    return 0
+
+
+def _cmd_export_serving(args: argparse.Namespace) -> int:
+    """``export --config``: the serving export folder (gmeta_ds/serving/recipe.py)."""
+    from gmeta_ds.serving.recipe import export_run
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    source = Path(args.checkpoint)
+    if not source.is_file():
+        source = _find_checkpoint(args.checkpoint)
+        _check_export_target(source, out, args.overwrite)
+    elif out.exists() and not args.overwrite:
+        raise ConfigError([f"OUT {str(out)!r} exists; pass --overwrite to replace it, or another path"])
+    check_output_dir(out.parent, key="OUT's folder")
+    path = export_run(cfg, source, out)
+    print(f"wrote {path} (weights {source}); serve it with: gmeta-ds serve {path}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gmeta_ds.serving.server import ServerOptions, serve
+
+    options = ServerOptions(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_rows=args.max_rows,
+                            max_body_bytes=args.max_body_bytes, cache_size=args.cache_size,
+                            cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads)
+    serve(args.export, args.host, args.port, options)
     return 0
 
 
@@ -359,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
         if args.command == "export":
+            if args.config is not None:
+                return _cmd_export_serving(args)
             return _cmd_export(args.checkpoint, args.out, args.overwrite)
+        if args.command == "serve":
+            return _cmd_serve(args)
         if args.command == "data":
             return _cmd_data(args)
         cfg = load_config(args.config, _overrides(args))

@@ -70,10 +70,12 @@ def target_problems(folder: Path) -> list[str]:
 
 
 def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, fields: list[FieldSpec],
-                tables: list[TableConfig], vocab: dict[str, Vocabulary], algorithm) -> Path:
+                tables: list[TableConfig], vocab: dict[str, Vocabulary], algorithm,
+                serving: dict | None = None) -> Path:
     """Write the folder (module docstring); returns its path. ``folder`` may be missing,
     empty, or an earlier saved model (replaced whole, once the new one is complete);
-    anything else is refused before anything is written."""
+    anything else is refused before anything is written. ``serving``: what `gmeta_ds.serving`
+    needs beyond the weights (`gmeta_ds.serving.export.serving_section`), kept in model.json."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -97,6 +99,7 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
                 "fields": [dataclasses.asdict(f) for f in fields],
                 "tables": [{**dataclasses.asdict(t), "features": list(t.features)} for t in tables],
                 "algorithm": algorithm_settings(algorithm),
+                "serving": serving or {"name": type(model).__name__.lower(), "inner_steps": algorithm.inner_steps},
                 "files": {name: sha256(work / name) for name in (WEIGHTS, VOCAB)}}
         (work / META).write_text(json.dumps(meta, indent=1) + "\n")
         for name in (WEIGHTS, VOCAB, META):
@@ -261,17 +264,23 @@ def _read_files(folder: Path, meta: dict) -> dict[str, dict[str, Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    paths = {name: _member(folder, name) for name in (WEIGHTS, VOCAB)}
     tensors = {}
-    for name, path in paths.items():
-        if sha256(path) != meta["files"][name]:
-            raise _refuse(path, f"its SHA-256 does not match the one {META} records (changed or damaged "
-                                "after it was saved)")
+    for name, path in checked_files(folder, meta).items():
         try:
             tensors[name] = load_file(str(path))
         except (SafetensorError, OSError) as exc:
             raise _refuse(path, f"not a readable safetensors file ({exc})") from None
     return tensors
+
+
+def checked_files(folder: Path, meta: dict) -> dict[str, Path]:
+    """model.json's files, each a plain file of ``folder`` whose SHA-256 matches its record."""
+    paths = {name: _member(folder, name) for name in (WEIGHTS, VOCAB)}
+    for name, path in paths.items():
+        if sha256(path) != meta["files"][name]:
+            raise _refuse(path, f"its SHA-256 does not match the one {META} records (changed or damaged "
+                                "after it was saved)")
+    return paths
 
 
 def _vocabularies(folder: Path, fields: list[FieldSpec], arrays: dict[str, Tensor]) -> dict[str, Vocabulary]:

@@ -1,0 +1,288 @@
+"""Serving throughput and latency: adapt + score per user over HTTP, against the same call in Python.
+
+The model is the demo's (examples/synthetic/config.yaml: MeLU, d = 16, hidden [64, 32],
+``mlp.*`` adapted with 2 inner steps; the synthetic data's fields and sizes), exported with
+``gmeta-ds export --config`` from its initial weights (speed does not depend on the values).
+Each user sends ``--support`` rows with labels (default 20) and ``--candidates`` items (100),
+ids drawn at random from each field; the cache is off (``--cache-size 0``) and every user id is
+new, so every request adapts.
+
+Measured, for ``adapt`` (support rows) and ``score`` (no support: the meta-initialisation):
+
+- ``direct``: `ServedModel.predict` called in this process on batches of 1 and of 64 users
+  (no HTTP): the adaptation core's own users/s and per-batch latency;
+- ``http``: ``gmeta-ds serve`` in a subprocess (``--max-batch 64 --max-wait-ms 1``), with 1, 8
+  and 64 concurrent clients (asyncio + httpx, at most 8 per client process: httpx's pool slows
+  down past that; bodies encoded beforehand), each for ``--seconds`` (default 8): users/s and
+  the p50 / p99 of each request's latency, the server process's CPU time per user answered
+  (/proc: what the server itself spends, whatever the clients cost) and its mean batch.
+
+The client shares the machine's cores with the server: on a 2-core machine the client's own
+JSON and HTTP work is part of what limits the HTTP numbers. Results go to
+``benchmarks/results/serve.json`` (or ``--out``) and are printed as a table.
+
+``--startup-rows N`` instead measures start-up: the demo's export with an item table of N rows
+(random), the seconds from starting ``gmeta-ds serve`` to its first ready answer (imports, the
+SHA-256 of every file, the mapping, a warm-up adaptation) and its resident memory against the
+export's size (``benchmarks/results/serve_startup.json``).
+
+Run from the repo root:  python benchmarks/serve.py [--seconds 8] [--clients 1 8 64]
+                         python benchmarks/serve.py --startup-rows 10000000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, bench_env, free_port, machine  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def build_export(folder: Path) -> Path:
+    """The demo's model with its initial weights, exported as gmeta-ds export --config does."""
+    from gmeta_ds.config import load_config
+    from gmeta_ds.engine.ds_engine import save_weights
+    from gmeta_ds.serving.recipe import export_run
+    from gmeta_ds.workloads.ctr import build_data, build_learner
+
+    cfg = load_config(REPO / "examples/synthetic/config.yaml")
+    learner = build_learner(cfg, build_data(cfg).fields)
+    weights = save_weights(learner.state_dict(), folder / "weights.safetensors")
+    return export_run(cfg, weights, folder / "export")
+
+
+def big_export(folder: Path, rows: int) -> Path:
+    """The demo's export with an item table of ``rows`` rows (random), for the start-up check."""
+    import dataclasses
+
+    from gmeta_ds.saved import write_model
+    from gmeta_ds.serving.adapter import build_learner
+    from gmeta_ds.serving.export import open_export, serving_section
+
+    small = open_export(build_export(folder))
+    meta = small.meta
+    fields = [dataclasses.replace(f, num_ids=rows) if f.name == "item_id" else f for f in meta["fields"]]
+    tables = [dataclasses.replace(t, num_rows=rows) if "item_id" in t.features else t for t in meta["tables"]]
+    name = next(t.name for t in tables if "item_id" in t.features)
+    state = {k: v.clone() for k, v in small.state.items()}
+    state[f"net.embedding.weights.{name}"] = torch.randn(rows, state[f"net.embedding.weights.{name}"].shape[1])
+    learner = build_learner(small, None)
+    section = serving_section(small.name, small.serving["inner_steps"], small.serving["recipe"])
+    return write_model(folder / "big", state, learner.net, fields, tables, {}, learner.algorithm, section)
+
+
+def startup(export: Path, log: Path) -> dict:
+    """Seconds from starting ``gmeta-ds serve`` to its first ready answer and its resident
+    memory (anonymous and file-backed) against the export's size."""
+    port = free_port()
+    start = time.perf_counter()
+    server = start_server(export, port, log)
+    ready = time.perf_counter() - start
+    try:
+        status = dict(ln.split(":", 1) for ln in Path(f"/proc/{server.pid}/status").read_text().splitlines())
+        mib = {k: int(status[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    size = sum(f.stat().st_size for f in export.iterdir()) / 2**20
+    return {"ready_s": ready, "rss_mib": mib["VmRSS"], "rss_anon_mib": mib["RssAnon"], "rss_file_mib": mib["RssFile"],
+            "export_mib": size}
+
+
+def user_bodies(fields, count: int, support: int, candidates: int, seed: int, adapt: bool) -> list[dict]:
+    """``count`` plain JSON request bodies of random ids (one new user id each)."""
+    rng = np.random.default_rng(seed)
+    bodies = []
+    for u in range(count):
+        user = {f.name: int(rng.integers(f.num_ids)) for f in fields if f.side == "user"}
+        items = [f for f in fields if f.side != "user"]
+
+        def rows(n):
+            return [{f.name: int(rng.integers(f.num_ids)) for f in items} for _ in range(n)]
+
+        sup = [{**r, "label": float(rng.random() < 0.3)} for r in rows(support)] if adapt else []
+        bodies.append({"user_id": f"bench-{seed}-{u}", "user": user, "support": sup, "candidates": rows(candidates)})
+    return bodies
+
+
+def direct(export: Path, bodies: list[dict], batch: int, seconds: float) -> dict:
+    """users/s and per-batch latency of ServedModel.predict on batches of ``batch`` users."""
+    from gmeta_ds.serving import load_adapter
+    from gmeta_ds.serving.protocol import parse_json
+
+    torch.set_num_threads(1)  # as gmeta-ds serve (--threads 1)
+    model = load_adapter(export, cache_size=0)
+    users = [parse_json(b, model.fields, 10_000) for b in bodies]
+    model.predict(users[:batch])  # warm-up
+    times, done, start = [], 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        chunk = [users[(done + i) % len(users)] for i in range(batch)]
+        t = time.perf_counter()
+        model.predict(chunk)
+        times.append(time.perf_counter() - t)
+        done += batch
+    return {"users_per_s": done / sum(times), "p50_ms": 1000 * statistics.median(times),
+            "p99_ms": 1000 * float(np.percentile(times, 99)), "batches": len(times)}
+
+
+PER_PROCESS = 8  # httpx's pool slows down past ~8 connections in one process: more clients, more processes
+
+
+async def http_load(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` concurrent loops posting bodies for ``seconds`` (after one warm-up request):
+    the latencies (seconds) of the requests they sent and how many failed."""
+    import httpx
+
+    latencies: list[float] = []
+    errors = 0
+    stop = 0.0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def client(k: int, http) -> None:
+        nonlocal errors
+        i = k
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            reply = await http.post("/v1/score", content=bodies[i % len(bodies)],
+                                    headers={"content-type": "application/json"})
+            latencies.append(time.perf_counter() - t)
+            errors += reply.status_code != 200
+            i += clients
+
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        await http.post("/v1/score", content=bodies[0], headers={"content-type": "application/json"})
+        stop = time.perf_counter() + seconds
+        await asyncio.gather(*(client(k, http) for k in range(clients)))
+    return {"latencies": latencies, "errors": errors}
+
+
+def _client_process(args: tuple) -> dict:
+    url, bodies, clients, seconds = args
+    return asyncio.run(http_load(url, bodies, clients, seconds))
+
+
+def http_run(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` concurrent clients in ceil(clients / `PER_PROCESS`) processes, each on its own
+    share of the bodies: users/s (requests answered / ``seconds``) and p50 / p99 latency."""
+    from multiprocessing import get_context
+
+    procs = -(-clients // PER_PROCESS)
+    shares = [clients // procs + (k < clients % procs) for k in range(procs)]
+    jobs = [(url, bodies[k::procs], n, seconds) for k, n in enumerate(shares)]
+    with get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_client_process, jobs)
+    latencies = [t for p in parts for t in p["latencies"]]
+    return {"users_per_s": len(latencies) / seconds, "p50_ms": 1000 * statistics.median(latencies),
+            "p99_ms": 1000 * float(np.percentile(latencies, 99)), "requests": len(latencies),
+            "errors": sum(p["errors"] for p in parts), "client_processes": procs}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def batch_totals(url: str) -> tuple[float, float]:
+    """(users, batches) the server has run, from its /metrics."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    value = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("gmeta_serve_batch_users_")}
+    return value["gmeta_serve_batch_users_sum"], value["gmeta_serve_batch_users_count"]
+
+
+def measured_http(url: str, pid: int, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """`http_run`, with the server's CPU per user answered and its mean batch size."""
+    users0, batches0 = batch_totals(url)
+    cpu0 = process_cpu_s(pid)
+    out = http_run(url, bodies, clients, seconds)
+    cpu = process_cpu_s(pid) - cpu0
+    users1, batches1 = batch_totals(url)
+    users, batches = users1 - users0, batches1 - batches0
+    return {**out, "server_cpu_ms_per_user": 1000 * cpu / max(users, 1), "mean_batch": users / max(batches, 1)}
+
+
+def start_server(export: Path, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(export), "--port", str(port), "--cache-size", "0",
+           "--max-batch", "64", "--max-wait-ms", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=bench_env())
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not become ready in 120 s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=8.0, help="per measurement")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--support", type=int, default=20)
+    parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/serve.json "
+                        "(serve_startup.json with --startup-rows)")
+    parser.add_argument("--startup-rows", type=int, default=0,
+                        help="only the start-up check, on an item table of this many rows (e.g. 10000000)")
+    args = parser.parse_args()
+    if args.startup_rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = {"machine": machine(), "rows": args.startup_rows,
+                      **startup(big_export(Path(tmp), args.startup_rows), Path(tmp) / "server.log")}
+        print(json.dumps(result, indent=1))
+        Path(args.out or REPO / "benchmarks/results/serve_startup.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+    results: dict = {"machine": machine(), "support": args.support, "candidates": args.candidates,
+                     "seconds": args.seconds, "direct": {}, "http": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        export = build_export(Path(tmp))
+        from gmeta_ds.serving.export import open_export
+
+        fields = open_export(export).fields
+        bodies = {mode: user_bodies(fields, 512, args.support, args.candidates, seed, mode == "adapt")
+                  for seed, mode in enumerate(("adapt", "score"))}
+        for mode, these in bodies.items():
+            for batch in (1, 64):
+                results["direct"][f"{mode}/batch{batch}"] = direct(export, these, batch, args.seconds)
+        port = free_port()
+        server = start_server(export, port, Path(tmp) / "server.log")
+        try:
+            for mode, these in bodies.items():
+                encoded = [json.dumps(b).encode() for b in these]
+                for clients in args.clients:
+                    results["http"][f"{mode}/clients{clients}"] = measured_http(
+                        f"http://127.0.0.1:{port}", server.pid, encoded, clients, args.seconds)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    results["machine"]["load_avg_at_end"] = os.getloadavg()
+    Path(args.out or REPO / "benchmarks/results/serve.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"{'':22} {'users/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU ms/user':>19} {'mean batch':>10}")
+    for kind in ("direct", "http"):
+        for name, r in results[kind].items():
+            extra = f" {r['server_cpu_ms_per_user']:19.2f} {r['mean_batch']:10.1f}" if kind == "http" else ""
+            print(f"{kind + ' ' + name:22} {r['users_per_s']:9.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

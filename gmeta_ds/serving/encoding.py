@@ -1,0 +1,129 @@
+"""Raw feature values of a request -> the model's ids, padded over a batch of users.
+
+A categorical field with a vocabulary maps each value through it (`Vocabulary.encode`; a value
+it does not hold gets the out-of-vocabulary row 0); a field of raw ids (dynamic tables) keeps
+the value's id (`gmeta_ds.sparse.value_id`) and a dynamic table looks an id it never admitted
+up as its default row; a field of plain ids (synthetic data) takes integers in
+``[0, num_ids)``, others going to row 0. Each such unknown value is counted (the server's
+``unknown_ids`` metric) so that a drift in the incoming values is visible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gmeta_ds.data.vocab import value_text
+from gmeta_ds.serving.adapter import Padded
+from gmeta_ds.serving.export import Export
+from gmeta_ds.sparse import PAD_ID, Jagged, multi_fields, single_fields, value_id
+
+
+class RequestError(ValueError):
+    """A request that cannot be encoded: ``field`` names where (``support.item``), the message why."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class Encoded:
+    """One user's rows: ids (N, F_single) int64, bags (multi-hot field -> N arrays), labels
+    (N,) float32 (zeros for candidates), unknown (values mapped to a default row)."""
+
+    ids: np.ndarray
+    bags: dict[str, list[np.ndarray]]
+    labels: np.ndarray
+    unknown: int
+
+
+class Encoder:
+    """Encode the raw columns of one export's fields."""
+
+    def __init__(self, export: Export):
+        self.single = single_fields(export.fields)
+        self.multi = multi_fields(export.fields)
+        self.vocab = export.vocab
+        self.admitted = {}  # raw field -> the sorted ids its dynamic table admitted
+        for table in export.meta["tables"]:
+            ids = export.state.get(f"net.embedding.dynamic.{table.name}.ids")
+            for name in table.features if ids is not None else ():
+                self.admitted[name] = ids.numpy()
+        for vocab in self.vocab.values():
+            vocab.encode([])  # build the value -> id map now, not on the first request
+
+    def encode(self, columns: dict[str, list], labels: list[float] | None, where: str) -> Encoded:
+        """``columns``: field -> N raw values (a multi-hot field: N lists); ``where`` prefixes
+        the field in errors (``support``, ``candidates``)."""
+        n = len(labels) if labels is not None else len(next(iter(columns.values()), []))
+        unknown = 0
+        ids = np.zeros((n, len(self.single)), np.int64)
+        for j, f in enumerate(self.single):
+            ids[:, j], missed = self._column(f, self._values(columns, f.name, n, where), f"{where}.{f.name}")
+            unknown += missed
+        bags = {}
+        for f in self.multi:
+            rows = self._values(columns, f.name, n, where)
+            if any(isinstance(b, (str, bytes)) or not isinstance(b, (list, tuple)) for b in rows):
+                raise RequestError(f"{where}.{f.name}", "a multi-hot field takes a list of values per row")
+            flat = self.vocab[f.name].encode(v for b in rows for v in b)
+            unknown += int((flat == 0).sum())
+            bags[f.name] = np.split(flat, np.cumsum([len(b) for b in rows])[:-1]) if rows else []
+        y = np.asarray(labels if labels is not None else np.zeros(n), np.float32)
+        return Encoded(ids, bags, y, unknown)
+
+    @staticmethod
+    def _values(columns: dict, name: str, n: int, where: str) -> list:
+        if name not in columns and n == 0:
+            return []
+        if name not in columns:
+            raise RequestError(f"{where}.{name}", "missing: every row needs this field (or give it once in "
+                                                  "'user' when it is a user feature)")
+        values = columns[name]
+        if len(values) != n:
+            raise RequestError(f"{where}.{name}", f"{len(values)} values for {n} rows")
+        return values
+
+    def _column(self, f, values: list, where: str) -> tuple[np.ndarray, int]:
+        """(ids, how many were unknown) of one single-hot field."""
+        if f.name in self.vocab:
+            ids = self.vocab[f.name].encode(values)
+            return ids, int((ids == 0).sum())
+        if f.raw:
+            ids = np.fromiter((value_id(value_text(v)) for v in values), np.int64, len(values))
+            admitted = self.admitted.get(f.name)
+            if admitted is None or not len(ids):
+                return ids, 0
+            pos = np.searchsorted(admitted, ids).clip(max=len(admitted) - 1)
+            return ids, int((admitted[pos] != ids).sum()) if len(admitted) else len(ids)
+        ids = np.asarray(values)
+        if ids.dtype.kind not in "iu":
+            try:
+                ids = np.asarray([int(v) for v in values], np.int64)
+            except (TypeError, ValueError):
+                raise RequestError(where, f"expected integer ids in [0, {f.num_ids})") from None
+        ids = ids.astype(np.int64, copy=False).reshape(len(values))
+        bad = (ids < 0) | (ids >= f.num_ids)
+        return np.where(bad, 0, ids), int(bad.sum())
+
+    def pad(self, users: list[Encoded]) -> Padded:
+        """The users' rows padded to the longest (at least one row; padding has mask 0, ids 0,
+        `PAD_ID` in raw columns, empty bags)."""
+        b, n = len(users), max([len(u.labels) for u in users] + [1])
+        ids = np.zeros((b, n, len(self.single)), np.int64)
+        ids[..., [j for j, f in enumerate(self.single) if f.raw]] = PAD_ID
+        labels, mask = np.zeros((b, n), np.float32), np.zeros((b, n), np.float32)
+        for i, u in enumerate(users):
+            ids[i, :len(u.labels)] = u.ids
+            labels[i, :len(u.labels)] = u.labels
+            mask[i, :len(u.labels)] = 1.0
+        multi = {}
+        for f in self.multi:
+            bags = [bag for u in users for bag in u.bags[f.name] + [np.zeros(0, np.int64)] * (n - len(u.labels))]
+            offsets = np.zeros(len(bags) + 1, np.int64)
+            np.cumsum([len(x) for x in bags], out=offsets[1:])
+            values = np.concatenate(bags) if bags else np.zeros(0, np.int64)
+            multi[f.name] = Jagged(torch.from_numpy(values.astype(np.int64)), torch.from_numpy(offsets))
+        return Padded(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask), multi)

@@ -1,0 +1,122 @@
+"""The self-contained export that serving loads: a saved-model folder (`gmeta_ds.saved`) read
+without running code from it, its large arrays memory-mapped.
+
+The folder is what ``engine.save_model`` and ``gmeta-ds export --config`` write: model.json
+(fields, tables, the algorithm's settings, a ``serving`` section with the model's name, the
+inner steps to adapt with and, from the CLI, the run config's ``recipe``: the model and
+embedding sections the zoo model is rebuilt from), model.safetensors (dense weights, every
+table reassembled from its shards, dynamic tables' id maps ``...dynamic.<t>.ids``, Meta-SGD's
+learned rates) and vocab.safetensors (raw value -> row id per field). Every file's SHA-256 is
+checked against model.json before anything is used.
+
+Tensors are mapped from the files (`mapped_tensors`) rather than read: a table larger than
+memory is paged in as rows are looked up, several server processes share its pages, and a
+model's start-up does not copy it. safetensors' own ``safe_open`` maps the file too but copies
+each tensor it returns, hence the header read here (the format is 8 bytes of header length,
+a JSON header, then the raw little-endian data).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gmeta_ds.data.vocab import Vocabulary
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.saved import META, VOCAB, WEIGHTS, checked_files, read_meta
+from gmeta_ds.sparse import FieldSpec
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def serving_section(name: str, inner_steps: int, recipe: dict | None = None) -> dict:
+    """model.json's ``serving`` entry: the model's name, the inner steps a request adapts with
+    (the run's eval steps), and the recipe a zoo model is rebuilt from (None: the caller
+    passes the model to `gmeta_ds.serving.load_adapter`)."""
+    return {"name": name, "inner_steps": int(inner_steps), **({"recipe": recipe} if recipe else {})}
+
+
+def _refuse(path: Path, problem: str) -> ConfigError:
+    return ConfigError([f"{path}: {problem}"], "gmeta_ds.serving")
+
+
+def mapped_tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file, mapped copy-on-write (no read of the data, pages
+    shared between processes until written); a malformed file is a `ConfigError` naming it."""
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > MAX_HEADER:
+                raise ValueError(f"header of {length} bytes")
+            header = json.loads(fh.read(length))
+        header.pop("__metadata__", None)
+        raw = np.memmap(path, dtype=np.uint8, mode="c")
+        out = {}
+        for name, info in header.items():
+            start, end = (8 + length + int(o) for o in info["data_offsets"])
+            if end > len(raw) or start > end:
+                raise ValueError(f"tensor {name!r} lies outside the file")
+            array = raw[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+            out[name] = torch.from_numpy(array)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise _refuse(path, f"not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass
+class Export:
+    """An opened export: ``state`` (weight name -> mapped tensor), ``vocab`` (field -> its
+    `Vocabulary`; fields of ids without one are absent), ``serving`` (model.json's section),
+    ``version`` (the first 12 hex digits of the weights' SHA-256: a new export of other weights
+    is a new version)."""
+
+    path: Path
+    meta: dict
+    state: dict[str, Tensor]
+    vocab: dict[str, Vocabulary]
+    serving: dict
+
+    @property
+    def fields(self) -> list[FieldSpec]:
+        return self.meta["fields"]
+
+    @property
+    def name(self) -> str:
+        return self.serving["name"]
+
+    @property
+    def version(self) -> str:
+        return self.meta["files"][WEIGHTS][:12]
+
+
+def open_export(folder: str | Path) -> Export:
+    """Check and map an export folder (module docstring); any problem is a `ConfigError`
+    naming the file."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    serving = meta.get("serving")
+    if not isinstance(serving, dict) or not isinstance(serving.get("name"), str) \
+            or not isinstance(serving.get("inner_steps"), int) or serving["inner_steps"] < 0:
+        raise _refuse(folder / META, f"'serving' is {serving!r}: expected the model's name and its inner_steps "
+                                     "(re-export it with this gmeta_ds: engine.save_model or gmeta-ds export --config)")
+    if meta.get("algorithm") is None:
+        raise _refuse(folder / META, "'algorithm' is null: a user's own algorithm class cannot adapt at serving "
+                                     "time; save with a registered algorithm (maml, fomaml, reptile, metasgd)")
+    paths = checked_files(folder, meta)
+    state = mapped_tensors(paths[WEIGHTS])
+    arrays = mapped_tensors(paths[VOCAB])
+    vocab = {}
+    for f in meta["fields"]:
+        if f"{f.name}.data" in arrays:
+            try:
+                vocab[f.name] = Vocabulary(arrays[f"{f.name}.data"].numpy(), arrays[f"{f.name}.offsets"].numpy())
+            except (KeyError, ValueError) as exc:
+                raise _refuse(paths[VOCAB], f"no valid vocabulary for field {f.name!r} ({exc})") from None
+    return Export(folder, meta, state, vocab, serving)

@@ -1,0 +1,183 @@
+"""Request bodies -> `UserRequest`, checked field by field, and results -> response bodies.
+
+Two forms carry one user each:
+
+- the plain JSON form (``POST /v1/score``)::
+
+    {"user_id": "u17", "user": {"age": "25-34"},
+     "support": [{"item": "i3", "tags": ["drama"], "label": 1}, ...],
+     "candidates": [{"item": "i9", "tags": []}, ...]}
+
+  ``user`` holds fields given once for every row (the user's own features); a row may also
+  give them itself. ``support`` may be empty or absent: the candidates are then scored by the
+  meta-initialisation (a user with no history yet).
+
+- the Open Inference Protocol v2 (``POST /v2/models/{name}/infer``, as KServe and Triton speak
+  it): one tensor per field and part, named ``user.<field>`` (shape [1]),
+  ``support.<field>`` and ``support.label`` (shape [S]), ``candidates.<field>`` (shape [C]);
+  a multi-hot field's value per row is one string of its values joined by ``|``; the user id
+  goes in ``parameters.user_id``. The scores come back as the FP32 output ``scores`` (shape [C]).
+
+Every problem is a `RequestError` naming where (``support[2].label``, ``inputs[1].shape``),
+which the server answers with a 4xx.
+"""
+from __future__ import annotations
+
+import math
+
+from gmeta_ds.serving.encoding import RequestError
+from gmeta_ds.serving.model import Scored, UserRequest
+from gmeta_ds.sparse import FieldSpec
+
+SCALARS = (str, int, float, bool)
+OIP_TYPES = {"BYTES": str, "FP32": float, "FP64": float, "INT64": int, "INT32": int}
+
+
+def _rows(body: dict, part: str, fields: dict[str, FieldSpec], user: dict, labels: bool, max_rows: int):
+    """The columns of ``body[part]`` (a list of row objects), user fields filled from ``user``."""
+    rows = body.get(part, [])
+    if not isinstance(rows, list):
+        raise RequestError(part, f"expected a list of row objects, got {type(rows).__name__}")
+    if len(rows) > max_rows:
+        raise RequestError(part, f"{len(rows)} rows; at most {max_rows} per request (gmeta-ds serve --max-rows)")
+    columns: dict[str, list] = {name: [] for name in fields}
+    ys = []
+    for i, row in enumerate(rows):
+        where = f"{part}[{i}]"
+        if not isinstance(row, dict):
+            raise RequestError(where, f"expected an object of field values, got {type(row).__name__}")
+        for key in row:
+            if key not in fields and not (labels and key == "label"):
+                raise RequestError(f"{where}.{key}", f"not a field of this model (fields: {', '.join(fields)}"
+                                                      f"{', label' if labels else ''})")
+        for name, spec in fields.items():
+            value = row[name] if name in row else user.get(name, _MISSING)
+            if value is _MISSING:
+                raise RequestError(f"{where}.{name}", "missing (give it in the row, or once in 'user')")
+            columns[name].append(_value(value, spec, f"{where}.{name}"))
+        if labels:
+            ys.append(_label(row.get("label", _MISSING), f"{where}.label"))
+    return columns, ys
+
+
+_MISSING = object()
+
+
+def _value(value, spec: FieldSpec, where: str):
+    """A raw value checked against its field: a scalar, or for a multi-hot field a list of them."""
+    if spec.multi_hot:
+        if not isinstance(value, list) or not all(isinstance(v, SCALARS) for v in value):
+            raise RequestError(where, "expected a list of values (a multi-hot field)")
+        return value
+    if value is not None and not isinstance(value, SCALARS):
+        raise RequestError(where, f"expected a string or a number, got {type(value).__name__}")
+    return value
+
+
+def _label(value, where: str) -> float:
+    if value is _MISSING:
+        raise RequestError(where, "missing: every support row needs its label")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(where, f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def parse_json(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
+    """A plain JSON body (module docstring) -> `UserRequest`."""
+    if not isinstance(body, dict):
+        raise RequestError("body", f"expected a JSON object, got {type(body).__name__}")
+    known = {"user_id", "user", "support", "candidates"}
+    for key in body:
+        if key not in known:
+            raise RequestError(key, f"unknown key (expected {', '.join(sorted(known))})")
+    specs = {f.name: f for f in fields}
+    user = body.get("user", {})
+    if not isinstance(user, dict):
+        raise RequestError("user", f"expected an object of the user's field values, got {type(user).__name__}")
+    for name in user:
+        if name not in specs:
+            raise RequestError(f"user.{name}", f"not a field of this model (fields: {', '.join(specs)})")
+    user_id = body.get("user_id")
+    if user_id is not None and not isinstance(user_id, (str, int)):
+        raise RequestError("user_id", f"expected a string or an integer, got {type(user_id).__name__}")
+    if "candidates" not in body:
+        raise RequestError("candidates", "missing: the items to score")
+    support, labels = _rows(body, "support", specs, user, True, max_rows)
+    candidates, _ = _rows(body, "candidates", specs, user, False, max_rows)
+    if not body["candidates"]:
+        raise RequestError("candidates", "empty: give at least one item to score")
+    return UserRequest(support, labels, candidates, None if user_id is None else str(user_id))
+
+
+def _oip_tensor(i: int, tensor) -> tuple[str, list]:
+    """(name, flat data) of one OIP v2 input tensor, its shape and datatype checked."""
+    where = f"inputs[{i}]"
+    if not isinstance(tensor, dict):
+        raise RequestError(where, "expected a tensor object (name, shape, datatype, data)")
+    for key in ("name", "shape", "datatype", "data"):
+        if key not in tensor:
+            raise RequestError(f"{where}.{key}", "missing")
+    name, shape, data = tensor["name"], tensor["shape"], tensor["data"]
+    if not isinstance(name, str):
+        raise RequestError(f"{where}.name", "expected a string")
+    if tensor["datatype"] not in OIP_TYPES:
+        raise RequestError(f"{where}.datatype", f"{tensor['datatype']!r}; expected one of {', '.join(OIP_TYPES)}")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+        raise RequestError(f"{where}.shape", f"{shape!r}; expected [rows] (one dimension)")
+    if not isinstance(data, list) or len(data) != shape[0]:
+        raise RequestError(f"{where}.data", f"expected a flat list of {shape[0]} values (its shape)")
+    return name, data
+
+
+def parse_oip(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
+    """An Open Inference Protocol v2 infer request (module docstring) -> `UserRequest`."""
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+        raise RequestError("inputs", "missing: an OIP v2 request holds a list of input tensors")
+    specs = {f.name: f for f in fields}
+    parts: dict[str, dict[str, list]] = {"user": {}, "support": {}, "candidates": {}}
+    for i, tensor in enumerate(body["inputs"]):
+        name, data = _oip_tensor(i, tensor)
+        part, _, field = name.partition(".")
+        if part not in parts or (field not in specs and name != "support.label"):
+            raise RequestError(f"inputs[{i}].name", f"{name!r}; expected user.<field>, support.<field>, "
+                                                    f"support.label or candidates.<field> (fields: {', '.join(specs)})")
+        if field in specs and specs[field].multi_hot:
+            data = [str(v).split("|") if v != "" else [] for v in data]
+        parts[part][field] = data
+    for field, values in parts["user"].items():
+        if len(values) != 1:
+            raise RequestError(f"user.{field}", f"{len(values)} values; a user field holds one (shape [1])")
+    user = {k: v[0] for k, v in parts["user"].items()}
+    rows = {}
+    for part in ("support", "candidates"):
+        lengths = {len(v) for v in parts[part].values()}
+        if len(lengths) > 1:
+            raise RequestError(part, f"its inputs hold different numbers of rows: {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        rows[part] = [{k: v[r] for k, v in parts[part].items()} for r in range(n)]
+    params = body.get("parameters") or {}
+    user_id = params.get("user_id") if isinstance(params, dict) else None
+    plain = {"user": user, "support": rows["support"], "candidates": rows["candidates"],
+             **({"user_id": user_id} if user_id is not None else {})}
+    return parse_json(plain, fields, max_rows)
+
+
+def json_response(result: Scored, name: str, version: str) -> dict:
+    return {"model_name": name, "model_version": version, "scores": result.scores, "cached": result.cached,
+            "adapted": result.adapted, "unknown_values": result.unknown}
+
+
+def oip_response(result: Scored, name: str, version: str, request_id) -> dict:
+    out = {"model_name": name, "model_version": version,
+           "outputs": [{"name": "scores", "datatype": "FP32", "shape": [len(result.scores)], "data": result.scores}],
+           "parameters": {"cached": result.cached, "adapted": result.adapted, "unknown_values": result.unknown}}
+    return {**out, "id": request_id} if isinstance(request_id, str) else out
+
+
+def oip_metadata(name: str, version: str, fields: list[FieldSpec]) -> dict:
+    """``GET /v2/models/{name}``: the inputs a request may send and the output it gets."""
+    inputs = [{"name": f"{part}.{f.name}", "datatype": "BYTES", "shape": [-1]}
+              for part in ("user", "support", "candidates") for f in fields]
+    inputs.insert(len(fields) * 2, {"name": "support.label", "datatype": "FP32", "shape": [-1]})
+    return {"name": name, "versions": [version], "platform": "gmeta_ds", "inputs": inputs,
+            "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1]}]}

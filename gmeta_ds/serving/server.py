@@ -1,0 +1,294 @@
+"""``gmeta-ds serve EXPORT_DIR``: adapt to each user at request time over HTTP.
+
+FastAPI on uvicorn (one process, asyncio): the endpoints are plain async functions, request
+bodies are read with a size limit and checked by `gmeta_ds.serving.protocol` (a 4xx naming the
+field, never a 500 for a bad request), and the model work runs on one inference thread fed by
+the dynamic batcher (`gmeta_ds.serving.batching`). LitServe batches too, but its batching
+hands the model a list of decoded requests per worker process and has no Open Inference
+Protocol front; here the batch is the vectorised inner loop itself and OIP v2 is the contract.
+
+Endpoints:
+
+- ``POST /v2/models/{name}/infer`` (OIP v2), ``POST /v1/score`` (plain JSON): one user each;
+- ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata),
+  ``GET /v2/models/{name}/ready``, ``GET /v2`` (server metadata);
+- ``POST /v2/repository/models/{name}/load`` (OIP's repository extension): load the export
+  again, or ``{"parameters": {"path": DIR}}`` another one, while requests are served; the
+  next batch runs on it, and every response names the version that scored it;
+- ``GET /metrics``: Prometheus text (requests, batch sizes, adapt and score seconds, cache
+  hits, unknown values, the model's version).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request  # at module level: the handlers' annotations are resolved by name
+
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.serving.batching import Batcher, ModelHolder
+from gmeta_ds.serving.encoding import RequestError
+from gmeta_ds.serving.model import ServedModel
+from gmeta_ds.serving.protocol import json_response, oip_metadata, oip_response, parse_json, parse_oip
+
+
+@dataclass
+class ServerOptions:
+    """`gmeta-ds serve`'s knobs (its --help)."""
+
+    max_batch: int = 64
+    max_wait_ms: float = 1.0
+    max_rows: int = 1000
+    max_body_bytes: int = 1 << 20
+    cache_size: int = 10000
+    cache_ttl_s: float = 600.0
+    model: str | None = None  # MODULE:FUNCTION building the model from the saved fields
+    threads: int = 1  # torch threads: a request's work is small, more threads mostly wait on each other
+
+
+class HTTPProblem(Exception):
+    """An answer other than 200: status and ``field: message``."""
+
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.status, self.field = status, field
+
+
+def model_function(spec: str | None):
+    """The function ``MODULE:FUNCTION`` names (the user's own model code), or None."""
+    if spec is None:
+        return None
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError([f"--model {spec!r}: cannot import it ({exc}); expected MODULE:FUNCTION, a "
+                           "function of the saved fields returning the model"]) from None
+
+
+def load(path: str | Path, options: ServerOptions) -> ServedModel:
+    """The export at ``path``, warmed up: one user adapted and scored (torch's first calls of
+    the vectorised inner loop take seconds; no request should wait for them)."""
+    model = ServedModel(path, model_function(options.model), options.cache_size, options.cache_ttl_s)
+    model.warm_up()
+    return model
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, model: ServedModel):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        fast = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+        self.requests = Counter("gmeta_serve_requests", "requests answered", ["endpoint", "status"],
+                                registry=self.registry)
+        self.batch = Histogram("gmeta_serve_batch_users", "users per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+                               registry=self.registry)
+        self.adapt = Histogram("gmeta_serve_adapt_seconds", "adaptation time per batch", buckets=fast,
+                               registry=self.registry)
+        self.score = Histogram("gmeta_serve_score_seconds", "scoring time per batch", buckets=fast,
+                               registry=self.registry)
+        self.hits = Counter("gmeta_serve_cache_hits", "users whose adapted parameters were cached",
+                            registry=self.registry)
+        self.adapted = Counter("gmeta_serve_users_adapted", "users adapted", registry=self.registry)
+        self.unknown = Counter("gmeta_serve_unknown_values", "values mapped to a default row",
+                               registry=self.registry)
+        self.info = Gauge("gmeta_serve_model_info", "the model served", ["name", "version"], registry=self.registry)
+        self.loaded(model, None)
+
+    def loaded(self, model: ServedModel, old: ServedModel | None) -> None:
+        if old is not None:
+            self.info.remove(old.name, old.version)
+        self.info.labels(model.name, model.version).set(1)
+
+    def observe(self, users: int, done: dict) -> None:
+        self.batch.observe(users)
+        self.adapted.inc(done["adapted"])
+        if done["adapted"]:
+            self.adapt.observe(done["adapt_s"])
+        self.score.observe(done["score_s"])
+
+
+class App:
+    """The served model, its batcher and metrics, and the request handlers' shared steps."""
+
+    def __init__(self, path: str | Path, options: ServerOptions):
+        self.path, self.options = Path(path), options
+        self.holder = ModelHolder(load(path, options))
+        self.metrics = Metrics(self.holder.model)
+        self.batcher = Batcher(self.holder, options.max_batch, options.max_wait_ms / 1000.0, self.metrics.observe)
+        self.reloading = threading.Lock()
+
+    async def answer(self, endpoint: str, work):
+        """Run a handler's ``work()``: its dict as JSON, a problem as a 4xx naming the field,
+        anything else as a 500 that leaves the server up; counted in the metrics."""
+        from fastapi.responses import JSONResponse
+
+        try:
+            response = JSONResponse(await work())
+        except HTTPProblem as exc:
+            response = JSONResponse({"error": str(exc), "field": exc.field}, exc.status)
+        except RequestError as exc:
+            response = JSONResponse({"error": str(exc), "field": exc.field}, 400)
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500; the server keeps serving
+            response = JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    async def body(self, request, required: bool = True):
+        """The request's JSON body, refused past ``max_body_bytes`` (413) or when not JSON (400)."""
+        limit = self.options.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise HTTPProblem(413, "body", f"{length} bytes; at most {limit} (gmeta-ds serve --max-body-bytes)")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
+        if not data and not required:
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise HTTPProblem(400, "body", f"not valid JSON ({exc})") from None
+
+    def check_name(self, name: str) -> ServedModel:
+        model = self.holder.model
+        if name != model.name:
+            raise HTTPProblem(404, "model name", f"no model {name!r} here; this server serves {model.name!r}")
+        return model
+
+    async def score(self, request, parse):
+        """Parse one user with ``parse`` (`protocol.parse_json` / `parse_oip`) and score it."""
+        body = await self.body(request)
+        model = self.holder.model
+        user = parse(body, model.fields, self.options.max_rows)
+        result, model = await self.batcher.submit(user)
+        self.metrics.hits.inc(int(result.cached))
+        self.metrics.unknown.inc(result.unknown)
+        return body, result, model
+
+    async def reload(self, name: str, request) -> dict:
+        """Load an export (this one again, or ``parameters.path``) beside the served one and swap."""
+        self.check_name(name)
+        body = await self.body(request, required=False)
+        params = body.get("parameters") if isinstance(body, dict) else None
+        path = Path(params["path"]) if isinstance(params, dict) and isinstance(params.get("path"), str) else self.path
+        loop = asyncio.get_running_loop()
+        try:
+            new = await loop.run_in_executor(None, self._load_one, path)
+        except ConfigError as exc:
+            raise HTTPProblem(400, "parameters.path", str(exc)) from None
+        old = self.holder.swap(new)
+        self.path = path
+        self.metrics.loaded(new, old)
+        return {"name": new.name, "version": new.version, "previous_version": old.version, "path": str(path)}
+
+    def _load_one(self, path: Path) -> ServedModel:
+        with self.reloading:  # one reload at a time
+            return load(path, self.options)
+
+
+def create_app(path: str | Path, options: ServerOptions | None = None):
+    """The FastAPI application serving the export at ``path`` (module docstring)."""
+    from fastapi import FastAPI
+
+    state = App(path, options or ServerOptions())
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        state.batcher.start()
+        yield
+        await state.batcher.stop()
+
+    app = FastAPI(title="gmeta-ds serve", lifespan=lifespan)
+    app.state.served = state
+
+    @app.post("/v1/score")
+    async def score_json(request: Request):
+        async def work():
+            _, result, model = await state.score(request, parse_json)
+            return json_response(result, model.name, model.version)
+        return await state.answer("/v1/score", work)
+
+    @app.post("/v2/models/{name}/infer")
+    async def infer(name: str, request: Request):
+        async def work():
+            state.check_name(name)
+            body, result, model = await state.score(request, parse_oip)
+            return oip_response(result, model.name, model.version, body.get("id"))
+        return await state.answer("/v2/models/infer", work)
+
+    @app.get("/v2/models/{name}")
+    async def metadata(name: str):
+        async def work():
+            model = state.check_name(name)
+            return oip_metadata(model.name, model.version, model.fields)
+        return await state.answer("/v2/models", work)
+
+    @app.post("/v2/repository/models/{name}/load")
+    async def reload(name: str, request: Request):
+        return await state.answer("/v2/repository/load", lambda: state.reload(name, request))
+
+    _plain_routes(app, state)
+    return app
+
+
+def _plain_routes(app, state: App) -> None:
+    """Health, readiness, server metadata and /metrics."""
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    @app.get("/v2/health/live")
+    @app.get("/v2/health/ready")
+    async def health():
+        return JSONResponse({"live": True, "ready": True})
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: str):
+        return await state.answer("/v2/models/ready", _ready(state, name))
+
+    @app.get("/v2")
+    async def server_metadata():
+        return {"name": "gmeta-ds", "version": _version(), "extensions": ["model_repository"]}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _ready(state: App, name: str):
+    async def work():
+        model = state.check_name(name)
+        return {"name": model.name, "version": model.version, "ready": True}
+    return work
+
+
+def _version() -> str:
+    from gmeta_ds import __version__
+
+    return __version__
+
+
+def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None) -> None:
+    """Load the export (a bad one is refused before listening) and serve until interrupted."""
+    import torch
+    import uvicorn
+
+    options = options or ServerOptions()
+    torch.set_num_threads(options.threads)
+    app = create_app(path, options)
+    model = app.state.served.holder.model
+    print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
+          f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,193 @@
+"""gmeta-ds serve (issue 36) as a real server on 127.0.0.1, talked to with a real HTTP client:
+the plain JSON and OIP v2 endpoints score a user as gm.load_adapter does in process, repeats
+come from the cache, concurrent users are batched, bad requests get a 4xx naming the field and
+leave the server up, /metrics counts, and a new export is loaded while requests keep coming."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import gmeta_ds as gm
+from tests.unit.test_serving_adapter import KEYS, requests
+from tests.helpers import click_log
+from tests.unit.test_saved_model import _engine
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 90
+
+
+def dcn(fields):
+    """The served model's architecture (gmeta-ds serve --model tests.unit.test_serving_server:dcn)."""
+    return gm.DCNv2(fields, embed_dim=4, cross_layers=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, the export, a second export of other weights, the data) of a running server."""
+    data = gm.build_tasks(click_log(users=24), **KEYS)
+    root = tmp_path_factory.mktemp("serve")
+    engine = _engine(dcn(data.fields), data, "maml")
+    engine.save_model(root / "v1", data)
+    with torch.no_grad():
+        for p in engine.learner.parameters():
+            p.add_(0.05)
+    engine.save_model(root / "v2", data)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
+           "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000"]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server not ready in time: " + (root / "server.log").read_text()
+        time.sleep(0.2)
+    yield url, root, data
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
+    log.close()
+
+
+def _json_body(user) -> dict:
+    """The plain JSON form of a `UserRequest` (age given once, as a user feature)."""
+    names = list(user.candidates)
+    support = [{**{n: user.support[n][r] for n in names if n != "age"}, "label": y} for r, y in enumerate(user.labels)]
+    candidates = [{n: user.candidates[n][r] for n in names if n != "age"} for r in range(len(user.candidates["item"]))]
+    return {"user_id": user.user_id, "user": {"age": user.candidates["age"][0]}, "support": support,
+            "candidates": candidates}
+
+
+def _oip_body(user) -> dict:
+    inputs = [{"name": "user.age", "shape": [1], "datatype": "BYTES", "data": [user.candidates["age"][0]]},
+              {"name": "support.label", "shape": [len(user.labels)], "datatype": "FP32", "data": user.labels}]
+    for part, columns in (("support", user.support), ("candidates", user.candidates)):
+        for name, values in columns.items():
+            if name != "age":
+                data = ["|".join(v) for v in values] if name == "tags" else values
+                inputs.append({"name": f"{part}.{name}", "shape": [len(values)], "datatype": "BYTES", "data": data})
+    return {"id": "r1", "parameters": {"user_id": user.user_id}, "inputs": inputs}
+
+
+def test_both_endpoints_score_as_the_adapter_does_and_repeats_are_cached(server):
+    url, root, data = server
+    users = requests(data, data.test)[:3]
+    expected = gm.load_adapter(root / "v1", dcn).predict(users)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        meta = client.get("/v2/models/dcnv2").json()
+        assert meta["name"] == "dcnv2" and {"name": "support.label", "datatype": "FP32", "shape": [-1]} in meta["inputs"]
+        first = client.post("/v1/score", json=_json_body(users[0])).json()
+        assert np.allclose(first["scores"], expected[0].scores, atol=1e-5) and not first["cached"]
+        assert first["model_version"] == gm.load_adapter(root / "v1", dcn).version
+        assert client.post("/v1/score", json=_json_body(users[0])).json()["cached"]
+        oip = client.post("/v2/models/dcnv2/infer", json=_oip_body(users[1])).json()
+        assert oip["id"] == "r1" and oip["outputs"][0]["shape"] == [len(expected[1].scores)]
+        assert np.allclose(oip["outputs"][0]["data"], expected[1].scores, atol=1e-5)
+        cold = client.post("/v1/score", json={**_json_body(users[2]), "support": []}).json()
+        assert not cold["adapted"] and len(cold["scores"]) == len(expected[2].scores)
+
+
+def test_concurrent_users_are_batched(server):
+    url, _, data = server
+    users = requests(data, data.test)
+
+    async def fire():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            bodies = [{**_json_body(u), "user_id": f"batch-{i}"} for i, u in enumerate(users * 2)]
+            return await asyncio.gather(*(client.post("/v1/score", json=b) for b in bodies))
+
+    replies = asyncio.run(asyncio.wait_for(fire(), 60))
+    assert all(r.status_code == 200 for r in replies)
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    count = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("gmeta_serve_batch_users_count")))
+    total = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("gmeta_serve_batch_users_sum")))
+    assert total / count > 1.5  # several users per batch on average
+    for name in ("gmeta_serve_requests_total", "gmeta_serve_cache_hits_total", "gmeta_serve_adapt_seconds_bucket",
+                 "gmeta_serve_unknown_values_total", 'gmeta_serve_model_info{name="dcnv2"'):
+        assert name in metrics, name
+
+
+BAD = [
+    ({"candidates": [{"item": "i1", "tags": []}]}, 400, "candidates[0].age"),
+    ({"user": {"age": "a1"}, "support": [{"item": "i1", "tags": [], "label": "yes"}],
+      "candidates": [{"item": "i1", "tags": []}]}, 400, "support[0].label"),
+    ({"user": {"age": "a1"}, "candidates": []}, 400, "candidates"),
+    ({"user": {"age": "a1"}, "candidates": [{"item": {"x": 1}, "tags": []}]}, 400, "candidates[0].item"),
+    ({"user": {"age": "a1"}, "candidates": [{"item": "i1", "tags": "t1"}]}, 400, "candidates[0].tags"),
+    ({"user": {"age": "a1"}, "candidates": [{"item": "i1", "tags": [], "colour": 3}]}, 400, "candidates[0].colour"),
+    ({"user": {"age": "a1"}, "candidates": [{"item": "i1", "tags": []}] * 51}, 400, "candidates"),
+    ({"user": {"age": "a1"}, "candidates": [{"item": "x" * 300000, "tags": []}]}, 413, "body"),
+]
+
+
+@pytest.mark.parametrize("body,status,field", BAD, ids=[b[2] + f"-{i}" for i, b in enumerate(BAD)])
+def test_a_bad_request_gets_a_4xx_naming_the_field(server, body, status, field):
+    url = server[0]
+    reply = httpx.post(f"{url}/v1/score", json=body, timeout=30)
+    assert reply.status_code == status and reply.json()["field"] == field, reply.text
+    assert reply.json()["error"].startswith(field)
+
+
+def test_malformed_bodies_and_names_are_refused_and_the_server_stays_up(server):
+    url = server[0]
+    with httpx.Client(base_url=url, timeout=30) as client:
+        reply = client.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["field"] == "body"
+        reply = client.post("/v2/models/other/infer", json={"inputs": []})
+        assert reply.status_code == 404 and "'other'" in reply.json()["error"]
+        bad_shape = {"inputs": [{"name": "candidates.item", "shape": [2], "datatype": "BYTES", "data": ["i1"]}]}
+        reply = client.post("/v2/models/dcnv2/infer", json=bad_shape)
+        assert reply.status_code == 400 and reply.json()["field"] == "inputs[0].data"
+        reply = client.post("/v2/models/dcnv2/infer", json={"inputs": [{"name": "query.item", "shape": [1],
+                                                                        "datatype": "BYTES", "data": ["i1"]}]})
+        assert reply.status_code == 400 and reply.json()["field"] == "inputs[0].name"
+        reply = client.post("/v2/repository/models/dcnv2/load", json={"parameters": {"path": "/nowhere"}})
+        assert reply.status_code == 400 and "/nowhere" in reply.json()["error"]
+        assert client.get("/v2/health/live").status_code == 200
+
+
+def test_a_new_export_is_loaded_without_dropping_requests(server):
+    url, root, data = server
+    body = _json_body(requests(data, data.test)[0])
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            before = (await client.post("/v1/score", json=body)).json()["model_version"]
+            load = asyncio.create_task(client.post("/v2/repository/models/dcnv2/load",
+                                                   json={"parameters": {"path": str(root / "v2")}}))
+            during = await asyncio.gather(*(client.post("/v1/score", json=body) for _ in range(20)))
+            loaded = (await load).json()
+            after = (await client.post("/v1/score", json=body)).json()
+            return before, during, loaded, after
+
+    before, during, loaded, after = asyncio.run(asyncio.wait_for(run(), 90))
+    assert all(r.status_code == 200 for r in during)
+    assert {r.json()["model_version"] for r in during} <= {before, loaded["version"]}
+    assert loaded["previous_version"] == before != loaded["version"] == after["model_version"]
+    expected = gm.load_adapter(root / "v2", dcn).predict(requests(data, data.test)[:1])[0].scores
+    assert np.allclose(after["scores"], expected, atol=1e-5)
