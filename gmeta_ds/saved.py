@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, NET_PREFIX, AlgorithmSettings, MetaLearner
 from gmeta_ds.checkpoint.manifest import _sha256 as sha256
 from gmeta_ds.data.vocab import Vocabulary, value_text
-from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.embedding.tables import DynamicRows, EmbeddingCollection, TableConfig
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
@@ -252,6 +252,7 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
     if learner is None:  # a user's own algorithm class: the model's weights alone
         state = {k[len(NET_PREFIX):]: v for k, v in state.items() if k.startswith(NET_PREFIX)}
     target = learner if learner is not None else model
+    fit_dynamic_tables(target, state)
     _check_architecture(target, state, model, folder, meta.get("model"))
     own = target.state_dict()
     target.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state.items()})
@@ -308,6 +309,15 @@ def _built(model, fields: list[FieldSpec]) -> nn.Module:
         raise ConfigError([f"model: the function returned {type(built).__name__}, not a torch.nn.Module"],
                           "gmeta_ds.load_model")
     return built
+
+
+def fit_dynamic_tables(learner: nn.Module, state: dict[str, Tensor]) -> None:
+    """Each dynamic table sized to the ids it admitted in ``state`` (`DynamicRows` resizes when
+    it loads), so that the architecture check compares everything else."""
+    for name, module in learner.named_modules():
+        if isinstance(module, DynamicRows):
+            own = {k: state[f"{name}.{k}"] for k in ("ids", "rows", "defaults") if f"{name}.{k}" in state}
+            module.load_state_dict(own, strict=False)
 
 
 def _check_architecture(target: nn.Module, state: dict, model: nn.Module, folder: Path, saved_as) -> None:

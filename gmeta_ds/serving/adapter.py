@@ -65,27 +65,16 @@ def build_learner(export: Export, model: nn.Module | Callable | None) -> MetaLea
     module, or a function of the saved fields), else rebuilt from the export's recipe. A model
     without tables gets the export's tables as they lie in the file (`mapped_tables`), so a
     large table is never allocated, initialised or copied."""
-    from gmeta_ds.saved import _built, _check_architecture
+    from gmeta_ds.saved import _built, _check_architecture, fit_dynamic_tables
 
     net = _built(model, export.fields) if model is not None else _recipe_model(export)
     if getattr(net, "embedding", None) is None and any(k.startswith("net.embedding.") for k in export.state):
         net.embedding = mapped_tables(export)
     learner = saved_learner(net, export.meta["algorithm"], export.path / "model.json")
-    _fit_dynamic(learner, export.state)
+    fit_dynamic_tables(learner, export.state)
     _check_architecture(learner, export.state, net, export.path, export.meta.get("model"))
     learner.load_state_dict(export.state, assign=True)
     return learner.eval()
-
-
-def _fit_dynamic(learner: nn.Module, state: dict[str, Tensor]) -> None:
-    """Each dynamic table sized to the ids it admitted in ``state`` (`DynamicRows` resizes when
-    it loads), so that the architecture check compares everything else."""
-    from gmeta_ds.embedding.tables import DynamicRows
-
-    for name, module in learner.named_modules():
-        if isinstance(module, DynamicRows):
-            own = {k: state[f"{name}.{k}"] for k in ("ids", "rows", "defaults") if f"{name}.{k}" in state}
-            module.load_state_dict(own, strict=False)
 
 
 def mapped_tables(export: Export) -> nn.Module:

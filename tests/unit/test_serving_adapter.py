@@ -162,6 +162,9 @@ def test_a_dynamic_tables_id_map_serves_its_admitted_rows_and_counts_the_rest(tm
     assert np.allclose(np.concatenate([g.scores for g in got]), expected["adapted"], atol=1e-5, rtol=0)
     items = np.asarray(data.test.ids[:, 1])
     assert sum(g.unknown for g in got) == int((~np.isin(items, dynamic.ids.numpy())).sum())
+    loaded = gm.load_model(tmp_path / "export", Tower())  # the same folder through the API's loader
+    back = loaded.model.embedding.dynamic["item"]
+    assert torch.equal(back.ids, dynamic.ids) and torch.equal(back.rows, dynamic.rows)
 
 
 def _columns_raw(data, tasks, rows: slice) -> dict:
