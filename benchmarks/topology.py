@@ -30,7 +30,7 @@ import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the c
 from emulated_cluster import emulated_cluster  # noqa: E402
 
 PORT = 29512
-SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=6, warmup=2, bags_per_task=32)
+SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=10, warmup=2, bags_per_task=32)
 
 
 def _tables(n: int, rows: int, dim: int):
@@ -108,7 +108,8 @@ def _bench(colls: dict, s: dict) -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         steps_s = s["steps"] / float(elapsed)
         result[how] = {"steps_per_s": steps_s, "tasks_per_s": steps_s * s["bags"] / s["bags_per_task"] *
-                       dist.get_world_size(), "cross_host_bytes_per_step": coll.stats.total_cross_host() / s["steps"]}
+                       dist.get_world_size(), "cross_host_bytes_per_step": coll.stats.total_cross_host() / s["steps"],
+                       "cross_host_by_stage": {k: v / s["steps"] for k, v in sorted(coll.stats.cross.items()) if v}}
     print(json.dumps(result), flush=True)
 
 
