@@ -6,7 +6,8 @@ LOCAL_WORLD_SIZE, GROUP_RANK: the topology comes from them, `engine.topology.res
 gloo over the namespace's interface. Every rank looks up a CTR-shaped micro-batch of bags in
 sharded row-wise tables pooled on their owners (the traffic of a configuration whose sharded
 tables dominate: no dense model), backward, sparse step; per exchange it reports steps/s,
-tasks/s (``--bags-per-task`` bags make one task) and the bytes it sent across hosts per step
+tasks/s (``bags_per_task`` bags make one task; median of ``reps`` repetitions, the exchanges
+interleaved) and the bytes it sent across hosts per step
 (the counters', `comm.CommStats.total_cross_host`).
 
     python benchmarks/topology.py                     # 2 x 2 at 1gbit and 100mbit, and 1 x 4
@@ -30,7 +31,7 @@ import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the c
 from emulated_cluster import emulated_cluster  # noqa: E402
 
 PORT = 29512
-SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=10, warmup=2, bags_per_task=32)
+SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=6, warmup=1, reps=5, bags_per_task=32)
 
 
 def _tables(n: int, rows: int, dim: int):
@@ -88,28 +89,43 @@ def _check(colls: dict, s: dict) -> None:
     print(json.dumps({"rank": rank, "check": "ok"}), flush=True)
 
 
-def _bench(colls: dict, s: dict) -> None:
-    """Steps/s (the slowest rank's time) and cross-host bytes per step of each exchange."""
+def _timed(coll, s: dict, rank: int, rep: int) -> float:
+    """Seconds of ``steps`` steps after ``warmup`` ones (the slowest rank's), counters reset."""
     import torch
     import torch.distributed as dist
 
+    for step in range(s["warmup"] + s["steps"]):
+        if step == s["warmup"]:
+            dist.barrier()
+            coll.stats.reset()
+            start = time.perf_counter()
+        out = coll(_bags(rank, 100 * rep + step, s))
+        sum(v.sum() for v in out.values()).backward()
+        coll.step()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _bench(colls: dict, s: dict) -> None:
+    """Steps/s (median over ``reps`` repetitions, the two exchanges interleaved) and cross-host
+    bytes per step of each exchange."""
+    import statistics
+
+    import torch.distributed as dist
+
     rank = dist.get_rank()
+    times = {how: [] for how in colls}
+    for rep in range(s["reps"]):
+        for how, coll in colls.items():
+            times[how].append(_timed(coll, s, rank, rep))
     result = {"rank": rank}
     for how, coll in colls.items():
-        for step in range(s["warmup"] + s["steps"]):
-            if step == s["warmup"]:
-                dist.barrier()
-                coll.stats.reset()
-                start = time.perf_counter()
-            out = coll(_bags(rank, step, s))
-            sum(v.sum() for v in out.values()).backward()
-            coll.step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        steps_s = s["steps"] / float(elapsed)
+        steps_s = s["steps"] / statistics.median(times[how])
         result[how] = {"steps_per_s": steps_s, "tasks_per_s": steps_s * s["bags"] / s["bags_per_task"] *
                        dist.get_world_size(), "cross_host_bytes_per_step": coll.stats.total_cross_host() / s["steps"],
-                       "cross_host_by_stage": {k: v / s["steps"] for k, v in sorted(coll.stats.cross.items()) if v}}
+                       "cross_host_by_stage": {k: v / s["steps"] for k, v in sorted(coll.stats.cross.items()) if v},
+                       "step_s": times[how]}
     print(json.dumps(result), flush=True)
 
 
@@ -126,6 +142,19 @@ def worker(mode: str, settings: dict) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def id_overlap(s: dict, ranks_per_host: int, step: int = 0) -> float:
+    """The ids' overlap between the ranks of one host, per table and averaged: the sum of the
+    ranks' distinct ids over the distinct ids of their union (what a hierarchical row exchange,
+    deduplicating a host's requests before they cross, would divide the flat row bytes by)."""
+    import torch
+
+    ratios = []
+    for k in range(s["tables"]):
+        ids = [_bags(rank, step, s)[f"f{k}"].values.unique() for rank in range(ranks_per_host)]
+        ratios.append(sum(len(i) for i in ids) / len(torch.cat(ids).unique()))
+    return sum(ratios) / len(ratios)
 
 
 def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float = 300) -> list[dict]:
@@ -179,7 +208,10 @@ def main() -> None:
         run.pop("rank")
         runs.append(run)
         print(json.dumps(run), flush=True)
-    Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
+    overlap = id_overlap(settings, 2)
+    print(f"ids' overlap between the 2 ranks of a host: {overlap:.3f}", flush=True)
+    Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs, "id_overlap_2_ranks": overlap},
+                                         indent=2) + "\n")
     return None
 
 
