@@ -26,9 +26,12 @@ from gmeta_ds.errors import ConfigError
 NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK", "CROSS_RANK")
 
 
-def resolve_topology(hosts: int, world: int) -> Topology:
+def resolve_topology(hosts: int, world: int, required: bool = True) -> Topology | None:
     """The `Topology` of ``world`` ranks: ``hosts`` of them (``embedding.hosts``; 0: the
-    launcher's local world size, one host without a launcher)."""
+    launcher's local world size, one host without a launcher). Launcher values that make no
+    regular topology (unequal hosts, ranks not numbered host by host) are an error when the
+    topology is ``required`` (a topology-aware exchange was asked for), else None: the flat
+    exchange runs as before, without cross-host counters."""
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 0:
         raise ConfigError([f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {hosts!r}"])
     if hosts:
@@ -43,10 +46,17 @@ def resolve_topology(hosts: int, world: int) -> Topology:
         return Topology(world, world)  # planning for another world (validate --world-size): one host
     name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE"
     if world % local:
+        if not required:
+            return None
         raise ConfigError([f"environment variable {name}={local}: hosts of unequal size are not supported "
                            f"(WORLD_SIZE={world} is not a multiple); set embedding.hosts"])
     topology = Topology(world, local)
-    _check_numbering(topology, rank)
+    try:
+        _check_numbering(topology, rank)
+    except ConfigError:
+        if required:
+            raise
+        return None
     return topology
 
 

@@ -277,12 +277,13 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
         from gmeta_ds.ds_config import resolve_ds_config
 
         stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
-    topology = resolve_topology(cfg.embedding.hosts, world_size)
+    mode = cfg.embedding.exchange_topology
+    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
     try:
         plan = plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
                                 world_size, stats)
-        if topology.hosts > 1 or cfg.embedding.exchange_topology != "flat":  # one host, flat: as before
-            plan = with_topology(plan, topology, cfg.embedding.exchange_topology, stats)
+        if topology is not None and (topology.hosts > 1 or mode != "flat"):  # one host, flat: as before
+            plan = with_topology(plan, topology, mode, stats)
         return plan
     except ValueError as exc:
         if isinstance(exc, ConfigError):

@@ -42,9 +42,11 @@ def test_bad_hosts_are_config_errors_naming_the_key_or_variable(launcher):
     launcher(RANK=2, WORLD_SIZE=6, LOCAL_RANK=2, LOCAL_SIZE=4)
     with pytest.raises(ConfigError, match="LOCAL_SIZE=4: hosts of unequal size"):
         resolve_topology(0, 6)
+    assert resolve_topology(0, 6, required=False) is None  # flat: runs as before, no topology
     launcher(RANK=2, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2)
     with pytest.raises(ConfigError, match="RANK=2 and LOCAL_RANK=1: expected ranks numbered host by host"):
         resolve_topology(0, 4)
+    assert resolve_topology(0, 4, required=False) is None
     launcher(LOCAL_RANK=0, NODE_RANK=0)
     with pytest.raises(ConfigError, match="RANK=2 and NODE_RANK=0"):
         resolve_topology(0, 4)
