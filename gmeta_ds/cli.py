@@ -31,6 +31,7 @@ ranks and tasks; nothing was updated in that meta-step); anything else: a bug.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -163,6 +164,15 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_hostfile_hosts(cfg: RunConfig, hosts, num_gpus: int | None) -> RunConfig:
+    """``cfg`` planned on the hostfile's hosts (``embedding.hosts`` left at 0, hosts of equal
+    size: the topology the launch will have), else ``cfg`` itself."""
+    sizes = {num_gpus or h.slots for h in hosts or ()}
+    if cfg.embedding.hosts or len(sizes) != 1 or len(hosts) < 2:
+        return cfg
+    return dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, hosts=len(hosts)))
+
+
 def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.launchers import hostfile_world_size, parse_hostfile
@@ -188,8 +198,9 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     replaced = check_earlier_run(cfg)  # what train refuses, validate refuses
     workload = get_workload(cfg.task)
-    workload.preflight(cfg, world)  # what train checks before its first collective
-    lines = workload.describe(cfg, ds_config, plan)
+    planned = _with_hostfile_hosts(cfg, hosts, args.num_gpus)
+    workload.preflight(planned, world)  # what train checks before its first collective
+    lines = workload.describe(planned, ds_config, plan)
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
     if hosts:

@@ -84,6 +84,7 @@ SHARDINGS = Registry("sharding strategy", "embedding.plan", {
     "replicated": "gmeta_ds.embedding.sharding.replicated:Replicated",
     "dynamic": "gmeta_ds.embedding.sharding.dynamic:Dynamic",
     "owner_pooled": "gmeta_ds.embedding.sharding.owner_pooled:OwnerPooled",
+    "hierarchical_pooled": "gmeta_ds.embedding.sharding.hierarchical:HierarchicalPooled",
 })
 SPARSE_OPTIMIZERS = Registry("sparse optimizer", "embedding.optimizer", {
     "sgd": "torch.optim:SGD", "adagrad": "torch.optim:Adagrad",

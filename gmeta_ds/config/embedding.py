@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGES, ROW_OWNERS, TABLE_DEVICES, _one_of,
-                                    _positive)
+from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGE_TOPOLOGIES, EXCHANGES, ROW_OWNERS,
+                                    TABLE_DEVICES, _one_of, _positive)
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 
 
@@ -55,6 +55,14 @@ class EmbeddingConfig:
     # pooled by the requester), pooled (each owner's partial sum per bag), or auto (by the
     # expected bytes of each, from the training data's bag lengths and distinct ids).
     exchange: str = "auto"
+    # The run's hosts: 0 takes them from the launcher (LOCAL_WORLD_SIZE / LOCAL_SIZE ranks per
+    # host); N splits the ranks into N hosts of equal size (one machine can pretend to be several).
+    hosts: int = 0
+    # How tables pooled on their owners exchange across hosts: flat (one all-to-all over every
+    # rank), hierarchical (inside each host, then once per host pair: one partial sum per bag and
+    # host), auto (hierarchical when there are several hosts of several ranks and it is expected
+    # to send fewer bytes across hosts; `gmeta-ds validate` prints the estimate).
+    exchange_topology: str = "flat"
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
@@ -68,6 +76,9 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     _positive(problems, "embedding.init_std", emb.init_std)
     _one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
     _one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
+    _one_of(problems, "embedding.exchange_topology", emb.exchange_topology, EXCHANGE_TOPOLOGIES)
+    if isinstance(emb.hosts, bool) or not isinstance(emb.hosts, int) or emb.hosts < 0:
+        problems.append(f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {emb.hosts!r}")
     for name, table in emb.tables.items():
         _validate_table(name, table, problems)
     if emb.sharding != "replicated":
@@ -80,6 +91,9 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
                         "with 'replicated' every table lives inside the DeepSpeed engine")
     if emb.exchange != AUTO:
         problems.append("embedding.exchange applies to embedding.sharding: sharded; replicated tables "
+                        "are looked up inside the DeepSpeed engine, with no exchange")
+    if emb.exchange_topology != "flat":
+        problems.append("embedding.exchange_topology applies to embedding.sharding: sharded; replicated tables "
                         "are looked up inside the DeepSpeed engine, with no exchange")
     if emb.device != AUTO:
         problems.append("embedding.device applies to embedding.sharding: sharded; replicated tables "

@@ -30,6 +30,7 @@ from torch import Tensor
 from gmeta_ds.sparse import BagStats
 from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
 from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.embedding.topology import Topology, choose_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.registry import PLANS
 
@@ -159,10 +160,19 @@ class TablePlan:
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """A `TablePlan` per table, all for the same world size."""
+    """A `TablePlan` per table, all for the same world size; the run's hosts (`Topology`; None:
+    one host) and how tables pooled on their owners exchange across them (``flat`` or
+    ``hierarchical``, `with_topology`), with the cross-host bytes per bag it was chosen by."""
 
     tables: dict[str, TablePlan]
     world_size: int
+    topology: Topology | None = None
+    exchange_topology: str = "flat"
+    cross_host: tuple[float, float] | None = None
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.exchange_topology == "hierarchical" and self.world_size > 1
 
     def bytes_per_rank(self) -> list[int]:
         return [sum(p.bytes_on(r) for p in self.tables.values()) for r in range(self.world_size)]
@@ -186,7 +196,27 @@ class ShardingPlan:
             lines.append(f"  {name}: {size}, {where}, "
                          f"{p.table.optimizer} lr {p.table.lr}")
         per_rank = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(self.bytes_per_rank()))
-        return "\n".join(lines + [f"  memory (rows, optimizer state, dynamic maps): {per_rank}"])
+        lines.append(f"  memory (rows, optimizer state, dynamic maps): {per_rank}")
+        if self.topology is not None:
+            line = f"  topology: {self.topology.describe()}, {self.exchange_topology} pooled exchange"
+            if self.cross_host and any(p.exchange == "pooled" for p in self.tables.values()):
+                line += (f" (est. cross-host {self.cross_host[0]:,.0f} B per bag flat, "
+                         f"{self.cross_host[1]:,.0f} B hierarchical)")
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def with_topology(plan: ShardingPlan, topology: Topology, mode: str,
+                  bag_stats: dict[str, BagStats] | None = None) -> ShardingPlan:
+    """``plan`` on the hosts of ``topology``, its pooled tables exchanging ``flat``,
+    ``hierarchical`` or (``auto``) whichever crosses hosts with fewer expected bytes
+    (`topology.choose_topology`, from the tables' mean bag lengths when known)."""
+    if topology.world != plan.world_size:
+        raise ValueError(f"topology of {topology.world} ranks for a plan of {plan.world_size}")
+    pooled = [(p.kind, p.table.dim, (bag_stats or {}).get(name, BagStats(1.0, 1.0)).mean_length)
+              for name, p in plan.tables.items() if p.exchange == "pooled"]
+    chosen, estimate = choose_topology(mode, topology, pooled)
+    return dataclasses.replace(plan, topology=topology, exchange_topology=chosen, cross_host=estimate)
 
 
 def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],

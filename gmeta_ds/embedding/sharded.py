@@ -40,6 +40,7 @@ from gmeta_ds.embedding.sharding.base import Request, ShardContext, Sharding, st
 from gmeta_ds.embedding.sharding.exchange import RowExchange
 from gmeta_ds.embedding.sharding.requests import FieldTables, field_requests, table_requests
 from gmeta_ds.engine.dist import on_wire
+from gmeta_ds.engine.topology import topology_groups
 from gmeta_ds.embedding.tables import check_fields, check_width, feature_tables, lookup_fields, pool
 from gmeta_ds.registry import SHARDINGS
 from gmeta_ds.sparse import Jagged
@@ -97,7 +98,7 @@ class ShardedEmbeddingCollection:
     """
 
     def __init__(self, plan: ShardingPlan, rank: int, seed: int = 0, bad_ids: str = "error",
-                 dedup: bool = True, device: torch.device | str | None = None):
+                 dedup: bool = True, device: torch.device | str | None = None, timeout_s: int | None = None):
         self.plan, self.rank, self.world = plan, rank, plan.world_size
         self.bad_ids, self.dedup, self.seed = bad_ids, dedup, seed
         device = torch.device(device) if device is not None else accelerator_device()
@@ -109,6 +110,7 @@ class ShardedEmbeddingCollection:
         self.by_feature = feature_tables([p.table for p in plan.tables.values()])
         self.ctx = ShardContext(plan, rank, seed, bad_ids, dedup, self.device, self.table_device, self.groups,
                                 self.by_feature)
+        self._topology(timeout_s)
         self.strategies, self.strategy = self._strategies()
         self.dynamic = {name: index for s in self.strategies.values() for name, index in s.indexes.items()}
         self.shards, self.optimizers, self.stats = self.ctx.shards, self.ctx.optimizers, self.ctx.stats
@@ -135,14 +137,27 @@ class ShardedEmbeddingCollection:
             groups.update({name: host_group for name in own})
         return groups
 
+    def _topology(self, timeout_s: int | None) -> None:
+        """On a plan of several hosts: which ranks are on another host (the counters' cross-host
+        bytes) and, for the hierarchical exchange, the intra- and inter-host groups (created
+        once, collectively, with ``timeout_s``; `engine.topology.topology_groups`)."""
+        topology = self.plan.topology
+        if topology is None or self.world == 1:
+            return
+        self.ctx.remote = topology.remote(self.rank)
+        if self.plan.hierarchical and dist.is_initialized():
+            self.ctx.tiers = topology_groups(topology, self.rank, timeout_s)
+
     def _strategies(self) -> tuple[dict[str, Sharding], dict[str, Sharding]]:
         """One `Sharding` (`registry.SHARDINGS`) per strategy name over its tables (in plan
-        order), and each table's."""
+        order), and each table's; pooled tables of a hierarchical plan pool hierarchically."""
         names = defaultdict(list)
         for name, p in self.plan.tables.items():
-            names[strategy_name(p)].append(name)
+            kind = strategy_name(p)
+            names["hierarchical_pooled" if kind == "owner_pooled" and self.plan.hierarchical else kind].append(name)
         strategies = {kind: SHARDINGS[kind](self.ctx, tuple(tables)) for kind, tables in names.items()}
-        return strategies, {name: strategies[strategy_name(p)] for name, p in self.plan.tables.items()}
+        of = {name: s for s in strategies.values() for name in s.names}
+        return strategies, {name: of[name] for name in self.plan.tables}
 
     def _initial_rows(self, name: str) -> Tensor:
         """Table ``name``'s first rows on this rank (its strategy's), on the table's device;

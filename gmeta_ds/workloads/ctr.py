@@ -29,10 +29,11 @@ from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_val
 from gmeta_ds.data.tasks import bag_statistics
 from gmeta_ds.sparse import model_field_order, single_fields
 from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
-from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config
+from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config, with_topology
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
+from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import HEADLINE, merge, paired, predict, score, train_baseline
 from gmeta_ds.few_shot import Named, few_shot_curve
@@ -276,9 +277,14 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
         from gmeta_ds.ds_config import resolve_ds_config
 
         stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
+    mode = cfg.embedding.exchange_topology
+    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
     try:
-        return plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
+        plan = plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
                                 world_size, stats)
+        if topology is not None and (topology.hosts > 1 or mode != "flat"):  # one host, flat: as before
+            plan = with_topology(plan, topology, mode, stats)
+        return plan
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -290,7 +296,8 @@ def build_sharded(cfg: RunConfig, data, rank: int, world_size: int) -> ShardedEm
     if cfg.embedding.sharding != "sharded":
         return None
     return ShardedEmbeddingCollection(embedding_plan(cfg, data.fields, world_size, data.train), rank, cfg.seed,
-                                      cfg.embedding.bad_ids, cfg.embedding.dedup)
+                                      cfg.embedding.bad_ids, cfg.embedding.dedup,
+                                      timeout_s=cfg.train.collective_timeout_s)
 
 
 def eval_inner_steps(cfg: RunConfig) -> int:

@@ -7,9 +7,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.embedding.plan import ShardingPlan, TablePlan, plan_tables
+from gmeta_ds.embedding.plan import ShardingPlan, TablePlan, plan_tables, with_topology
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
+from gmeta_ds.embedding.topology import Topology
 from gmeta_ds.sparse import Jagged
 
 TABLES = [
@@ -114,6 +115,22 @@ POOLED_TABLES = [
 ]
 
 
+def pooled_features(rank: int, world: int) -> dict[str, Jagged]:
+    """`features` plus the bags of the table-wise pooled group, a rows-exchanged table's and
+    a table's of its own, with an empty bag on every rank."""
+    feats = features(rank, world)
+    g = torch.Generator().manual_seed(300 + rank)
+    for name, rows, n in (("h_multi", 13, 5), ("h_too", 13, 3), ("i_mean", 17, 4), ("j_multi", 15, 6)):
+        lengths = torch.randint(0, 5, (n,), generator=g)
+        lengths[rank % n] = 0  # an empty bag on every rank
+        feats[name] = Jagged(torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                             torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+    feats["f_rows"] = feats["b_mean"]
+    feats["g_alone"] = Jagged(torch.tensor([18, 3, 3, 7, 0]) if rank == 0 else torch.tensor([5, 6]),
+                              torch.tensor([0, 2, 2, 5]) if rank == 0 else torch.tensor([0, 2]))
+    return feats
+
+
 def pooled_equals_unsharded() -> None:
     """Tables pooled on their owners (row-wise modulo and block, table-wise, sum and mean,
     a single-hot feature, empty bags; groups of one sharding mode and a mixed one) next to
@@ -129,16 +146,7 @@ def pooled_equals_unsharded() -> None:
         owners = [plan.tables[t].owner for t in "hhij"]
         assert owners != sorted(owners), owners
     sharded, twin = ShardedEmbeddingCollection(plan, rank, seed=5), EmbeddingCollection(POOLED_TABLES, seed=5)
-    feats = features(rank, world)
-    g = torch.Generator().manual_seed(300 + rank)
-    for name, rows, n in (("h_multi", 13, 5), ("h_too", 13, 3), ("i_mean", 17, 4), ("j_multi", 15, 6)):
-        lengths = torch.randint(0, 5, (n,), generator=g)
-        lengths[rank % n] = 0  # an empty bag on every rank
-        feats[name] = Jagged(torch.randint(0, rows, (int(lengths.sum()),), generator=g),
-                             torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
-    feats["f_rows"] = feats["b_mean"]
-    feats["g_alone"] = Jagged(torch.tensor([18, 3, 3, 7, 0]) if rank == 0 else torch.tensor([5, 6]),
-                              torch.tensor([0, 2, 2, 5]) if rank == 0 else torch.tensor([0, 2]))
+    feats = pooled_features(rank, world)
     compare_with_twin(sharded, twin, feats)
     # output_dist: one partial sum (d floats) per (bag, remote owner holding part of the bag)
     pooled_only = {n: j for n, j in feats.items() if sharded.by_feature[n].name in sharded.pooled}
@@ -350,3 +358,41 @@ def leave_traces(marker: str) -> None:
     print("seen", os.environ.get("GMETA_POOL_MARK", "unset"), os.getcwd(), dist.get_rank())
     os.environ["GMETA_POOL_MARK"] = marker
     os.chdir("/")
+
+
+def hierarchical_equals_flat(ranks_per_host: str) -> None:
+    """Tables pooled on their owners, exchanged hierarchically on the world as hosts of
+    ``ranks_per_host`` ranks: forward and averaged row gradients equal the unsharded twin (and
+    so the flat exchange), and the partial sums that cross hosts are one per (bag, remote host
+    holding part of it), where the flat exchange sends one per (bag, remote owner)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topology = Topology(world, int(ranks_per_host))
+    kinds = {"a": "row_wise", "b": "table_wise", "c": "table_wise", "d": "replicated", "e": "row_wise",
+             "f": "row_wise", "g": "row_wise", "h": "table_wise", "i": "table_wise", "j": "table_wise"}
+    base = plan_tables(POOLED_TABLES, world, kinds, row_owner="modulo")
+    flat = ShardedEmbeddingCollection(with_topology(base, topology, "flat"), rank, seed=5)
+    sharded = ShardedEmbeddingCollection(with_topology(base, topology, "hierarchical"), rank, seed=5)
+    assert {type(s).__name__ for s in sharded.strategies.values()} >= {"HierarchicalPooled"}, sharded.strategies
+    feats = pooled_features(rank, world)
+    compare_with_twin(sharded, EmbeddingCollection(POOLED_TABLES, seed=5), feats)
+    pooled_only = {n: j for n, j in feats.items() if sharded.by_feature[n].name in sharded.pooled}
+    expected = {"flat": 0, "hierarchical": 0}
+    for feature, jagged in pooled_only.items():
+        table = sharded.by_feature[feature]
+        owners = base.tables[table.name].owners(jagged.values)
+        for how, where in (("flat", owners), ("hierarchical", owners // topology.ranks_per_host)):
+            pairs = torch.unique(jagged.segment_ids() * world + where) % world
+            host = pairs // topology.ranks_per_host if how == "flat" else pairs
+            expected[how] += 4 * table.dim * int((host != topology.host_of(rank)).sum())
+    for how, coll, stage in (("flat", flat, "output_dist"), ("hierarchical", sharded, "inter_output_dist")):
+        coll.stats.reset()
+        out = coll(pooled_only)
+        for name, jagged in pooled_only.items():
+            assert out[name].shape == (jagged.num_samples, coll.by_feature[name].dim), name
+        got = coll.stats.as_dict()
+        sent = got[stage].get("cross_host_bytes_sent", 0)
+        # the sums this rank's owners (flat) or gateways (hierarchical) send are what the others receive
+        total = torch.tensor([sent, expected[how]])
+        dist.all_reduce(total)
+        assert total[0] == total[1], (how, total, got)
+    print("ok", rank)

@@ -175,3 +175,19 @@ def leaked_shm(port: int) -> list[Path]:
     """DeepSpeed CPU all-reduce buffers a job on ``port`` left in /dev/shm."""
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
+
+
+@pytest.fixture
+def emulated_hosts():
+    """A factory of emulated clusters (`benchmarks/emulated_cluster.py`): ``make(hosts, rate)``
+    gives H network namespaces whose links to each other carry ``rate`` ("100mbit"; None:
+    unlimited). Root only: skipped, saying why, elsewhere. Every namespace is removed at the
+    end, also when the test fails (and leftovers of the prefix before it starts)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from emulated_cluster import emulated_cluster, why_not_available
+
+    reason = why_not_available()
+    if reason:
+        pytest.skip(f"emulated cluster: {reason}")
+    with __import__("contextlib").ExitStack() as stack:
+        yield lambda hosts, rate=None: stack.enter_context(emulated_cluster(hosts, rate))

@@ -92,7 +92,8 @@ ON_PURPOSE = {
 # Parameters with no config key: what the API is handed instead of reading it from a file.
 API_ONLY = {
     ("initialize", "tables"), ("MetaEngine", "initial"), ("MetaEngine.evaluate", "train"),
-    ("TableConfig", "pooling"), ("ShardedEmbeddingCollection", "device"), ("plan_tables", "bag_stats"),
+    ("TableConfig", "pooling"), ("ShardedEmbeddingCollection", "device"), ("ShardedEmbeddingCollection", "timeout_s"),
+    ("plan_tables", "bag_stats"),
     *((name, "embedding") for name in ("MeLU", "DCNv2", "DeepFM", "WideDeep", "DLRM", "TwoTower")),
 }
 

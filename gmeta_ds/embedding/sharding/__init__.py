@@ -7,8 +7,8 @@
   check and deduplicate each table's ids (one unique across tables where that is linear);
 - ``exchange.py`` — `RowExchange`: one all-to-all per group of tables (same dimension,
   placement, process group) for every strategy that adds to it, support and query together;
-- ``row_wise.py``, ``table_wise.py``, ``replicated.py``, ``dynamic.py``, ``owner_pooled.py`` —
-  the strategies (`registry.SHARDINGS` names them; `base.strategy_name` picks a table's).
+- ``row_wise.py``, ``table_wise.py``, ``replicated.py``, ``dynamic.py``, ``owner_pooled.py``,
+  ``hierarchical.py`` (pooled on the owner across hosts in two levels) — the strategies (`registry.SHARDINGS` names them; `base.strategy_name` picks a table's).
 
 A new strategy is one file here with a subclass of `Sharding` and one line in
 `gmeta_ds.registry.SHARDINGS`.

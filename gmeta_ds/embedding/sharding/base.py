@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gmeta_ds.embedding.comm import CommStats
+from gmeta_ds.embedding.comm import CommStats, Link
 from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
 from gmeta_ds.embedding.tables import TableConfig, init_rows
 
@@ -47,7 +47,10 @@ class Request(NamedTuple):
 class ShardContext:
     """One rank's sharded tables and what their strategies need to look them up: the plan,
     this rank and the world size, the collection's settings, each table's device and process
-    group (None: the default group), its shard and sparse optimizer, and the traffic counters."""
+    group (None: the default group), its shard and sparse optimizer, and the traffic counters;
+    on a run of several hosts, which ranks are on another host (``remote``) and, for the
+    hierarchical exchange, this rank's intra-host and inter-host groups (``tiers``,
+    `engine.topology.TopologyGroups`)."""
 
     plan: ShardingPlan
     rank: int
@@ -61,10 +64,16 @@ class ShardContext:
     shards: dict[str, nn.Parameter] = field(default_factory=dict)
     optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
     stats: CommStats = field(default_factory=CommStats)
+    remote: tuple[bool, ...] | None = None
+    tiers: object = None
 
     @property
     def world(self) -> int:
         return self.plan.world_size
+
+    def link(self, name: str) -> Link:
+        """The whole world's exchange of table ``name`` (its process group)."""
+        return Link(self.groups[name], self.world, self.rank, self.remote)
 
     def gather(self, x: Tensor, everywhere: bool, name: str) -> list[Tensor] | None:
         """Every rank's ``x`` (same shape on all) on rank 0, or everywhere; table ``name``'s group."""

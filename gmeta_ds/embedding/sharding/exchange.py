@@ -82,18 +82,20 @@ class RowExchange:
     def _exchange(self, tables: dict[str, Routed], send_ids: Tensor, send_counts: Tensor | None,
                   per_owner: Tensor) -> Tensor:
         ctx = self.ctx
-        n_tables, world, group = len(tables), ctx.world, ctx.groups[next(iter(tables))]
+        n_tables, world, link = len(tables), ctx.world, ctx.link(next(iter(tables)))
         recv_per_owner = all_to_all(per_owner, [n_tables] * world, [n_tables] * world,
-                                    ctx.stats, ctx.rank, "input_dist", group)
+                                    ctx.stats, ctx.rank, "input_dist", link.group, link.remote)
         send_splits = per_owner.view(world, n_tables).sum(1).tolist()
         recv_splits = recv_per_owner.view(world, n_tables).sum(1).tolist()
         payload = send_ids if send_counts is None else torch.stack([send_ids, send_counts], dim=1)
-        received = all_to_all(payload, send_splits, recv_splits, ctx.stats, ctx.rank, "input_dist", group)
+        received = all_to_all(payload, send_splits, recv_splits, ctx.stats, ctx.rank, "input_dist",
+                              link.group, link.remote)
         recv_ids, recv_counts = (received, None) if send_counts is None else received.unbind(1)
         recv_table = torch.repeat_interleave(torch.arange(n_tables, device=received.device).repeat(world),
                                              recv_per_owner)
         rows = self._lookup(tables, recv_ids, recv_table, recv_counts)
-        return all_to_all(rows, recv_splits, send_splits, ctx.stats, ctx.rank, "output_dist", group)
+        return all_to_all(rows, recv_splits, send_splits, ctx.stats, ctx.rank, "output_dist", link.group,
+                          link.remote)
 
     @staticmethod
     def _lookup(tables: dict[str, Routed], local_ids: Tensor, table_of: Tensor,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gmeta_ds.embedding.comm import all_to_all
+from gmeta_ds.embedding.comm import Link, all_to_all
 from gmeta_ds.embedding.optim import plain_update
 from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.sharding.base import ShardContext
@@ -117,8 +117,15 @@ class OwnerPooled(RowWise):
             key = (tuple(group), str(device))
             if key not in self.layouts:
                 self.layouts[key] = GroupLayout.of(ctx, tuple(group), device)
-            out.update(_pooled_group(ctx, self.layouts[key], [features[f] for f in group]))
+            out.update(_pooled_group(ctx, self.layouts[key], [features[f] for f in group], self.exchange))
         return out
+
+    def exchange(self, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, n_ids: Tensor,
+                 n_pairs: Tensor) -> tuple[Tensor, Tensor]:
+        """The partial sums of the requests (`_by_id_owner`) and the code of each (its bag x
+        n_tables + table): one all-to-all over the tables' group (`_exchange`)."""
+        link = self.ctx.link(layout.names[0])
+        return _exchange(self.ctx, layout, local, pair_code, lengths, n_ids, n_pairs, link), pair_code
 
 
 def _checked(ctx: ShardContext, layout: GroupLayout, values: Tensor, order: tuple[int, ...],
@@ -168,7 +175,7 @@ def _owners(layout: GroupLayout, values: Tensor, table: Tensor, world: int) -> t
     return owners, local
 
 
-def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged]) -> dict[str, Tensor]:
+def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged], exchange) -> dict[str, Tensor]:
     n_tables, world = len(layout.names), ctx.world
     device = layout.base.device
     bags_per = [j.num_samples for j in jaggeds]
@@ -188,10 +195,10 @@ def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged])
         requests = _by_id_owner(ctx, layout, jaggeds, bags_per, bag_len)
     local, pair_code, lengths, n_ids, n_pairs = requests
     if world == 1:
-        partial = _pool(ctx, layout, local, pair_code, lengths)
+        partial, codes = _pool(ctx, layout, local, pair_code, lengths), pair_code
     else:
-        partial = _exchange(ctx, layout, local, pair_code, lengths, n_ids, n_pairs)
-    bag_of = torch.div(pair_code, n_tables, rounding_mode="floor").to(partial.device)
+        partial, codes = exchange(layout, local, pair_code, lengths, n_ids, n_pairs)
+    bag_of = torch.div(codes, n_tables, rounding_mode="floor").to(partial.device)
     summed = partial.new_zeros(n_bags, partial.shape[1]).index_add(0, bag_of, partial)
     if bool(layout.mean.any()):
         divide = torch.repeat_interleave(layout.mean.to(summed.device), torch.tensor(bags_per, device=summed.device),
@@ -285,21 +292,23 @@ def _wire_dtype(layout: GroupLayout) -> torch.dtype:
 
 
 def _exchange(ctx: ShardContext, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor,
-              n_ids: Tensor, n_pairs: Tensor) -> Tensor:
-    """input_dist of [ids | codes | lengths] per owner (``n_ids`` and ``n_pairs`` per owner),
-    the owners' pooling, output_dist."""
-    world, group = ctx.world, ctx.groups[layout.names[0]]
-    sizes = torch.stack([n_ids, n_pairs], dim=1)  # (W, 2)
-    recv_sizes = all_to_all(sizes, [1] * world, [1] * world, ctx.stats, ctx.rank, "input_dist", group)
+              n_ids: Tensor, n_pairs: Tensor, link: Link, stage: str = "") -> Tensor:
+    """input_dist of [ids | codes | lengths] per owner (``n_ids`` and ``n_pairs`` per member
+    of ``link``), the owners' pooling, output_dist; counted under ``stage`` + input_dist /
+    output_dist."""
+    size, group, remote = link.size, link.group, link.remote
+    sizes = torch.stack([n_ids, n_pairs], dim=1)  # (size, 2)
+    recv_sizes = all_to_all(sizes, [1] * size, [1] * size, ctx.stats, link.rank, stage + "input_dist", group,
+                            remote)
     dtype = _wire_dtype(layout)
     send = _pack(local, pair_code, lengths, n_ids, n_pairs, dtype)
     send_splits = (n_ids + 2 * n_pairs).tolist()
     recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).tolist()
-    received = all_to_all(send, send_splits, recv_splits, ctx.stats, ctx.rank, "input_dist", group)
+    received = all_to_all(send, send_splits, recv_splits, ctx.stats, link.rank, stage + "input_dist", group, remote)
     ids, codes, counts = _unpack(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
     partial = _pool(ctx, layout, ids, codes, counts)
-    return all_to_all(partial, recv_sizes[:, 1].tolist(), n_pairs.tolist(), ctx.stats, ctx.rank,
-                      "output_dist", group)
+    return all_to_all(partial, recv_sizes[:, 1].tolist(), n_pairs.tolist(), ctx.stats, link.rank,
+                      stage + "output_dist", group, remote)
 
 
 def _segments(starts: Tensor, sizes: Tensor) -> Tensor:
