@@ -135,10 +135,11 @@ def _digest(rows: Encoded) -> str:
     return h.hexdigest()
 
 
-def load_adapter(path: str | Path, model: nn.Module | Callable | None = None, **options) -> ServedModel:
+def load_adapter(path: str | Path, model: nn.Module | Callable | None = None, cache_size: int = 10000,
+                 cache_ttl_s: float = 600.0, inner_steps: int | None = None) -> ServedModel:
     """An export folder (``engine.save_model`` or ``gmeta-ds export --config``) ready to adapt
     to users and score their candidates, in this process, without DeepSpeed: ``model`` is the
     saved architecture (a module, or a function of the saved fields) and may be left out when
-    the export holds its recipe (the CLI's). ``options``: ``cache_size`` (users; 0 turns the
-    cache off), ``cache_ttl_s``, ``inner_steps`` (default the export's)."""
-    return ServedModel(path, model, **options)
+    the export holds its recipe (the CLI's). ``cache_size``: users (0 turns the cache off);
+    ``inner_steps``: default the export's."""
+    return ServedModel(path, model, cache_size=cache_size, cache_ttl_s=cache_ttl_s, inner_steps=inner_steps)
