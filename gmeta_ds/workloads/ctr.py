@@ -146,13 +146,21 @@ def interval_lines(intervals: dict | None) -> list[str]:
     (meta-learned minus baseline) with its interval ([] without intervals)."""
     if not intervals or not intervals["differences"]:
         return []
-    lines = [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
-             f"{intervals['users']} held-out users ({intervals['resamples']} resamples):"]
-    for baseline, metrics in intervals["differences"].items():
-        parts = [f"{METRIC_NAMES[m]} {_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
-                 for m, d in metrics.items()]
-        lines.append(f"  vs {BASELINE_NAMES.get(baseline, baseline)}: " + " | ".join(parts))
-    return lines
+    return [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
+            f"{intervals['users']} held-out users ({intervals['resamples']} resamples):",
+            *difference_lines(intervals["differences"])]
+
+
+def difference_lines(differences: dict) -> list[str]:
+    """One line per baseline of {baseline: {metric: {"diff", "low", "high"}}}."""
+    return [f"  vs {BASELINE_NAMES.get(baseline, baseline)}: "
+            + " | ".join(f"{METRIC_NAMES[m]} {difference_text(d)}" for m, d in metrics.items())
+            for baseline, metrics in differences.items()]
+
+
+def difference_text(d: dict) -> str:
+    """``+0.0123 [-0.0040, +0.0286]``: a difference and its interval (nan where undefined)."""
+    return f"{_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
 
 
 def few_shot_lines(curve: dict | None) -> list[str]:

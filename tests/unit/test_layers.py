@@ -17,6 +17,7 @@ LAYERS = {
     "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
     "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.outputs": 5, "gmeta_ds.baselines": 5,
     "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5, "gmeta_ds.run_log": 5,
+    "gmeta_ds.splits": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")
