@@ -5,6 +5,7 @@
     gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH | --splits K]
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
+    gmeta-ds report   RUN_DIR [--out FILE.html]
     gmeta-ds export   CHECKPOINT OUT.safetensors [--overwrite]
     gmeta-ds data synthesize --interactions N --out DIR [--shards K] [--seed S] [--items M]
 
@@ -89,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
+    p = sub.add_parser("report", help="one self-contained HTML page of a run's evaluation")
+    p.add_argument("run_dir", help="a run's output_dir (summary.json, or splits.json of eval --splits)")
+    p.add_argument("--out", default=None, help="the HTML file to write (default: RUN_DIR/report.html)")
     data = sub.add_parser("data", help="interaction logs").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synthesize", help="write a synthetic interaction log as Parquet shards",
                         description="Exactly N rows as DIR/part-00000.parquet ... (Zipf items, 13-100 "
@@ -377,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
+        if args.command == "report":
+            from gmeta_ds.report import write_report
+
+            print(f"wrote {write_report(args.run_dir, args.out)}")
+            return 0
         if args.command == "export":
             return _cmd_export(args.checkpoint, args.out, args.overwrite)
         if args.command == "data":

@@ -34,7 +34,8 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_place
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import HEADLINE, merge, paired, predict, score, train_baseline
+from gmeta_ds.evaluation import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
+                                 train_baseline, write_per_user)
 from gmeta_ds.few_shot import Named, few_shot_curve
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
@@ -314,7 +315,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
     under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
     rank 0; gmeta_ds/few_shot.py); with the four-state split, the scores and intervals per
-    state under ``states``. Collective when ``world`` > 1; returns {} on other ranks."""
+    state under ``states``. Each held-out user's AUC (MAE) per model goes to
+    ``OUTPUT_DIR/per_user.csv`` (rank 0). Collective when ``world`` > 1; returns {} on other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
@@ -324,6 +326,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     models, tuned = baseline_models(cfg, data, kind)
     scored = {name: _scored_set(cfg, rows[name], tasks, models, kind) for name, tasks in sets.items()}
     scores = {name: out for name, (out, _) in scored.items()}
+    if len(held_out):
+        write_per_user(Path(cfg.output_dir) / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
     if cfg.eval.few_shot and len(held_out):
         def meta(tasks) -> Named:
             return {"meta": (predict(learner, learner.learning_rates(), tasks, eval_inner_steps(cfg),
