@@ -244,7 +244,7 @@ def _splits_section(plt, result: dict) -> list[str]:
            f"<p>Mean difference over the splits, {result['level']:.0%} interval over splits and users "
            f"({_e(result['method'])}).</p>", _differences_table(result["differences"])]
     if result.get("few_shot"):
-        out += ["<h3>Few-shot curve over the splits</h3>", *_few_shot_section(plt, result["few_shot"], "95%, over splits and users")[1:]]
+        out += ["<h3>Few-shot curve over the splits</h3>", *_few_shot_section(plt, result["few_shot"], "95%, splits and users")[1:]]
     return out
 
 
