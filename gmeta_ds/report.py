@@ -58,8 +58,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     body = [f"<h1>gmeta-ds report: {_e(run_dir.resolve().name)}</h1>"]
     if summary:
         evaluation = summary.get("eval") or {}
-        body += [_run_section(summary), *_comparison_section(evaluation), *_states_section(plt, evaluation),
-                 *_few_shot_section(plt, evaluation.get("few_shot")), *_per_user_section(plt, run_dir / "per_user.csv")]
+        body += [_run_section(summary), *_comparison_section(evaluation)]
+        if evaluation.get("tasks"):
+            body += [*_states_section(plt, evaluation), *_few_shot_section(plt, evaluation.get("few_shot")),
+                     *_per_user_section(plt, run_dir / "per_user.csv")]
     if splits_path.is_file():
         body += _splits_section(plt, json.loads(splits_path.read_text()))
     if summary:

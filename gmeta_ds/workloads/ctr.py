@@ -77,14 +77,14 @@ class CTRWorkload(Workload):
         if cfg.eval.enabled:
             with run_phase(cfg, "evaluation"):
                 evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, built.data, state),
-                                            built.data, rank, world)
+                                            built.data, rank, world, Path(cfg.output_dir))
         return evaluation, {}
 
     def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
         data = build_data(cfg)
         learner = build_learner(cfg, data.fields)  # the popularity counts come with the weights
         ds_engine.load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
-        return run_evaluation(cfg, learner, data)
+        return run_evaluation(cfg, learner, data, out_dir=Path(cfg.output_dir))
 
     def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
         world = plan.world_size
@@ -306,7 +306,8 @@ def eval_inner_steps(cfg: RunConfig) -> int:
     return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
 
 
-def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
+def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1,
+                   out_dir: Path | None = None) -> dict:
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
     predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
     and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
@@ -315,8 +316,9 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
     under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
     rank 0; gmeta_ds/few_shot.py); with the four-state split, the scores and intervals per
-    state under ``states``. Each held-out user's AUC (MAE) per model goes to
-    ``OUTPUT_DIR/per_user.csv`` (rank 0). Collective when ``world`` > 1; returns {} on other ranks."""
+    state under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC
+    (MAE) per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
+    returns {} on other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
@@ -326,8 +328,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     models, tuned = baseline_models(cfg, data, kind)
     scored = {name: _scored_set(cfg, rows[name], tasks, models, kind) for name, tasks in sets.items()}
     scores = {name: out for name, (out, _) in scored.items()}
-    if len(held_out):
-        write_per_user(Path(cfg.output_dir) / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
+    if out_dir is not None and len(held_out):
+        write_per_user(out_dir / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
     if cfg.eval.few_shot and len(held_out):
         def meta(tasks) -> Named:
             return {"meta": (predict(learner, learner.learning_rates(), tasks, eval_inner_steps(cfg),
