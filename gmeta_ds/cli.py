@@ -2,9 +2,10 @@
 
     gmeta-ds train    --config FILE.yaml [--set dotted.key=value ...] [--overwrite]
     gmeta-ds validate --config FILE.yaml [--set ...] [--world-size N] [--overwrite]
-    gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH]
+    gmeta-ds eval     --config FILE.yaml [--set ...] [--weights PATH | --splits K]
     gmeta-ds validate --config FILE.yaml --hostfile HOSTFILE [--num_gpus N]
     gmeta-ds plot     RUN_DIR [--out DIR]
+    gmeta-ds report   RUN_DIR [--out FILE.html]
     gmeta-ds export   CHECKPOINT OUT.safetensors [--overwrite]
     gmeta-ds export   CHECKPOINT|WEIGHTS OUT_DIR --config FILE.yaml [--set ...] [--overwrite]
     gmeta-ds serve    EXPORT_DIR [--host H] [--port P] [--model MODULE:FUNCTION] [...]
@@ -82,11 +83,17 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--weights", default=None,
                            help="safetensors file (default: OUTPUT_DIR/model.safetensors)")
+            p.add_argument("--splits", type=_at_least(2), default=None, metavar="K",
+                           help="train and evaluate over K user splits (seeds SEED..SEED+K-1) into "
+                           "OUTPUT_DIR/splits/; the mean differences with intervals in OUTPUT_DIR/splits.json")
     _export_parser(sub)
     _serve_parser(sub)
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
+    p = sub.add_parser("report", help="one self-contained HTML page of a run's evaluation")
+    p.add_argument("run_dir", help="a run's output_dir (summary.json, or splits.json of eval --splits)")
+    p.add_argument("--out", default=None, help="the HTML file to write (default: RUN_DIR/report.html)")
     data = sub.add_parser("data", help="interaction logs").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synthesize", help="write a synthetic interaction log as Parquet shards",
                         description="Exactly N rows as DIR/part-00000.parquet ... (Zipf items, 13-100 "
@@ -216,13 +223,14 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(cfg: RunConfig) -> int:
+def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
     from gmeta_ds.outputs import check_earlier_run
     from gmeta_ds.meta_engine import NonFiniteLoss
     from gmeta_ds.engine.memory import rss_mib
+    from gmeta_ds.splits import prepare_splits, train_splits
     from gmeta_ds.trainer import completed_run, train
     from gmeta_ds.workloads import get_workload
 
@@ -231,24 +239,34 @@ def _cmd_train(cfg: RunConfig) -> int:
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
     check_device_support(ds_config)
     check_ds_config(ds_config)
-    done = completed_run(cfg)
-    if done is not None:  # a requeue of a finished run: exit 0, touch nothing
-        if env_world()[0] == 0:
-            print(f"gmeta-ds train: {done}")
-        return 0
-    check_earlier_run(cfg)  # an earlier run in output_dir: refused unless train.overwrite
-    check_output_dir(cfg.output_dir)
     workload = get_workload(cfg.task)
-    prepared = workload.preflight(cfg, plan.world_size)
+    if splits:  # eval --splits: every split's checks first (gmeta_ds/splits.py)
+        runs = prepare_splits(cfg, splits, plan.world_size, workload, check_output_dir)
+
+        def body(rank: int) -> list[str]:
+            return train_splits(cfg, runs, ds_config, plan, rank, workload, runtime_rss)
+    else:
+        done = completed_run(cfg)
+        if done is not None:  # a requeue of a finished run: exit 0, touch nothing
+            if env_world()[0] == 0:
+                print(f"gmeta-ds train: {done}")
+            return 0
+        check_earlier_run(cfg)  # an earlier run in output_dir: refused unless train.overwrite
+        check_output_dir(cfg.output_dir)
+        prepared = workload.preflight(cfg, plan.world_size)
+
+        def body(rank: int) -> list[str]:
+            summary = train(cfg, ds_config, plan, rank, workload, prepared, runtime_rss)
+            return workload.report(summary, cfg.output_dir) if rank == 0 else []
     set_threads(cfg.train.threads)
     try:
         rank, world = init_process_group(cfg.train.collective_timeout_s)
         if world != plan.world_size:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
-        summary = train(cfg, ds_config, plan, rank, workload, prepared, runtime_rss)
+        lines = body(rank)
         if rank == 0:
-            print("\n".join(workload.report(summary, cfg.output_dir)))
+            print("\n".join(lines))
     except NonFiniteLoss as exc:  # every rank raises it, before any update of that meta-step
         destroy_process_group(clean_exit=False)
         print(f"gmeta-ds train: {exc}", file=sys.stderr)
@@ -260,10 +278,15 @@ def _cmd_train(cfg: RunConfig) -> int:
     return 0
 
 
-def _cmd_eval(cfg: RunConfig, weights: str | None) -> int:
+def _cmd_eval(cfg: RunConfig, weights: str | None, splits: int | None = None) -> int:
     from gmeta_ds.trainer import write_json
     from gmeta_ds.workloads import get_workload
 
+    if splits:  # train and evaluate each split (gmeta_ds/splits.py)
+        if weights:
+            raise ConfigError([f"--weights {weights} with --splits {splits}: --splits trains a model per "
+                               "split; pass one of them"])
+        return _cmd_train(cfg, splits)
     check_output_dir(cfg.output_dir)  # eval.json goes there
     result = get_workload(cfg.task).evaluate_saved(cfg, weights)
     write_json(Path(cfg.output_dir) / "eval.json", result)
@@ -438,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
+        if args.command == "report":
+            from gmeta_ds.report import write_report
+
+            print(f"wrote {write_report(args.run_dir, args.out)}")
+            return 0
         if args.command == "export":
             if args.config is not None:
                 return _cmd_export_serving(args)
@@ -450,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return _cmd_validate(cfg, args)
         if args.command == "eval":
-            return _cmd_eval(cfg, args.weights)
+            return _cmd_eval(cfg, args.weights, args.splits)
         return _cmd_train(cfg)
     except (ConfigError, DataError) as exc:
         print(f"gmeta-ds {args.command}: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.sparse import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, check_output, masked_bce
 from gmeta_ds.intervals import paired_intervals
-from gmeta_ds.metrics import score_tasks
+from gmeta_ds.metrics import per_task_auc, score_tasks
 from gmeta_ds.models.popularity import net_logits
 
 
@@ -178,6 +178,47 @@ def paired(meta: dict[str, np.ndarray], baselines: dict[str, dict[str, np.ndarra
                                "query rows")
         preds[name] = rows[key]
     return paired_intervals(meta["labels"], meta["task"], meta["adapted"], preds, kind, resamples, seed)
+
+
+# Each held-out user's metric per model (gmeta_ds/report.py draws its distribution).
+PER_USER_FILE = "per_user.csv"
+
+
+def per_user_columns(meta: dict[str, np.ndarray], compared: dict[str, tuple[dict, str]], kind: str) -> dict:
+    """per_user.csv's columns: ``task`` (the held-out task id), ``query_rows``, and each model's
+    AUC of that user's query rows (``<model>_auc``; MAE for ratings, ``<model>_mae``): ``meta``
+    (adapted), ``meta_no_adapt`` and every baseline of ``compared`` (`paired`'s {name: (rows,
+    key)}); NaN where undefined (one class in the query, a diverged fine-tune)."""
+    task, user, rows = np.unique(meta["task"], return_inverse=True, return_counts=True)
+    suffix = "auc" if kind == "binary" else "mae"
+    out = {"task": task, "query_rows": rows}
+    models = {"meta": meta["adapted"], "meta_no_adapt": meta["plain"],
+              **{name: merge(r)[key] for name, (r, key) in compared.items()}}
+    for name, pred in models.items():
+        if not np.isfinite(pred).all():
+            out[f"{name}_{suffix}"] = np.full(len(task), np.nan)
+        elif kind == "binary":
+            out[f"{name}_{suffix}"] = per_task_auc(meta["labels"], pred, meta["task"])
+        else:
+            out[f"{name}_{suffix}"] = np.bincount(user.reshape(-1), np.abs(pred - meta["labels"])) / rows
+    return out
+
+
+def write_per_user(path, columns: dict[str, np.ndarray]) -> None:
+    """``columns`` (`per_user_columns`) as CSV, an undefined value an empty field."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for row in zip(*columns.values()):
+            writer.writerow(["" if isinstance(v, float) and math.isnan(v) else
+                             (f"{v:.6g}" if isinstance(v, float) else int(v)) for v in map(_plain, row)])
+
+
+def _plain(value):
+    """A numpy scalar as a Python int or float."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def few_tasks_notes(scores: dict, kind: str) -> list[str]:

@@ -156,3 +156,37 @@ def paired_intervals(labels: np.ndarray, task: np.ndarray, pred: np.ndarray, bas
         out["differences"][name] = {m: _interval(mine[m][0] - theirs[m][0], mine[m][1:] - theirs[m][1:], level)
                                     for m in METRICS[kind]}
     return out
+
+
+def split_interval(points: list[dict], held_out_fraction: float, level: float = LEVEL) -> dict:
+    """The mean over K user splits of one difference, with an interval counting both the
+    split-to-split variance (training, initialisation, which users train and which are held
+    out) and the user sampling: ``points`` are the K splits' {"diff", "low", "high"} (a
+    `paired_intervals` entry each), ``held_out_fraction`` the share n / N of the N users the
+    splits draw from that each one holds out (0 when every split draws new users: the
+    synthetic generator's seeds).
+
+    With d_k the splits' differences, s^2 their sample variance and w_k = ((high - low) /
+    (2 z))^2 each split's paired-bootstrap variance, Var(mean d) = s^2 / K + (n / N) mean(w):
+    the splits share users, so their differences covary by the per-user variance / N, which
+    s^2 misses and no number of splits averages away (the corrected resampled t-test of
+    Nadeau and Bengio, 2003, with that covariance estimated from the bootstrap rather than as
+    n_test / n_train s^2; w also holds the per-split noise of a user's metric, so the term is
+    conservative). The interval is mean +- sqrt(t^2 s^2 / K + z^2 (n / N) mean(w)): Student's t
+    with K - 1 degrees of freedom for the splits' term, the normal quantile for the bootstrap's
+    (estimated from many users). Simulated (tests/unit/test_intervals.py): 95-96% coverage at
+    10 splits, conservative (97-98%) at 2-3; without the shared-user term, 79% at 10 splits.
+    Returns {"diff", "low", "high", "splits", "sd"} (sd: the splits' standard deviation); None
+    where a split's value is undefined."""
+    from scipy.stats import norm, t as student
+
+    if len(points) < 2 or any(p.get("diff") is None or p.get("low") is None for p in points):
+        return {"diff": None, "low": None, "high": None, "splits": len(points), "sd": None}
+    diffs = np.array([p["diff"] for p in points], dtype=np.float64)
+    z = norm.ppf((1.0 + level) / 2.0)
+    within = np.array([((p["high"] - p["low"]) / (2.0 * z)) ** 2 for p in points])
+    k = len(diffs)
+    between, shared = diffs.var(ddof=1) / k, held_out_fraction * within.mean()
+    mean = float(diffs.mean())
+    half = float(np.sqrt(student.ppf((1.0 + level) / 2.0, k - 1) ** 2 * between + z**2 * shared))
+    return {"diff": mean, "low": mean - half, "high": mean + half, "splits": k, "sd": float(np.sqrt(between * k))}

@@ -17,7 +17,8 @@ WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`
 
 # What a run leaves in output_dir (rank 0). A run that does not continue the folder's own
 # checkpoint refuses a folder holding any of them unless train.overwrite (`check_earlier_run`).
-EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "metrics.jsonl", "tensorboard", "checkpoints")
+EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "per_user.csv", "metrics.jsonl", "tensorboard",
+                   "checkpoints")
 
 
 def earlier_outputs(out_dir: Path) -> list[str]:

@@ -46,7 +46,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
-def _summary(path: Path) -> dict:
+def read_summary(path: Path) -> dict:
     try:
         summary = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -81,13 +81,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [r["query_loss"] for r in records], label="query loss (outer)")
-    ax.plot(steps, [r["support_loss"] for r in records], label="support loss (inner, before adaptation)")
-    ax.set(xlabel="meta-step", ylabel="loss", title="meta-training loss")
-    ax.legend()
-    save(fig, "loss.png")
-
+    save(loss_chart(plt, records), "loss.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, [r["tasks_per_s"] for r in records])
     ax.set(xlabel="meta-step", ylabel="tasks / s", title="throughput (all ranks)")
@@ -95,12 +89,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
 
     save(_communication_chart(plt, steps, records), "communication.png")
     summary_path = run_dir / "summary.json"
-    evaluation = _summary(summary_path).get("eval") if summary_path.is_file() else None
+    evaluation = read_summary(summary_path).get("eval") if summary_path.is_file() else None
     if evaluation:
-        save(_coldstart_chart(plt, evaluation), "coldstart.png")
+        save(coldstart_chart(plt, evaluation), "coldstart.png")
     if evaluation and evaluation.get("few_shot"):
-        save(_few_shot_chart(plt, evaluation["few_shot"]), "few_shot.png")
+        save(few_shot_chart(plt, evaluation["few_shot"]), "few_shot.png")
     return written
+
+
+def loss_chart(plt, records: list[dict]):
+    """The meta-training losses against the meta-step (metrics.jsonl)."""
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["query_loss"] for r in records], label="query loss (outer)")
+    ax.plot(steps, [r["support_loss"] for r in records], label="support loss (inner, before adaptation)")
+    ax.set(xlabel="meta-step", ylabel="loss", title="meta-training loss")
+    ax.legend()
+    return fig
 
 
 def _communication_chart(plt, steps: list[int], records: list[dict]):
@@ -115,7 +120,7 @@ def _communication_chart(plt, steps: list[int], records: list[dict]):
     return fig
 
 
-def _coldstart_chart(plt, evaluation: dict):
+def coldstart_chart(plt, evaluation: dict):
     """Bars of the cold-start metric (AUC, else MAE) per held-out set, before and after
     adaptation and for the baselines (`_BARS`); an undefined (null) metric is a gap."""
     sets = {"held-out users": evaluation, **evaluation.get("states", {})}
@@ -140,10 +145,11 @@ _MODELS = {"meta": "meta-learned + adaptation", "baseline": "non-meta baseline",
            "baseline_popularity": "popularity + user offset"}
 
 
-def _few_shot_chart(plt, curve: dict):
+def few_shot_chart(plt, curve: dict, interval: str = "95% paired bootstrap"):
     """The few-shot curve (``eval.few_shot``): left, every model's mean per-user AUC (MAE for
     ratings) against the support rows each user adapted on; right, the meta-learned model
-    minus each baseline with its paired 95% interval (error bars). Null values are gaps."""
+    minus each baseline with its 95% interval (error bars; ``interval`` names how it was
+    made). Null values are gaps."""
     metric = "auc_per_task" if "auc_per_task" in curve["metrics"].get("meta", {}) else "mae"
     label = "mean per-user AUC" if metric == "auc_per_task" else "MAE"
     x = list(range(len(curve["support"])))
@@ -163,7 +169,7 @@ def _few_shot_chart(plt, curve: dict):
         right.errorbar([v + 0.06 * i for v in x], mid, yerr=[low, high], marker="o", capsize=3,
                        color=colors.get(name), label=f"minus {_MODELS.get(name, name)}")
     right.set(xlabel="support interactions per user", ylabel=f"difference in {label}",
-              title="meta-learned minus baseline (95% paired bootstrap)")
+              title=f"meta-learned minus baseline ({interval})")
     for ax in (left, right):
         ax.set_xticks(x, ticks)
         ax.legend(fontsize=7)

@@ -35,7 +35,8 @@ from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import HEADLINE, merge, paired, predict, score, train_baseline
+from gmeta_ds.evaluation import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
+                                 train_baseline, write_per_user)
 from gmeta_ds.few_shot import Named, few_shot_curve
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
@@ -77,14 +78,14 @@ class CTRWorkload(Workload):
         if cfg.eval.enabled:
             with run_phase(cfg, "evaluation"):
                 evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, built.data, state),
-                                            built.data, rank, world)
+                                            built.data, rank, world, Path(cfg.output_dir))
         return evaluation, {}
 
     def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
         data = build_data(cfg)
         learner = build_learner(cfg, data.fields)  # the popularity counts come with the weights
         ds_engine.load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
-        return run_evaluation(cfg, learner, data)
+        return run_evaluation(cfg, learner, data, out_dir=Path(cfg.output_dir))
 
     def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
         world = plan.world_size
@@ -147,13 +148,21 @@ def interval_lines(intervals: dict | None) -> list[str]:
     (meta-learned minus baseline) with its interval ([] without intervals)."""
     if not intervals or not intervals["differences"]:
         return []
-    lines = [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
-             f"{intervals['users']} held-out users ({intervals['resamples']} resamples):"]
-    for baseline, metrics in intervals["differences"].items():
-        parts = [f"{METRIC_NAMES[m]} {_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
-                 for m, d in metrics.items()]
-        lines.append(f"  vs {BASELINE_NAMES.get(baseline, baseline)}: " + " | ".join(parts))
-    return lines
+    return [f"meta-learned minus baseline, {intervals['level']:.0%} paired bootstrap interval over "
+            f"{intervals['users']} held-out users ({intervals['resamples']} resamples):",
+            *difference_lines(intervals["differences"])]
+
+
+def difference_lines(differences: dict) -> list[str]:
+    """One line per baseline of {baseline: {metric: {"diff", "low", "high"}}}."""
+    return [f"  vs {BASELINE_NAMES.get(baseline, baseline)}: "
+            + " | ".join(f"{METRIC_NAMES[m]} {difference_text(d)}" for m, d in metrics.items())
+            for baseline, metrics in differences.items()]
+
+
+def difference_text(d: dict) -> str:
+    """``+0.0123 [-0.0040, +0.0286]``: a difference and its interval (nan where undefined)."""
+    return f"{_signed(d['diff'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
 
 
 def few_shot_lines(curve: dict | None) -> list[str]:
@@ -304,7 +313,8 @@ def eval_inner_steps(cfg: RunConfig) -> int:
     return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
 
 
-def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1) -> dict:
+def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1,
+                   out_dir: Path | None = None) -> dict:
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
     predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
     and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
@@ -313,7 +323,9 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
     under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
     rank 0; gmeta_ds/few_shot.py); with the four-state split, the scores and intervals per
-    state under ``states``. Collective when ``world`` > 1; returns {} on other ranks."""
+    state under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC
+    (MAE) per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
+    returns {} on other ranks."""
     kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
@@ -323,6 +335,8 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     models, tuned = baseline_models(cfg, data, kind)
     scored = {name: _scored_set(cfg, rows[name], tasks, models, kind) for name, tasks in sets.items()}
     scores = {name: out for name, (out, _) in scored.items()}
+    if out_dir is not None and len(held_out):
+        write_per_user(out_dir / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
     if cfg.eval.few_shot and len(held_out):
         def meta(tasks) -> Named:
             return {"meta": (predict(learner, learner.learning_rates(), tasks, eval_inner_steps(cfg),
