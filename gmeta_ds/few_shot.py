@@ -7,6 +7,10 @@ rows; the meta-learned model adapts on that support and so does each baseline (f
 it, or a popularity offset fitted on it). The last point, ``"all"``, is the full evaluation.
 Per point: every model's metrics (`gmeta_ds.intervals.METRICS`) and each baseline's paired
 bootstrap difference to the meta-learned model (`gmeta_ds.evaluation.paired`).
+
+The inner-steps curve (`steps_curve`, ``eval.steps_curve``) is the same comparison along the
+number of inner steps, on the full support: the meta-learned model and each baseline that
+adapts (fine-tuning) after 0, 1, 2, ... steps.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ SIZES = (1, 2, 5, 10, 20)
 # Prediction rows of named models on a task set: {name: (predict-style rows, key of the prediction)}.
 Named = dict[str, tuple[dict, str]]
 Predictor = Callable[[TaskSet], Named]
+StepPredictor = Callable[[TaskSet, int], Named]
 
 
 def few_shot_curve(tasks: TaskSet, predictors: list[Predictor], full: Named, sizes, kind: str,
@@ -45,9 +50,31 @@ def few_shot_curve(tasks: TaskSet, predictors: list[Predictor], full: Named, siz
             named.update(predictor(cut))
         points.append((float(np.mean(cut.support_len)), named))
     points.append((float(np.mean(tasks.support_len)), full))
-    out = {"support": [*sizes, "all"], "support_rows": [rows for rows, _ in points], "metrics": {},
-           "intervals": []}
-    for _, named in points:
+    return {"support": [*sizes, "all"], "support_rows": [rows for rows, _ in points],
+            **_scored_points([named for _, named in points], kind, resamples, seed)}
+
+
+def steps_curve(tasks: TaskSet, at_steps: list[StepPredictor], steps, kind: str, resamples: int,
+                seed: int) -> dict:
+    """The inner-steps curve (``eval.steps_curve``): every model of ``at_steps`` (functions of
+    a task set and a number of inner steps returning named prediction rows; one names the
+    meta-learned model ``"meta"``) after each number of ``steps`` on the full support. Returns
+    {"inner_steps": [s...], "metrics": ..., "intervals": ...} as `few_shot_curve`'s."""
+    steps = sorted({int(s) for s in steps})
+    points = []
+    for n in steps:
+        named: Named = {}
+        for predictor in at_steps:
+            named.update(predictor(tasks, n))
+        points.append(named)
+    return {"inner_steps": steps, **_scored_points(points, kind, resamples, seed)}
+
+
+def _scored_points(points: list[Named], kind: str, resamples: int, seed: int) -> dict:
+    """{"metrics": {model: {metric: [value per point]}}, "intervals": [each baseline's paired
+    difference to ``"meta"`` per point]} of a curve's points."""
+    out = {"metrics": {}, "intervals": []}
+    for named in points:
         for name, values in _metrics(named, kind).items():
             for metric, value in values.items():
                 out["metrics"].setdefault(name, {}).setdefault(metric, []).append(value)

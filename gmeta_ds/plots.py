@@ -94,6 +94,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         save(coldstart_chart(plt, evaluation), "coldstart.png")
     if evaluation and evaluation.get("few_shot"):
         save(few_shot_chart(plt, evaluation["few_shot"]), "few_shot.png")
+    if evaluation and evaluation.get("inner_steps_curve"):
+        save(few_shot_chart(plt, evaluation["inner_steps_curve"]), "inner_steps.png")
     return written
 
 
@@ -146,20 +148,23 @@ _MODELS = {"meta": "meta-learned + adaptation", "baseline": "non-meta baseline",
 
 
 def few_shot_chart(plt, curve: dict, interval: str = "95% paired bootstrap"):
-    """The few-shot curve (``eval.few_shot``): left, every model's mean per-user AUC (MAE for
-    ratings) against the support rows each user adapted on; right, the meta-learned model
+    """The few-shot curve (``eval.few_shot``; or the inner-steps curve, ``eval.inner_steps_curve``,
+    along inner steps): left, every model's mean per-user AUC (MAE for ratings) against the
+    support rows each user adapted on; right, the meta-learned model
     minus each baseline with its 95% interval (error bars; ``interval`` names how it was
     made). Null values are gaps."""
     metric = "auc_per_task" if "auc_per_task" in curve["metrics"].get("meta", {}) else "mae"
     label = "mean per-user AUC" if metric == "auc_per_task" else "MAE"
-    x = list(range(len(curve["support"])))
-    ticks = [str(k) for k in curve["support"]]
+    along = "support" if "support" in curve else "inner_steps"  # eval.few_shot or eval.inner_steps_curve
+    xlabel = "support interactions per user" if along == "support" else "inner steps on the full support"
+    x = list(range(len(curve[along])))
+    ticks = [str(k) for k in curve[along]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     colors = {name: f"C{i}" for i, name in enumerate(curve["metrics"])}  # one colour per model in both panels
     for name, values in curve["metrics"].items():
         left.plot(x, [float("nan") if v is None else v for v in values[metric]], marker="o", color=colors[name],
                   label=_MODELS.get(name, name))
-    left.set(xlabel="support interactions per user", ylabel=label, title=f"few-shot curve: {label}")
+    left.set(xlabel=xlabel, ylabel=label, title=f"{'few-shot' if along == 'support' else 'inner-steps'} curve: {label}")
     right.axhline(0.0, color="grey", linewidth=0.8)
     for i, name in enumerate(sorted({b for point in curve["intervals"] for b in point})):
         d = [point.get(name, {}).get(metric) or {} for point in curve["intervals"]]
@@ -168,7 +173,7 @@ def few_shot_chart(plt, curve: dict, interval: str = "95% paired bootstrap"):
         high = [0.0 if p.get("high") is None else p["high"] - p["diff"] for p in d]
         right.errorbar([v + 0.06 * i for v in x], mid, yerr=[low, high], marker="o", capsize=3,
                        color=colors.get(name), label=f"minus {_MODELS.get(name, name)}")
-    right.set(xlabel="support interactions per user", ylabel=f"difference in {label}",
+    right.set(xlabel=xlabel, ylabel=f"difference in {label}",
               title=f"meta-learned minus baseline ({interval})")
     for ax in (left, right):
         ax.set_xticks(x, ticks)

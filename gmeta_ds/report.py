@@ -61,6 +61,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         body += [_run_section(summary), *_comparison_section(evaluation)]
         if evaluation.get("tasks"):
             body += [*_states_section(plt, evaluation), *_few_shot_section(plt, evaluation.get("few_shot")),
+                     *_few_shot_section(plt, evaluation.get("inner_steps_curve"), along="inner_steps"),
                      *_per_user_section(plt, run_dir / "per_user.csv")]
     if splits_path.is_file():
         body += _splits_section(plt, json.loads(splits_path.read_text()))
@@ -187,17 +188,28 @@ def _states_section(plt, evaluation: dict) -> list[str]:
     return out + [_chart(plt, coldstart_chart(plt, evaluation), "cold-start metric per state")]
 
 
-def _few_shot_section(plt, curve: dict | None, interval: str = "95% paired bootstrap") -> list[str]:
-    """The few-shot curve: chart and each model's value per support size."""
-    out = ["<h2>Few-shot curve</h2>"]
+# The two curves of an evaluation: (title, summary key, config key, column unit, what a point means).
+_CURVES = {
+    "support": ("Few-shot curve", "eval.few_shot", "rows", "when each held-out user adapts on only the first "
+                "k rows of its support (every point scores the same query rows)"),
+    "inner_steps": ("Inner-steps curve", "eval.steps_curve", "steps", "after each number of inner steps on "
+                    "each held-out user's full support (0: the initialisation as is)"),
+}
+
+
+def _few_shot_section(plt, curve: dict | None, interval: str = "95% paired bootstrap",
+                      along: str = "support") -> list[str]:
+    """A curve (``along`` the support size, or the inner steps): chart and each model's value
+    per point."""
+    title, key, unit, meaning = _CURVES[along]
+    out = [f"<h2>{title}</h2>"]
     if not curve:
-        return out + ["<p>Not computed (eval.few_shot: []).</p>"]
+        return out + [f"<p>Not computed ({key}: []).</p>"]
     metric = "auc_per_task" if "auc_per_task" in curve["metrics"].get("meta", {}) else "mae"
-    header = ["model", *(f"{_e(k)} rows" for k in curve["support"])]
+    header = ["model", *(f"{_e(k)} {unit}" for k in curve[along])]
     rows = [[_e(NAMES.get(n, n)), *(_num(v) for v in values[metric])] for n, values in curve["metrics"].items()]
-    return out + [f"<p>{METRIC_LABELS[metric]} when each held-out user adapts on only the first k rows of its "
-                  "support (every point scores the same query rows).</p>", _table(header, rows),
-                  _chart(plt, few_shot_chart(plt, curve, interval), "few-shot curve")]
+    return out + [f"<p>{METRIC_LABELS[metric]} {meaning}.</p>", _table(header, rows),
+                  _chart(plt, few_shot_chart(plt, curve, interval), title.lower())]
 
 
 def read_per_user(path: Path) -> dict[str, list[float]]:

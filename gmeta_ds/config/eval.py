@@ -35,3 +35,7 @@ class EvalConfig:
     # The few-shot curve (``few_shot``): every model re-scored on the held-out users with only
     # the first k rows of each support, for each k here, and with all of it ([]: none).
     few_shot: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 20])
+    # The inner-steps curve (``inner_steps_curve``): the meta-learned model and the fine-tuned
+    # baselines re-scored on the held-out users after each number of inner steps here, on the
+    # full support (0: the initialisation as is; []: none).
+    steps_curve: list[int] = field(default_factory=lambda: [0, 1, 2, 5, 10])

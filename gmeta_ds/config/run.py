@@ -203,6 +203,8 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"eval.{key}: {getattr(cfg.eval, key)!r} must be >= 0")
     if any(k < 1 for k in cfg.eval.few_shot):
         problems.append(f"eval.few_shot: {cfg.eval.few_shot!r} must be support sizes >= 1")
+    if any(k < 0 for k in cfg.eval.steps_curve):
+        problems.append(f"eval.steps_curve: {cfg.eval.steps_curve!r} must be inner step counts >= 0")
     validate_train(cfg.train, problems)
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")

@@ -37,7 +37,7 @@ from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
                                  train_baseline, write_per_user)
-from gmeta_ds.few_shot import Named, few_shot_curve
+from gmeta_ds.few_shot import Named, few_shot_curve, steps_curve
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
@@ -131,6 +131,7 @@ class CTRWorkload(Workload):
             lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
             lines += interval_lines(summary["eval"].get("intervals"))
             lines += few_shot_lines(summary["eval"].get("few_shot"))
+            lines += few_shot_lines(summary["eval"].get("inner_steps_curve"))
             lines += [f"warning: {note}" for note in ev.get("warnings", [])]
         lines.append(f"outputs: {output_dir}/summary.json, metrics.jsonl, {WEIGHTS_FILE}")
         return lines
@@ -166,13 +167,18 @@ def difference_text(d: dict) -> str:
 
 
 def few_shot_lines(curve: dict | None) -> list[str]:
-    """The report's lines of ``eval.few_shot``: each model's mean per-user AUC (MAE for
-    ratings) at each support size ([] without the curve)."""
+    """The report's lines of ``eval.few_shot`` (or of ``eval.inner_steps_curve``): each model's
+    mean per-user AUC (MAE for ratings) at each support size (number of inner steps); []
+    without the curve."""
     if not curve:
         return []
     metric = "auc_per_task" if "auc_per_task" in curve["metrics"]["meta"] else "mae"
-    lines = [f"few-shot {METRIC_NAMES[metric]} adapting on the first {', '.join(map(str, curve['support']))} "
-             "support rows of each user:"]
+    if "support" in curve:
+        head = f"few-shot {METRIC_NAMES[metric]} adapting on the first {', '.join(map(str, curve['support']))} "
+        head += "support rows of each user:"
+    else:
+        head = f"{METRIC_NAMES[metric]} after {', '.join(map(str, curve['inner_steps']))} inner steps on the full support:"
+    lines = [head]
     for name, values in curve["metrics"].items():
         numbers = " ".join("nan" if v is None else f"{v:.4f}" for v in values[metric])
         lines.append(f"  {BASELINE_NAMES.get(name, 'meta-learned + adaptation')}: {numbers}")
@@ -337,18 +343,31 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     scores = {name: out for name, (out, _) in scored.items()}
     if out_dir is not None and len(held_out):
         write_per_user(out_dir / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
-    if cfg.eval.few_shot and len(held_out):
-        def meta(tasks) -> Named:
-            return {"meta": (predict(learner, learner.learning_rates(), tasks, eval_inner_steps(cfg),
-                                     cfg.eval.tasks_per_batch), "adapted")}
-
+    if len(held_out):
         full = {"meta": (rows["test"], "adapted"), **scored["test"][1]}
-        scores["test"]["few_shot"] = few_shot_curve(held_out, [meta, *(m.predict for m in models)], full,
-                                                    cfg.eval.few_shot, kind, cfg.eval.bootstrap_resamples, cfg.seed)
+        scores["test"].update(_curves(cfg, learner, held_out, full, models, kind))
     result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
     if scores:
         result["states"] = scores
     return result
+
+
+def _curves(cfg: RunConfig, learner: MetaLearner, tasks, full: Named, models: list["Baseline"], kind: str) -> dict:
+    """The few-shot curve (``few_shot``, ``eval.few_shot``) and the inner-steps curve
+    (``inner_steps_curve``, ``eval.steps_curve``) of the held-out ``tasks`` (gmeta_ds/few_shot.py);
+    ``full``: every model's rows on the full support."""
+    def meta_at(tasks, steps: int) -> Named:
+        return {"meta": (predict(learner, learner.learning_rates(), tasks, steps, cfg.eval.tasks_per_batch),
+                         "adapted")}
+
+    out, resamples = {}, cfg.eval.bootstrap_resamples
+    if cfg.eval.few_shot:
+        predictors = [lambda t: meta_at(t, eval_inner_steps(cfg)), *(m.predict for m in models)]
+        out["few_shot"] = few_shot_curve(tasks, predictors, full, cfg.eval.few_shot, kind, resamples, cfg.seed)
+    if cfg.eval.steps_curve:
+        at_steps = [meta_at, *(m.at_steps for m in models if m.at_steps is not None)]
+        out["inner_steps_curve"] = steps_curve(tasks, at_steps, cfg.eval.steps_curve, kind, resamples, cfg.seed)
+    return out
 
 
 def _scored_set(cfg: RunConfig, meta_rows: list, tasks, models: list["Baseline"], kind: str) -> tuple[dict, Named]:
@@ -374,6 +393,7 @@ class Baseline:
 
     predict: Callable[[Any], Named]
     scores: Callable[[Named, str], dict]
+    at_steps: "Callable[[Any, int], Named] | None" = None  # a fine-tune's rows after a number of steps
 
 
 def baseline_models(cfg: RunConfig, data, kind: str) -> tuple[list[Baseline], dict]:
@@ -385,14 +405,20 @@ def baseline_models(cfg: RunConfig, data, kind: str) -> tuple[list[Baseline], di
         baseline = build_learner(cfg, data.fields, train=data.train)
         train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
                        cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
-        models.append(Baseline(lambda tasks: _non_meta_rows(cfg, baseline, tasks), _non_meta_scores))
+        fixed = _fixed_rates(baseline)
+        models.append(Baseline(
+            lambda tasks: _non_meta_rows(cfg, baseline, tasks), _non_meta_scores,
+            (lambda tasks, n: {"baseline_finetune": (predict(baseline, fixed, tasks, n, tasks_per_batch), "adapted")})
+            if cfg.eval.baseline_finetune else None))
         if cfg.eval.finetune_search:  # chosen on validation users only; test users scored once
             lr, steps, grid = finetune_search(baseline, data.valid, tasks_per_batch)
             tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps, "baseline_finetune_grid": grid}
             models.append(Baseline(
                 lambda tasks: {"baseline_finetune_tuned": (finetune_predict(baseline, tasks, lr, steps,
                                                                             tasks_per_batch), "adapted")},
-                lambda named, kind: finetune_scores_of(named["baseline_finetune_tuned"][0], kind)))
+                lambda named, kind: finetune_scores_of(named["baseline_finetune_tuned"][0], kind),
+                lambda tasks, n: {"baseline_finetune_tuned": (finetune_predict(baseline, tasks, lr, n, tasks_per_batch),
+                                                              "adapted")}))
     if cfg.eval.popularity_baseline:
         # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
         # raw ids (dynamic tables) have no OOV id.
@@ -421,9 +447,13 @@ def _distributed_predict(cfg: RunConfig, learner: MetaLearner, tasks, rank: int,
 def _non_meta_rows(cfg: RunConfig, baseline: MetaLearner, tasks) -> Named:
     """The non-meta baseline's rows: as is (``baseline``) and, with ``eval.baseline_finetune``,
     fine-tuned on each support with the meta inner loop's rates (``baseline_finetune``)."""
-    fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}  # meta.inner_lr(_scale)
-    rows = predict(baseline, fixed, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
+    rows = predict(baseline, _fixed_rates(baseline), tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
     return {"baseline": (rows, "plain"), **({"baseline_finetune": (rows, "adapted")} if cfg.eval.baseline_finetune else {})}
+
+
+def _fixed_rates(baseline: MetaLearner) -> dict[str, float]:
+    """The non-meta baseline's fine-tuning rates: the meta inner loop's (meta.inner_lr(_scale))."""
+    return {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
 
 
 def _non_meta_scores(named: Named, kind: str) -> dict:

@@ -143,10 +143,11 @@ def test_finetune_search_picks_the_best_validation_point_and_scores_test_once(mo
     on_valid = [(lr, n) for tasks, lr, n in calls if tasks is data.valid]
     on_test = [(lr, n) for tasks, lr, n in calls if tasks is data.test]
     assert len(on_valid) == 20 and len(set(on_valid)) == 20
-    assert on_test == [target]  # the test users are scored once, with the chosen pair
+    # the test users are scored with the chosen pair, then along the inner-steps curve with the chosen lr
+    assert on_test == [target] + [(target[0], n) for n in (0, 1, 2, 5, 10)]
     # ... and so is each point of the few-shot curve (their supports cut to 1, 2, 5, 10, 20 rows)
     few_shot = [(lr, n) for tasks, lr, n in calls if tasks is not data.valid and tasks is not data.test]
-    assert few_shot == [target] * 5 and len(calls) == 26
+    assert few_shot == [target] * 5 and len(calls) == 31
     # the popularity baseline is on by default
     assert 0.0 <= ev["baseline_popularity_auc"] <= 1.0 and "baseline_popularity_logloss" in ev
 

@@ -105,6 +105,17 @@ def _check_intervals(ev: dict, printed: str) -> None:
     assert curve["metrics"]["baseline_popularity"]["auc"][-1] == pytest.approx(ev["baseline_popularity_auc"])
     assert len(curve["intervals"]) == 6 and curve["intervals"][-1] == intervals["differences"]
     assert "few-shot per-user AUC adapting on the first 1, 2, 5, 10, 20, all support rows of each user:" in printed
+    # The inner-steps curve: the meta-learned model and the fine-tuned baseline after 0-10 steps on
+    # the full support; 0 steps is the initialisation as is, the configured steps the main numbers.
+    steps = ev["inner_steps_curve"]
+    assert steps["inner_steps"] == [0, 1, 2, 5, 10] and set(steps["metrics"]) == {"meta", "baseline_finetune"}
+    assert steps["metrics"]["meta"]["auc"][0] == pytest.approx(ev["auc_no_adapt"])
+    k = steps["inner_steps"].index(1)  # meta.inner_steps of TINY (the default)
+    assert steps["metrics"]["meta"]["auc"][k] == pytest.approx(ev["auc"])
+    assert steps["metrics"]["baseline_finetune"]["auc"][k] == pytest.approx(ev["baseline_finetune_auc"])
+    assert steps["metrics"]["baseline_finetune"]["auc"][0] == pytest.approx(ev["baseline_auc"])
+    assert len(steps["intervals"]) == 5 and set(steps["intervals"][0]) == {"baseline_finetune"}
+    assert "per-user AUC after 0, 1, 2, 5, 10 inner steps on the full support:" in printed
     assert "\n  meta-learned + adaptation: " in printed
 
 

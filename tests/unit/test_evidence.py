@@ -24,7 +24,8 @@ from gmeta_ds.report import write_report
 from gmeta_ds.splits import finished_summary, split_configs
 from test_cli import REPO, TINY, write
 
-SPLIT_TINY = {**TINY, "eval": {**TINY["eval"], "few_shot": [2], "bootstrap_resamples": 200}}
+SPLIT_TINY = {**TINY, "eval": {**TINY["eval"], "few_shot": [2], "steps_curve": [0, 2],
+                                     "bootstrap_resamples": 200}}
 CHROMIUM = "/usr/bin/chromium"
 
 
@@ -106,11 +107,12 @@ def test_the_report_of_a_run_holds_every_section_its_numbers_and_only_inline_ima
     shutil.copytree(Path(two_splits[0]).parent / "out" / "splits" / "seed-0", run)
     summary = json.loads((run / "summary.json").read_text())
     ev = summary["eval"]
-    ev["states"] = {"user_cold": {k: v for k, v in ev.items() if k not in ("few_shot", "split")}}
+    ev["states"] = {"user_cold": {k: v for k, v in ev.items() if k not in ("few_shot", "inner_steps_curve", "split")}}
     (run / "summary.json").write_text(json.dumps(summary))  # as a four-state run would have it
     page = Page(write_report(run).read_text())
     assert page.headings == ["gmeta-ds report: run", "Run", "Comparison with the baselines", "Cold-start states",
-                             "user cold (new users, existing items)", "Few-shot curve", "Per-user AUC distribution",
+                             "user cold (new users, existing items)", "Few-shot curve", "Inner-steps curve",
+                             "Per-user AUC distribution",
                              "Training curves", "Configuration"]
     d = ev["intervals"]["differences"]["baseline_popularity"]["auc"]
     for text in (f"{ev['auc']:.4f}", f"{ev['baseline_popularity_logloss']:.4f}",
@@ -122,7 +124,7 @@ def test_the_report_of_a_run_holds_every_section_its_numbers_and_only_inline_ima
     assert len(rows) == ev["tasks"] and float(rows[0]["meta_auc"]) >= 0.0
     median = np.median([float(r["meta_auc"]) for r in rows if r["meta_auc"]])
     assert f"{median:.4f}" in page.cells
-    assert len(page.images) == 4 and not page.links  # cold-start, few-shot, per-user, loss
+    assert len(page.images) == 5 and not page.links  # cold-start, few-shot, inner steps, per-user, loss
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"

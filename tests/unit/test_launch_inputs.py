@@ -128,7 +128,7 @@ def test_tensorboard_events_hold_the_logged_metrics(trained_run):
 
 def test_plot_writes_pngs(trained_run, tmp_path, capsys):
     assert main(["plot", str(trained_run), "--out", str(tmp_path / "plots")]) == 0
-    names = ["loss.png", "throughput.png", "communication.png", "coldstart.png", "few_shot.png"]
+    names = ["loss.png", "throughput.png", "communication.png", "coldstart.png", "few_shot.png", "inner_steps.png"]
     for name in names:
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
