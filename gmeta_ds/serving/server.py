@@ -27,7 +27,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 from fastapi import Request  # at module level: the handlers' annotations are resolved by name
+from fastapi.responses import Response
 
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.serving.batching import Batcher, ModelHolder
@@ -56,6 +58,12 @@ class HTTPProblem(Exception):
     def __init__(self, status: int, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.status, self.field = status, field
+
+
+def _json(content, status: int = 200) -> Response:
+    """``content`` as a JSON response, serialised by orjson (several times json's speed: a
+    response holds a float per candidate)."""
+    return Response(orjson.dumps(content), status, media_type="application/json")
 
 
 def model_function(spec: str | None):
@@ -130,16 +138,14 @@ class App:
     async def answer(self, endpoint: str, work):
         """Run a handler's ``work()``: its dict as JSON, a problem as a 4xx naming the field,
         anything else as a 500 that leaves the server up; counted in the metrics."""
-        from fastapi.responses import JSONResponse
-
         try:
-            response = JSONResponse(await work())
+            response = _json(await work())
         except HTTPProblem as exc:
-            response = JSONResponse({"error": str(exc), "field": exc.field}, exc.status)
+            response = _json({"error": str(exc), "field": exc.field}, exc.status)
         except RequestError as exc:
-            response = JSONResponse({"error": str(exc), "field": exc.field}, 400)
+            response = _json({"error": str(exc), "field": exc.field}, 400)
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the server keeps serving
-            response = JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+            response = _json({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -156,6 +162,10 @@ class App:
                 raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
         if not data and not required:
             return {}
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # what orjson refuses (NaN, huge integers, invalid JSON) is read, or refused, as json reads it
         try:
             return json.loads(data)
         except ValueError as exc:
