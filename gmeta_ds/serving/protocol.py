@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
+from operator import itemgetter
 
 from gmeta_ds.serving.encoding import RequestError
 from gmeta_ds.serving.model import Scored, UserRequest
@@ -65,6 +66,7 @@ _MISSING = object()
 _PLAIN = frozenset({str, int, float, bool, type(None)})  # what JSON decodes a single-hot value to
 _SCALAR = _PLAIN - {type(None)}  # what a multi-hot field's list may hold
 _NUMBER = frozenset({int, float})
+_DICT, _LIST = frozenset({dict}), frozenset({list})
 
 
 def _fast_rows(body: dict, part: str, fields: dict[str, FieldSpec], user: dict, labels: bool, max_rows: int):
@@ -72,27 +74,33 @@ def _fast_rows(body: dict, part: str, fields: dict[str, FieldSpec], user: dict, 
     the per-value Python checks cost more than adapting the user); None when any check fails,
     and then `_rows` finds the first problem and names it, so the errors are `_rows`'s own."""
     rows = body.get(part, [])
-    if type(rows) is not list or len(rows) > max_rows:
+    if type(rows) is not list or len(rows) > max_rows or not _DICT.issuperset(map(type, rows)):
         return None
-    allowed = fields.keys() | ({"label"} if labels else set())
-    if not all(type(row) is dict and allowed.issuperset(row) for row in rows):
+    keys = set(chain.from_iterable(rows))  # every key of every row
+    if not (fields.keys() | ({"label"} if labels else set())).issuperset(keys):
         return None
+    overridden = not user.keys().isdisjoint(keys)  # a row giving a user field itself
     try:
-        columns = {name: [row.get(name, user[name]) for row in rows] if name in user else [row[name] for row in rows]
-                   for name in fields}
-        ys = [row["label"] for row in rows] if labels else []
-        if labels and not (_NUMBER.issuperset(map(type, ys)) and all(map(math.isfinite, ys))):
+        columns = {name: _user_column(rows, name, user[name], overridden) if name in user
+                   else list(map(itemgetter(name), rows)) for name in fields}
+        ys = list(map(itemgetter("label"), rows)) if labels else []
+        if not (_NUMBER.issuperset(map(type, ys)) and all(map(math.isfinite, ys))):
             return None
     except (KeyError, OverflowError):
         return None
     for name, spec in fields.items():
         values = columns[name]
         if spec.multi_hot:
-            if not (all(type(v) is list for v in values) and _SCALAR.issuperset(map(type, chain.from_iterable(values)))):
+            if not (_LIST.issuperset(map(type, values)) and _SCALAR.issuperset(map(type, chain.from_iterable(values)))):
                 return None
         elif not _PLAIN.issuperset(map(type, values)):
             return None
-    return columns, [float(y) for y in ys]
+    return columns, list(map(float, ys))
+
+
+def _user_column(rows: list[dict], name: str, value, overridden: bool) -> list:
+    """A user field's column: its value once per row, or a row's own where it gives one."""
+    return [row.get(name, value) for row in rows] if overridden else [value] * len(rows)
 
 
 def _value(value, spec: FieldSpec, where: str):
