@@ -304,4 +304,19 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
     model = app.state.served.holder.model
     print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
           f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)
+    quiet_gc()
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def quiet_gc() -> None:
+    """Keep the garbage collector off the request path, for this process: what start-up built
+    (torch, the libraries, the model: millions of objects) is frozen out of its reach, and the
+    youngest generation is collected every 20,000 new containers instead of 700. A request
+    makes about a thousand short-lived ones (its decoded rows); the full collections they
+    triggered walked the whole heap: on the benchmark, 160 us of CPU per request in JSON
+    decoding alone against 25 us in a bare process, and p99 at 64 clients 250 -> 55 ms."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
