@@ -117,9 +117,17 @@ def _value(value, spec: FieldSpec, where: str):
 def _label(value, where: str) -> float:
     if value is _MISSING:
         raise RequestError(where, "missing: every support row needs its label")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise RequestError(where, f"expected a finite number, got {value!r}")
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float (an integer past float's range is not: a 400, not a 500)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def parse_json(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
