@@ -12,14 +12,17 @@ Measured, for ``adapt`` (support rows) and ``score`` (no support: the meta-initi
 - ``direct``: `ServedModel.predict` called in this process on batches of 1 and of 64 users
   (no HTTP): the adaptation core's own users/s and per-batch latency;
 - ``http``: ``gmeta-ds serve`` in a subprocess (``--max-batch 64 --max-wait-ms 1``), with 1, 8
-  and 64 concurrent clients (asyncio + httpx, at most 8 per client process: httpx's pool slows
-  down past that; bodies encoded beforehand), each for ``--seconds`` (default 8): users/s and
-  the p50 / p99 of each request's latency, the server process's CPU time per user answered
-  (/proc: what the server itself spends, whatever the clients cost) and its mean batch.
+  and 64 concurrent clients, each for ``--seconds`` (default 8): users/s and the p50 / p99 of
+  each request's latency, the server process's CPU time per user answered (/proc) and its mean
+  batch. The load generator is one separate process of raw asyncio keep-alive HTTP/1.1
+  connections (uvloop when installed) writing requests serialised beforehand and reading each
+  response by its Content-Length; its own CPU per request is reported (some 0.03 ms: the
+  server, not the generator, is what is measured).
 
-The client shares the machine's cores with the server: on a 2-core machine the client's own
-JSON and HTTP work is part of what limits the HTTP numbers. Results go to
-``benchmarks/results/serve.json`` (or ``--out``) and are printed as a table.
+On 2+ cores the server (and the direct calls, so that the two compare on the same CPU) is
+pinned to all cores but the last and the generator to the last (``--no-pin``: no pinning);
+the table prints each HTTP run's users/s as a fraction of the direct call's at 64 users.
+Results go to ``benchmarks/results/serve.json`` (or ``--out``) and are printed as a table.
 
 ``--startup-rows N`` instead measures start-up: the demo's export with an item table of N rows
 (random), the seconds from starting ``gmeta-ds serve`` to its first ready answer (imports, the
@@ -136,56 +139,75 @@ def direct(export: Path, bodies: list[dict], batch: int, seconds: float) -> dict
             "p99_ms": 1000 * float(np.percentile(times, 99)), "batches": len(times)}
 
 
-PER_PROCESS = 8  # httpx's pool slows down past ~8 connections in one process: more clients, more processes
+def request_bytes(port: int, body: bytes, path: str = "/v1/score") -> bytes:
+    """One whole HTTP/1.1 request (keep-alive) posting ``body``, serialised once beforehand."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
 
 
-async def http_load(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
-    """``clients`` concurrent loops posting bodies for ``seconds`` (after one warm-up request):
-    the latencies (seconds) of the requests they sent and how many failed."""
-    import httpx
+async def exchange(reader, writer, request: bytes) -> bool:
+    """Send one pre-serialised request and read its response (its Content-Length): whether it was a 200."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lower = head.lower()
+    at = lower.index(b"content-length:") + 15
+    await reader.readexactly(int(lower[at:lower.index(b"\r\n", at)]))
+    return head.startswith(b"HTTP/1.1 200")
 
+
+async def http_load(port: int, requests: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` keep-alive connections, each sending its next request as soon as the last one's
+    answer is read, for ``seconds`` (after one warm-up request each): the latencies (seconds),
+    how many failed, and this process's CPU seconds over the timed part."""
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
+    await asyncio.gather(*(exchange(r, w, requests[0]) for r, w in connections))
     latencies: list[float] = []
     errors = 0
-    stop = 0.0
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    stop = time.perf_counter() + seconds
 
-    async def client(k: int, http) -> None:
+    async def client(k: int, reader, writer) -> None:
         nonlocal errors
         i = k
         while time.perf_counter() < stop:
             t = time.perf_counter()
-            reply = await http.post("/v1/score", content=bodies[i % len(bodies)],
-                                    headers={"content-type": "application/json"})
+            ok = await exchange(reader, writer, requests[i % len(requests)])
             latencies.append(time.perf_counter() - t)
-            errors += reply.status_code != 200
+            errors += not ok
             i += clients
 
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-        await http.post("/v1/score", content=bodies[0], headers={"content-type": "application/json"})
-        stop = time.perf_counter() + seconds
-        await asyncio.gather(*(client(k, http) for k in range(clients)))
-    return {"latencies": latencies, "errors": errors}
+    cpu = time.process_time()
+    await asyncio.gather(*(client(k, r, w) for k, (r, w) in enumerate(connections)))
+    cpu = time.process_time() - cpu
+    for _, writer in connections:
+        writer.close()
+    return {"latencies": latencies, "errors": errors, "cpu_s": cpu}
 
 
 def _client_process(args: tuple) -> dict:
-    url, bodies, clients, seconds = args
-    return asyncio.run(http_load(url, bodies, clients, seconds))
+    """The load generator's process: pinned to ``cores`` when given, on uvloop when installed."""
+    port, requests, clients, seconds, cores = args
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
+    return run(http_load(port, requests, clients, seconds))
 
 
-def http_run(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
-    """``clients`` concurrent clients in ceil(clients / `PER_PROCESS`) processes, each on its own
-    share of the bodies: users/s (requests answered / ``seconds``) and p50 / p99 latency."""
+def http_run(port: int, requests: list[bytes], clients: int, seconds: float, cores: set[int] | None) -> dict:
+    """``clients`` concurrent clients in one separate process (raw asyncio connections, requests
+    serialised beforehand: a few tens of microseconds of its CPU per request): users/s (requests
+    answered / ``seconds``), p50 / p99 latency and the generator's own CPU per request."""
     from multiprocessing import get_context
 
-    procs = -(-clients // PER_PROCESS)
-    shares = [clients // procs + (k < clients % procs) for k in range(procs)]
-    jobs = [(url, bodies[k::procs], n, seconds) for k, n in enumerate(shares)]
-    with get_context("spawn").Pool(procs) as pool:
-        parts = pool.map(_client_process, jobs)
-    latencies = [t for p in parts for t in p["latencies"]]
+    with get_context("spawn").Pool(1) as pool:
+        out = pool.apply(_client_process, ((port, requests, clients, seconds, cores),))
+    latencies = out["latencies"]
     return {"users_per_s": len(latencies) / seconds, "p50_ms": 1000 * statistics.median(latencies),
             "p99_ms": 1000 * float(np.percentile(latencies, 99)), "requests": len(latencies),
-            "errors": sum(p["errors"] for p in parts), "client_processes": procs}
+            "errors": out["errors"], "client_cpu_ms_per_request": 1000 * out["cpu_s"] / max(len(latencies), 1)}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -203,21 +225,33 @@ def batch_totals(url: str) -> tuple[float, float]:
     return value["gmeta_serve_batch_users_sum"], value["gmeta_serve_batch_users_count"]
 
 
-def measured_http(url: str, pid: int, bodies: list[bytes], clients: int, seconds: float) -> dict:
+def measured_http(port: int, pid: int, requests: list[bytes], clients: int, seconds: float,
+                  cores: set[int] | None) -> dict:
     """`http_run`, with the server's CPU per user answered and its mean batch size."""
+    url = f"http://127.0.0.1:{port}"
     users0, batches0 = batch_totals(url)
     cpu0 = process_cpu_s(pid)
-    out = http_run(url, bodies, clients, seconds)
+    out = http_run(port, requests, clients, seconds, cores)
     cpu = process_cpu_s(pid) - cpu0
     users1, batches1 = batch_totals(url)
     users, batches = users1 - users0, batches1 - batches0
     return {**out, "server_cpu_ms_per_user": 1000 * cpu / max(users, 1), "mean_batch": users / max(batches, 1)}
 
 
-def start_server(export: Path, port: int, log: Path) -> subprocess.Popen:
+def core_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(the server's cores, the load generator's): all but the last, and the last, when pinning
+    on 2+ cores (so that the generator's CPU never counts as the server's); else (None, None)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (set(cores[:-1]), {cores[-1]}) if pin and len(cores) > 1 else (None, None)
+
+
+def start_server(export: Path, port: int, log: Path, cores: set[int] | None = None) -> subprocess.Popen:
+    """``gmeta-ds serve`` (cache off, batches of up to 64 users, 1 ms wait) pinned to ``cores``, once ready."""
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(export), "--port", str(port), "--cache-size", "0",
            "--max-batch", "64", "--max-wait-ms", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=bench_env())
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=bench_env(),
+                            preexec_fn=pin)
     import httpx
 
     deadline = time.monotonic() + 120
@@ -243,6 +277,8 @@ def main() -> int:
                         "(serve_startup.json with --startup-rows)")
     parser.add_argument("--startup-rows", type=int, default=0,
                         help="only the start-up check, on an item table of this many rows (e.g. 10000000)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the server (and the direct calls) to "
+                        "all cores but the last and the load generator to the last")
     args = parser.parse_args()
     if args.startup_rows:
         with tempfile.TemporaryDirectory() as tmp:
@@ -251,8 +287,10 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         Path(args.out or REPO / "benchmarks/results/serve_startup.json").write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    server_cores, client_cores = core_split(not args.no_pin)
     results: dict = {"machine": machine(), "support": args.support, "candidates": args.candidates,
-                     "seconds": args.seconds, "direct": {}, "http": {}}
+                     "seconds": args.seconds, "server_cores": sorted(server_cores or []),
+                     "client_cores": sorted(client_cores or []), "direct": {}, "http": {}}
     with tempfile.TemporaryDirectory() as tmp:
         export = build_export(Path(tmp))
         from gmeta_ds.serving.export import open_export
@@ -260,28 +298,49 @@ def main() -> int:
         fields = open_export(export).fields
         bodies = {mode: user_bodies(fields, 512, args.support, args.candidates, seed, mode == "adapt")
                   for seed, mode in enumerate(("adapt", "score"))}
-        for mode, these in bodies.items():
-            for batch in (1, 64):
-                results["direct"][f"{mode}/batch{batch}"] = direct(export, these, batch, args.seconds)
+        results["direct"] = direct_runs(export, bodies, args.seconds, server_cores)
         port = free_port()
-        server = start_server(export, port, Path(tmp) / "server.log")
+        server = start_server(export, port, Path(tmp) / "server.log", server_cores)
         try:
             for mode, these in bodies.items():
-                encoded = [json.dumps(b).encode() for b in these]
+                requests = [request_bytes(port, json.dumps(b).encode()) for b in these]
                 for clients in args.clients:
                     results["http"][f"{mode}/clients{clients}"] = measured_http(
-                        f"http://127.0.0.1:{port}", server.pid, encoded, clients, args.seconds)
+                        port, server.pid, requests, clients, args.seconds, client_cores)
         finally:
             server.terminate()
             server.wait(timeout=30)
     results["machine"]["load_avg_at_end"] = os.getloadavg()
     Path(args.out or REPO / "benchmarks/results/serve.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"{'':22} {'users/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU ms/user':>19} {'mean batch':>10}")
+    report(results)
+    return 0
+
+
+def direct_runs(export: Path, bodies: dict, seconds: float, cores: set[int] | None) -> dict:
+    """`direct` for each mode on batches of 1 and 64 users, on the server's cores."""
+    every = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        return {f"{mode}/batch{batch}": direct(export, these, batch, seconds)
+                for mode, these in bodies.items() for batch in (1, 64)}
+    finally:
+        os.sched_setaffinity(0, every)
+
+
+def report(results: dict) -> None:
+    """The table: each run, and each HTTP run's users/s as a fraction of the direct call's at 64 users."""
+    print(f"server cores {results['server_cores'] or 'any'}, load generator cores {results['client_cores'] or 'any'}")
+    print(f"{'':22} {'users/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'server CPU ms/user':>19} {'mean batch':>10} "
+          f"{'client CPU ms/req':>17} {'x direct64':>10}")
     for kind in ("direct", "http"):
         for name, r in results[kind].items():
-            extra = f" {r['server_cpu_ms_per_user']:19.2f} {r['mean_batch']:10.1f}" if kind == "http" else ""
+            extra = ""
+            if kind == "http":
+                base = results["direct"][f"{name.split('/')[0]}/batch64"]["users_per_s"]
+                extra = (f" {r['server_cpu_ms_per_user']:19.2f} {r['mean_batch']:10.1f} "
+                         f"{r['client_cpu_ms_per_request']:17.3f} {r['users_per_s'] / base:10.2f}")
             print(f"{kind + ' ' + name:22} {r['users_per_s']:9.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f}{extra}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ class Encoder:
         self.single = single_fields(export.fields)
         self.multi = multi_fields(export.fields)
         self.vocab = export.vocab
+        # the single-hot fields of plain ids (neither a vocabulary nor raw ids) and their sizes
+        self.plain = [j for j, f in enumerate(self.single) if f.name not in self.vocab and not f.raw]
+        self.plain_sizes = np.array([[self.single[j].num_ids] for j in self.plain], np.int64)
         self.admitted = {}  # raw field -> the sorted ids its dynamic table admitted
         for table in export.meta["tables"]:
             ids = export.state.get(f"net.embedding.dynamic.{table.name}.ids")
@@ -58,11 +61,12 @@ class Encoder:
         """``columns``: field -> N raw values (a multi-hot field: N lists); ``where`` prefixes
         the field in errors (``support``, ``candidates``)."""
         n = len(labels) if labels is not None else len(next(iter(columns.values()), []))
-        unknown = 0
         ids = np.zeros((n, len(self.single)), np.int64)
+        unknown, done = self._plain_block(ids, columns, n, where)
         for j, f in enumerate(self.single):
-            ids[:, j], missed = self._column(f, self._values(columns, f.name, n, where), f"{where}.{f.name}")
-            unknown += missed
+            if j not in done:
+                ids[:, j], missed = self._column(f, self._values(columns, f.name, n, where), f"{where}.{f.name}")
+                unknown += missed
         bags = {}
         for f in self.multi:
             rows = self._values(columns, f.name, n, where)
@@ -73,6 +77,23 @@ class Encoder:
             bags[f.name] = np.split(flat, np.cumsum([len(b) for b in rows])[:-1]) if rows else []
         y = np.asarray(labels if labels is not None else np.zeros(n), np.float32)
         return Encoded(ids, bags, y, unknown)
+
+    def _plain_block(self, ids: np.ndarray, columns: dict, n: int, where: str) -> tuple[int, set[int]]:
+        """The plain-id fields' columns of ``ids`` filled in one array conversion (a request's
+        hot path: one per field costs more); (unknown, the columns filled), or (0, none filled)
+        when a column is missing or a value is not an integer (then the field-by-field path
+        converts it, or names the first problem in field order)."""
+        if not self.plain or not n:
+            return 0, set()
+        try:
+            block = np.array([self._values(columns, self.single[j].name, n, where) for j in self.plain])
+        except RequestError:
+            return 0, set()
+        if block.dtype.kind not in "iu":
+            return 0, set()
+        bad = (block < 0) | (block >= self.plain_sizes)
+        ids[:, self.plain] = np.where(bad, 0, block).T
+        return int(bad.sum()), set(self.plain)
 
     @staticmethod
     def _values(columns: dict, name: str, n: int, where: str) -> list:

@@ -27,7 +27,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 from fastapi import Request  # at module level: the handlers' annotations are resolved by name
+from fastapi.responses import Response
 
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.serving.batching import Batcher, ModelHolder
@@ -56,6 +58,12 @@ class HTTPProblem(Exception):
     def __init__(self, status: int, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.status, self.field = status, field
+
+
+def _json(content, status: int = 200) -> Response:
+    """``content`` as a JSON response, serialised by orjson (several times json's speed: a
+    response holds a float per candidate)."""
+    return Response(orjson.dumps(content), status, media_type="application/json")
 
 
 def model_function(spec: str | None):
@@ -130,16 +138,14 @@ class App:
     async def answer(self, endpoint: str, work):
         """Run a handler's ``work()``: its dict as JSON, a problem as a 4xx naming the field,
         anything else as a 500 that leaves the server up; counted in the metrics."""
-        from fastapi.responses import JSONResponse
-
         try:
-            response = JSONResponse(await work())
+            response = _json(await work())
         except HTTPProblem as exc:
-            response = JSONResponse({"error": str(exc), "field": exc.field}, exc.status)
+            response = _json({"error": str(exc), "field": exc.field}, exc.status)
         except RequestError as exc:
-            response = JSONResponse({"error": str(exc), "field": exc.field}, 400)
+            response = _json({"error": str(exc), "field": exc.field}, 400)
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the server keeps serving
-            response = JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+            response = _json({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -156,6 +162,10 @@ class App:
                 raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
         if not data and not required:
             return {}
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # what orjson refuses (NaN, huge integers, invalid JSON) is read, or refused, as json reads it
         try:
             return json.loads(data)
         except ValueError as exc:
@@ -213,20 +223,23 @@ def create_app(path: str | Path, options: ServerOptions | None = None):
     app = FastAPI(title="gmeta-ds serve", lifespan=lifespan)
     app.state.served = state
 
-    @app.post("/v1/score")
+    # the two scoring routes are Starlette's own: FastAPI's per-request parameter solving would
+    # add some 35 us to each (they are left out of /docs, which lists the other endpoints)
     async def score_json(request: Request):
         async def work():
             _, result, model = await state.score(request, parse_json)
             return json_response(result, model.name, model.version)
         return await state.answer("/v1/score", work)
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request):
+    async def infer(request: Request):
         async def work():
-            state.check_name(name)
+            state.check_name(request.path_params["name"])
             body, result, model = await state.score(request, parse_oip)
             return oip_response(result, model.name, model.version, body.get("id"))
         return await state.answer("/v2/models/infer", work)
+
+    app.add_route("/v1/score", score_json, methods=["POST"])
+    app.add_route("/v2/models/{name}/infer", infer, methods=["POST"])
 
     @app.get("/v2/models/{name}")
     async def metadata(name: str):
@@ -291,4 +304,19 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
     model = app.state.served.holder.model
     print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
           f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)
+    quiet_gc()
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def quiet_gc() -> None:
+    """Keep the garbage collector off the request path, for this process: what start-up built
+    (torch, the libraries, the model: millions of objects) is frozen out of its reach, and the
+    youngest generation is collected every 20,000 new containers instead of 700. A request
+    makes about a thousand short-lived ones (its decoded rows); the full collections they
+    triggered walked the whole heap: on the benchmark, 160 us of CPU per request in JSON
+    decoding alone against 25 us in a bare process, and p99 at 64 clients 250 -> 55 ms."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)

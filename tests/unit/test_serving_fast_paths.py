@@ -1,0 +1,76 @@
+"""The served path's fast checks (issue 36's speed work): a well-formed body is read a column at
+a time and the plain-id fields are encoded in one array conversion; both give exactly what the
+value-by-value paths give, and anything those would refuse makes the fast path step aside so
+that the value-by-value path names the problem."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gmeta_ds.serving import protocol
+from gmeta_ds.serving.encoding import Encoder, RequestError
+from gmeta_ds.sparse import FieldSpec
+
+FIELDS = {"age": FieldSpec("age", 7, "user"), "item": FieldSpec("item", 50, "item"),
+          "tags": FieldSpec("tags", 9, "item", multi_hot=True)}
+USER = {"age": 3}
+
+
+def _body(**change) -> dict:
+    support = [{"item": i, "tags": ["a", 2], "label": i % 2} for i in range(5)]
+    support[2] = {**support[2], "age": "override", "label": 0.25}
+    return {"support": support, "candidates": [{"item": 40 + i, "tags": []} for i in range(3)], **change}
+
+
+@pytest.mark.parametrize("part,labels", [("support", True), ("candidates", False)])
+def test_a_well_formed_part_reads_as_the_value_by_value_path(part, labels):
+    fast = protocol._fast_rows(_body(), part, FIELDS, USER, labels, 100)
+    assert fast is not None and fast == protocol._rows(_body(), part, FIELDS, USER, labels, 100)
+
+
+BAD_PARTS = [
+    ("support", [{"item": 1, "tags": [], "label": True}]),  # a bool label
+    ("support", [{"item": 1, "tags": [], "label": float("nan")}]),
+    ("support", [{"item": 1, "tags": []}]),  # no label
+    ("support", [{"item": 1, "tags": [], "label": 10 ** 400}]),  # too large for a float
+    ("candidates", [{"item": 1}]),  # a missing field
+    ("candidates", [{"item": 1, "tags": [], "colour": 3}]),  # an unknown key
+    ("candidates", [{"item": [1], "tags": []}]),  # a list for a single-hot field
+    ("candidates", [{"item": 1, "tags": "a"}]),  # a string for a multi-hot field
+    ("candidates", [{"item": 1, "tags": [None]}]),  # None inside a multi-hot list
+    ("candidates", [[1, []]]),  # a row that is not an object
+    ("candidates", {"item": 1}),  # not a list of rows
+    ("candidates", [{"item": 1, "tags": []}] * 101),  # past max_rows
+]
+
+
+@pytest.mark.parametrize("part,rows", BAD_PARTS)
+def test_anything_the_value_by_value_path_refuses_leaves_it_to_that_path(part, rows):
+    assert protocol._fast_rows({part: rows}, part, FIELDS, USER, part == "support", 100) is None
+    with pytest.raises(RequestError):
+        protocol._rows({part: rows}, part, FIELDS, USER, part == "support", 100)
+
+
+def _encoder() -> Encoder:
+    export = SimpleNamespace(fields=[FIELDS["age"], FIELDS["item"]], vocab={}, meta={"tables": []}, state={})
+    return Encoder(export)
+
+
+@pytest.mark.parametrize("columns", [
+    {"age": [0, 6, 7, -1], "item": [49, 50, 3, 0]},  # integers, some out of range
+    {"age": ["1", 2, 3.0, 4], "item": [1, 2, 3, 4]},  # values the field-by-field path converts
+    {"age": [True, 2, 3, 4], "item": [1, 2, 3, 4]},
+])
+def test_the_plain_id_block_encodes_as_field_by_field(columns):
+    encoder = _encoder()
+    encoded = encoder.encode(columns, [1.0, 0.0, 1.0, 0.0], "support")
+    expected = [encoder._column(f, columns[f.name], f.name) for f in encoder.single]
+    assert np.array_equal(encoded.ids, np.stack([ids for ids, _ in expected], 1))
+    assert encoded.unknown == sum(missed for _, missed in expected)
+
+
+def test_a_bad_column_is_still_named_in_field_order():
+    with pytest.raises(RequestError, match=r"^support\.age: expected integer ids"):
+        _encoder().encode({"age": ["x", 1], "item": [1]}, [1.0, 0.0], "support")
