@@ -165,11 +165,7 @@ class App:
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
-            pass  # what orjson refuses (NaN, huge integers, invalid JSON) is read, or refused, as json reads it
-        try:
-            return json.loads(data)
-        except ValueError as exc:
-            raise HTTPProblem(400, "body", f"not valid JSON ({exc})") from None
+            return _json_body(data)
 
     def check_name(self, name: str) -> ServedModel:
         model = self.holder.model
@@ -320,3 +316,12 @@ def quiet_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+
+
+def _json_body(data: bytes):
+    """A body orjson refuses (NaN, integers past 64 bits, invalid JSON), read as the standard
+    library's json reads it, or a 400 with its reason."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise HTTPProblem(400, "body", f"not valid JSON ({exc})") from None
