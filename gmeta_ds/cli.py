@@ -227,6 +227,7 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     from gmeta_ds.ds_config import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
+    from gmeta_ds.engine.sites import site_run
     from gmeta_ds.outputs import check_earlier_run
     from gmeta_ds.meta_engine import NonFiniteLoss
     from gmeta_ds.engine.memory import rss_mib
@@ -237,6 +238,11 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data
     # Validate everything that can fail before the first collective, on every rank.
     ds_config, plan = resolve_ds_config(cfg, env_world()[1])
+    if cfg.sites.count > 1:  # this rank's site: its share of the batch, its own folder
+        if splits:
+            raise ConfigError([f"--splits {splits} with sites.count: {cfg.sites.count}: train the splits "
+                               "on one site (sites.count: 1)"])
+        cfg, ds_config, plan = site_run(cfg, ds_config, plan, env_world())
     check_device_support(ds_config)
     check_ds_config(ds_config)
     workload = get_workload(cfg.task)
@@ -260,12 +266,12 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
             return workload.report(summary, cfg.output_dir) if rank == 0 else []
     set_threads(cfg.train.threads)
     try:
-        rank, world = init_process_group(cfg.train.collective_timeout_s)
+        rank, world = init_process_group(cfg.train.collective_timeout_s, cfg.sites.count)
         if world != plan.world_size:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
         lines = body(rank)
-        if rank == 0:
+        if env_world()[0] == 0:  # the launcher's rank 0 (across sites: site 0's first rank)
             print("\n".join(lines))
     except NonFiniteLoss as exc:  # every rank raises it, before any update of that meta-step
         destroy_process_group(clean_exit=False)

@@ -263,3 +263,13 @@ def size_text(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def for_sites(ds: dict, plan: BatchPlan, count: int) -> tuple[dict, BatchPlan]:
+    """The DeepSpeed config and plan of one of ``count`` sites sharing the run's ranks: each
+    site's meta-step is its ranks' share of the run's (T x GAS x W / count tasks), so the
+    sites together process the one-site run's batch (a copy; ``count`` 1: as they are)."""
+    if count <= 1:
+        return ds, plan
+    site = BatchPlan(plan.tasks_per_micro_batch, plan.grad_accum_steps, plan.world_size // count)
+    return {**ds, "train_batch_size": site.tasks_per_meta_step}, site

@@ -36,7 +36,9 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine, ds_internals
 from gmeta_ds.engine.dist import on_wire
+from gmeta_ds.engine.outer_sync import OuterSync
 from gmeta_ds.engine.parallelize import single_process_template
+from gmeta_ds.engine.sites import active_sites, data_part
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import merge, paired, predict, score
 from gmeta_ds.functional.inner import LOSSES
@@ -259,6 +261,7 @@ class MetaEngine:
         self.nonfinite = nonfinite
         self.fields = list(model_hooks(engine.module.net).row_fields or [])
         self.step = 0  # meta-steps done (restored by `resume`)
+        self.outer: OuterSync | None = None  # across sites (`start_engine` with sites.count > 1)
         # The learner's weights before training (CPU copies; tables sharded outside it are
         # re-made from their configs): the non-meta baseline starts from them.
         self.initial = initial
@@ -287,7 +290,7 @@ class MetaEngine:
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.batches")
         lengths = task_lengths(tasks) if bucket_by_length else None
         sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
-                                   self.plan.world_size, self.rank, self.seed, lengths)
+                                   self.plan.world_size, self.rank, self.seed, lengths, part=data_part())
         key = (self.seed, step) if resample else None
         return [collate(tasks, ids, resample=key) for ids in sampler.micro_batches(step)]
 
@@ -307,7 +310,19 @@ class MetaEngine:
             check_id_columns(self.learner.net, batches[0])
         result = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
+        if self.outer is not None and self.outer.due(self.step):
+            with phase("outer_sync"):
+                self.outer.synchronise()
         return result
+
+    def finish_sites(self) -> None:
+        """After the last meta-step: the synchronisation that makes every site hold the same
+        weights, unless that step ended with one (collective across sites; no-op on one site)."""
+        if self.outer is None:
+            return
+        if not self.outer.due(self.step):
+            self.outer.synchronise()
+        self.outer.count_site_bytes()
 
     # ------------------------------------------------------------------ weights
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -496,7 +511,12 @@ class MetaEngine:
             problems.append(f"output_dir: {output_dir!r} is not a directory path (str or Path)")
         check(problems, "MetaEngine.save_checkpoint")
         return checkpoint.save(self.engine, self.embeddings, {"step": self.step}, self.step, output_dir,
-                               keep_last, self.checkpoint_meta())
+                               keep_last, self.checkpoint_meta(), self.checkpoint_extra())
+
+    def checkpoint_extra(self) -> dict[str, torch.Tensor]:
+        """This rank's entries of a checkpoint beyond the engine's and the tables' (the outer
+        synchronisation's state across sites; {} on one site)."""
+        return self.outer.state() if self.outer is not None else {}
 
 
 def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorithm: str) -> dict:
@@ -517,14 +537,16 @@ def api_checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
 def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
                  embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig], rank: int,
                  seed: int, nonfinite: str, resume: str | None, output_dir, ckpt_meta: dict,
-                 keep_initial: bool = False) -> tuple["MetaEngine", dict | None]:
+                 keep_initial: bool = False, sites=None) -> tuple["MetaEngine", dict | None]:
     """The DeepSpeed engine of ``learner`` wrapped as a `MetaEngine`, restored from the
     checkpoint ``resume`` names (a directory, or "auto": the newest complete one under
     ``output_dir``), at any world size: its manifest is verified against ``ckpt_meta`` first,
     and ZeRO partitions cut for another world size go through DeepSpeed's universal
     checkpoint. Returns (engine, the resumed checkpoint's state with its ``checkpoint`` path,
     or None). ``keep_initial``: keep a CPU copy of the learner's weights before training (the
-    non-meta baseline of `MetaEngine.evaluate` starts from it)."""
+    non-meta baseline of `MetaEngine.evaluate` starts from it). ``sites``: the ``sites`` config
+    section of a run over several sites (`engine.sites`): the engine synchronises across them
+    (`OuterSync`), resumed with the checkpoint's outer state."""
     found = checkpoint.find(resume, output_dir) if resume else None
     universal = manifest = None
     if found is not None:
@@ -543,4 +565,26 @@ def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
     if found is not None:
         state = {**checkpoint.load(found, manifest, engine, embeddings, universal), "checkpoint": found}
         meta.step = state["step"]
+    if active_sites() is not None:
+        meta.outer = start_outer_sync(meta, sites, found, manifest, output_dir)
     return meta, state
+
+
+def start_outer_sync(meta: MetaEngine, settings, found, manifest: dict | None, output_dir) -> OuterSync:
+    """The engine's `OuterSync` across the running sites, after every site agreed on what it
+    resumed (the same meta-step, model size and table rows; a `ConfigError` on every rank
+    otherwise) and restored from the checkpoint when one was resumed."""
+    sites = active_sites()
+    outer = OuterSync(meta.engine, meta.embeddings, sites, settings)
+    rows = sum(p.shape[0] for p in meta.embeddings.shards.values()) if meta.embeddings is not None else 0
+    mine = torch.tensor([meta.step, outer.numel, rows], dtype=torch.int64)
+    every = [t.tolist() for t in sites.all_gather(mine)]
+    if any(e != every[0] for e in every):
+        where = "; ".join(f"site {s}: meta-step {e[0]}, {e[1]} dense values, {e[2]} rows on site rank "
+                          f"{sites.site_rank}" for s, e in enumerate(every))
+        raise ConfigError([f"sites.count: the {sites.count} sites do not start from the same state ({where}); "
+                           f"every site needs the same config and, resuming, a checkpoint of the same meta-step "
+                           f"in its folder ({output_dir})"])
+    if found is not None:
+        outer.load(checkpoint.rank_files(found, manifest), str(found))
+    return outer

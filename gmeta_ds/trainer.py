@@ -76,7 +76,7 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             if cadence.checkpoint(step):
                 with run_phase(cfg, f"checkpoint save at step {step}"):
                     checkpoint.save(meta.engine, meta.embeddings, loader.state_dict(), step, cfg.output_dir,
-                                    cfg.train.keep_last, ckpt_meta or {})
+                                    cfg.train.keep_last, ckpt_meta or {}, meta.checkpoint_extra())
             if cadence.log(step):
                 with run_phase(cfg, f"meta-step {step}"):
                     record = window.record(step)
@@ -86,6 +86,8 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
     finally:
         loader.close()
         bar.close()
+    with run_phase(cfg, "synchronisation across sites"):
+        meta.finish_sites()  # every site ends with the same weights (one site: nothing)
     _profile_summary(cfg, profiler, rank, plan, meta)
     return record
 
@@ -126,7 +128,7 @@ def start_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: 
     """`meta_engine.start_engine` for this run (``train.resume``, ``output_dir``, the seed and
     ``train.nonfinite``): (the engine, the resumed checkpoint's state or None)."""
     return start_meta_engine(built.learner, ds_config, plan, built.sharded, built.tables, rank, cfg.seed,
-                             cfg.train.nonfinite, cfg.train.resume, cfg.output_dir, ckpt_meta)
+                             cfg.train.nonfinite, cfg.train.resume, cfg.output_dir, ckpt_meta, sites=cfg.sites)
 
 
 def completed_run(cfg: RunConfig) -> str | None:
@@ -214,13 +216,26 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
                    "tasks_seen": cfg.train.meta_steps * plan.tasks_per_meta_step,
                    "final_query_loss": last.get("query_loss"), "dense_checksum": dense,
                    "embedding_checksum": embedding, "eval": evaluation, **_engine_facts(meta, plan),
-                   "config": config_to_dict(cfg), **extras,
+                   "config": config_to_dict(cfg), **extras, **_sites_facts(meta, plan),
                    "peak_rss_mib_per_rank": peak_rss, "elapsed_s": time.perf_counter() - start}
         write_summary(out_dir, summary, resumed=resume is not None)
     if dist.is_initialized():
         with run_phase(cfg, "evaluation (waiting for rank 0)"):
             dist.barrier()  # other ranks wait for rank 0's evaluation before tearing down
     return summary
+
+
+def _sites_facts(meta: MetaEngine, plan: BatchPlan) -> dict:
+    """summary.json's ``sites`` across sites (rank 0 of site 0): the layout, the synchronisations
+    and the bytes this site's ranks sent to other sites, per task of the whole run."""
+    if meta.outer is None:
+        return {}
+    sites, outer = meta.outer.sites, meta.outer
+    tasks = meta.step * plan.tasks_per_meta_step * sites.count
+    return {"sites": {"count": sites.count, "ranks_per_site": sites.size, "sync_every": outer.every,
+                      "delta_dtype": outer.dtype, "synchronisations": outer.synchronisations,
+                      "tasks_seen_all_sites": tasks, "cross_site_bytes_site": outer.site_sent,
+                      "cross_site_bytes_per_task": outer.site_sent * sites.count / max(tasks, 1)}}
 
 
 def _after_training_memory() -> dict:

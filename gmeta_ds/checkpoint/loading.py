@@ -15,8 +15,6 @@ def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = N
     ZeRO-1/2), embedding rows and optimizer state (resharded), RNG; ``manifest`` is what
     `verify` returned for ``ckpt`` (call it first: nothing here re-checks the files). Returns
     the manifest with ``optimizer_restored`` (step and loader position inside)."""
-    from safetensors.torch import load_file
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     same_world = manifest["world_size"] == world
     stage = engine.zero_optimization_stage()
@@ -29,7 +27,7 @@ def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = N
                                      load_module_only=not load_optimizer)
     if path is None:
         raise ConfigError([f"{ckpt}: DeepSpeed found no checkpoint to load"])
-    files = [load_file(str(ckpt / f"rank{r:05d}.safetensors")) for r in range(manifest["world_size"])]
+    files = rank_files(ckpt, manifest)
     if sharded is not None:
         load_shard_state(sharded, files)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -38,3 +36,10 @@ def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = N
     manifest["optimizer_restored"] = load_optimizer
     return manifest
 
+
+
+def rank_files(ckpt: Path, manifest: dict) -> list[dict]:
+    """Every saving rank's ``rankNNNNN.safetensors`` of ``ckpt`` (verified first: `verify`)."""
+    from safetensors.torch import load_file
+
+    return [load_file(str(ckpt / f"rank{r:05d}.safetensors")) for r in range(manifest["world_size"])]

@@ -132,8 +132,9 @@ class _Writes:
 
 
 def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path, keep_last: int,
-         meta: dict) -> Path:
+         meta: dict, extra: dict | None = None) -> Path:
     """Write checkpoint ``step`` (collective: every rank calls it); returns its directory.
+    ``extra``: more tensors for this rank's file (the outer synchronisation's state across sites).
 
     A write that fails on any rank (disk full, quota, permissions) fails the save on every rank
     with `CheckpointWriteError` naming the rank, the file and the cause; the incomplete
@@ -150,7 +151,7 @@ def save(engine, sharded, loader_state: dict, step: int, output_dir: str | Path,
         writes.attempt(f"the checkpoint directory {ckpt}", lambda: _fresh_dir(ckpt))
     writes.settle()
     _save_deepspeed(engine, writes, tag)
-    _save_own_files(engine, sharded, writes, rank)
+    _save_own_files(engine, sharded, writes, rank, extra or {})
     if os.environ.get(FAULT_ENV) == f"{step}:{rank}":  # fault injection for the reliability tests
         os.kill(os.getpid(), signal.SIGKILL)
     writes.settle()  # every rank's files are on disk, or every rank knows they are not
@@ -185,12 +186,12 @@ def _save_deepspeed(engine, writes: _Writes, tag: str) -> None:
         _barrier()
 
 
-def _save_own_files(engine, sharded, writes: _Writes, rank: int) -> None:
+def _save_own_files(engine, sharded, writes: _Writes, rank: int, extra: dict) -> None:
     """This rank's ``rankNNNNN.safetensors`` (embedding rows, sparse-optimizer and RNG state)
     and, on rank 0, ``dense.safetensors`` (collective under ZeRO-3)."""
     from safetensors.torch import save_file
 
-    own = {**shard_state(sharded), **_rng_state()}
+    own = {**shard_state(sharded), **_rng_state(), **extra}
     own_file = writes.ckpt / f"rank{rank:05d}.safetensors"
     writes.attempt(str(own_file), lambda: save_file({k: v.contiguous() for k, v in own.items()}, str(own_file)))
     dense = ds_engine.full_state_dict(engine.module, rank0_only=True)  # collective under ZeRO-3

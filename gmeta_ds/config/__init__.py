@@ -20,6 +20,7 @@ from gmeta_ds.config.meta import DEFAULT_MICRO_BATCH, MetaConfig, task_activatio
 from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig
 from gmeta_ds.config.run import (DEFAULTS, LOG_ONLY_KEYS, MAX_CONFIG_BYTES, SOURCE_ONLY_KEYS, RunConfig,
                                  apply_overrides, config_from_dict, config_to_dict, load_config, parse_override)
+from gmeta_ds.config.sites import SitesConfig
 from gmeta_ds.config.text import TextConfig, TextDataConfig, TextModelConfig, TextSyntheticConfig
 from gmeta_ds.config.train import TrainConfig
 from gmeta_ds.config.yaml_io import MAX_YAML_NODES, YAMLLoader, load_yaml
@@ -30,7 +31,7 @@ __all__ = [
     "MAX_YAML_NODES",
     "MODEL_DEFAULT_ADAPT", "ROW_OWNERS", "SHARDINGS", "SOURCE_ONLY_KEYS", "SPLITS", "SUPPORTED_ZERO_STAGES",
     "TABLE_DEVICES", "TEXT_FORMATS", "DataConfig", "EmbeddingConfig", "EvalConfig", "MetaConfig",
-    "ModelConfig", "RunConfig", "SchemaConfig", "SyntheticConfig", "TableOverride", "TextConfig",
+    "ModelConfig", "RunConfig", "SchemaConfig", "SitesConfig", "SyntheticConfig", "TableOverride", "TextConfig",
     "TextDataConfig", "TextModelConfig", "TextSyntheticConfig", "TrainConfig", "YAMLLoader", "_one_of",
     "_positive", "apply_overrides", "config_from_dict", "config_to_dict", "load_config", "load_yaml",
     "parse_memory", "parse_override", "task_activation_bytes",

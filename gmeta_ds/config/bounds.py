@@ -31,6 +31,7 @@ BOUNDS: dict[str, tuple[int, str]] = {
     "text.model.vocab_size": (2**24, "2**24 tokens"),
     "text.data.max_length": (2**16, "2**16 tokens"),
     "data.new_item_year": (9999, "9999"),
+    "sites.count": (1024, "1024 sites"),
 }
 # In-memory synthetic data costs ~36 bytes per interaction.
 MAX_SYNTHETIC_INTERACTIONS = 2**31

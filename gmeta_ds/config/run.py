@@ -19,6 +19,7 @@ from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, _validate_
 from gmeta_ds.config.eval import EvalConfig
 from gmeta_ds.config.meta import MetaConfig, validate_meta_options
 from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig, validate_model
+from gmeta_ds.config.sites import SitesConfig, validate_sites, validate_sites_run
 from gmeta_ds.config.text import TextConfig, _validate_text
 from gmeta_ds.config.train import TrainConfig, validate_train
 from gmeta_ds.config.yaml_io import load_yaml
@@ -31,7 +32,7 @@ MAX_CONFIG_BYTES = 2**20  # a run config is a few KB; more is a wrong file, or a
 @dataclass
 class RunConfig:
     """A whole run: sections ``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``,
-    ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
+    ``sites``, ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
 
     output_dir: str = "runs/default"
     seed: int = 0
@@ -42,6 +43,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sites: SitesConfig = field(default_factory=SitesConfig)
     text: TextConfig = field(default_factory=TextConfig)
     deepspeed: Union[str, dict] = "ds_configs/zero0.json"
     # Directory the config file was read from: relative paths resolve against it first.
@@ -173,6 +175,10 @@ def _validate_applies(cfg: RunConfig, data: dict, problems: list[str]) -> None:
         problems.append(f"meta.adapt: {cfg.meta.adapt!r} is given, but model.name: {m.name} has no mlp; "
                         f"leave meta.adapt out for its default {list(MODEL_DEFAULT_ADAPT[m.name])} or "
                         "name its parameters")
+    if cfg.sites.count == 1:
+        keys = _changed(cfg.sites, SitesConfig(), ("sync_every", "outer_lr", "outer_momentum", "nesterov",
+                                                   "delta_dtype"))
+        _not_applying(problems, [f"sites.{k}" for k in keys], "sites.count is 1 (one site: nothing to synchronise)")
     for name, table in cfg.embedding.tables.items():
         if table.kind != "dynamic":
             keys = _changed(table, TableOverride(), ("admit_after", "eviction"))
@@ -206,6 +212,8 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if any(k < 0 for k in cfg.eval.steps_curve):
         problems.append(f"eval.steps_curve: {cfg.eval.steps_curve!r} must be inner step counts >= 0")
     validate_train(cfg.train, problems)
+    validate_sites(cfg.sites, problems)
+    validate_sites_run(cfg, None, problems)
     if not cfg.meta.adapt:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
     validate_model(cfg.model, problems)

@@ -5,6 +5,11 @@ Meta-step k takes B = tasks_per_meta_step tasks from a per-epoch permutation of 
 epoch's permutation). Those B tasks are the same whatever the world size; rank r's
 micro-batch m gets the T tasks at positions ``(m * W + r) * T ...``. The position is the
 meta-step itself, so resuming needs no other state.
+
+Across S sites (``part`` = (site, S)), the B tasks are cut into S contiguous blocks of B / S
+in permutation order, site s takes block s and cuts it over its own ranks as above: which
+tasks a site sees does not depend on its number of ranks, and the sites together see the
+one-site run's B tasks.
 """
 from __future__ import annotations
 
@@ -17,9 +22,11 @@ class MetaBatchSampler:
     """Task indices per (meta-step, micro-batch) for one rank."""
 
     def __init__(self, num_tasks: int, tasks_per_micro_batch: int, grad_accum_steps: int,
-                 world_size: int, rank: int, seed: int, lengths: np.ndarray | None = None):
+                 world_size: int, rank: int, seed: int, lengths: np.ndarray | None = None,
+                 part: tuple[int, int] = (0, 1)):
         self.t, self.gas, self.world, self.rank = tasks_per_micro_batch, grad_accum_steps, world_size, rank
-        self.batch = tasks_per_micro_batch * grad_accum_steps * world_size
+        self.part = part
+        self.batch = tasks_per_micro_batch * grad_accum_steps * world_size * part[1]
         if num_tasks < self.batch:
             raise ConfigError([f"meta.tasks_per_meta_step: {self.batch} tasks per meta-step but the "
                                f"training set has only {num_tasks} tasks"])
@@ -43,6 +50,8 @@ class MetaBatchSampler:
     def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's GAS micro-batches of T task indices for meta-step ``step``."""
         tasks = self.global_batch(step)
+        index, parts = self.part
+        tasks = tasks[index * len(tasks) // parts:(index + 1) * len(tasks) // parts]
         if self.lengths is not None:
             tasks = tasks[np.argsort(self.lengths[tasks], kind="stable")]
         return [tasks[(m * self.world + self.rank) * self.t:][: self.t] for m in range(self.gas)]

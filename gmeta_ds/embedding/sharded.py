@@ -121,6 +121,9 @@ class ShardedEmbeddingCollection:
         self._field_tables: dict[tuple, FieldTables | None] = {}
         self.pooled = frozenset(name for name, s in self.strategy.items() if s.pools_on_owner)
         self._counted = frozenset(name for name, s in self.strategy.items() if s.counts)
+        # Called with (table, its shard) in `step` before the table's update, its gradient
+        # averaged: the outer synchronisation across sites keeps the anchors of touched rows.
+        self.before_update = None
 
     def _groups(self) -> dict[str, object]:
         """The process group of each table's exchange (None: the default group). Host tables
@@ -287,6 +290,8 @@ class ShardedEmbeddingCollection:
         direct = {name: how for name, strategy in self.strategy.items() if (how := strategy.direct_update(name))}
         self.finish_gradients(leave=frozenset(direct))
         for name, p in self.shards.items():
+            if self.before_update is not None:
+                self.before_update(name, p)
             optimizer = self.optimizers[name]
             how = direct.get(name) or fast_update(optimizer, p)  # (averaged gradients now)
             world = self.world if name in direct else 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gmeta_ds.ds_config import MAX_WORLD
 from gmeta_ds.engine import ds_internals
+from gmeta_ds.engine.sites import start_sites, stop_sites
 from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
 
@@ -101,8 +102,9 @@ def set_threads(threads: int | str) -> int:
     return int(threads)
 
 
-def init_process_group(timeout_s: int) -> tuple[int, int]:
-    """Initialise DeepSpeed's communication backend; returns (rank, world size).
+def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
+    """Initialise DeepSpeed's communication backend; returns (rank, world size) of the
+    process group: the launcher's, or with ``sites`` > 1 this rank's site's (`engine.sites`).
 
     Without a launcher the single-process rendezvous variables are set here (otherwise
     DeepSpeed would try MPI discovery). Backend: NCCL with CUDA, gloo on CPU.
@@ -116,7 +118,8 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
         _SET_BY_US.update(single)
     started = dist.is_initialized()
     if not started:  # before torch's rendezvous turns a bad value into a ValueError
-        _, world, _ = env_world()
+        launched = env_world()
+        world = launched[1]
         _check_rendezvous_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     shm_skipped = backend == "gloo" and skip_deepspeed_shm_op()
@@ -124,6 +127,8 @@ def init_process_group(timeout_s: int) -> tuple[int, int]:
     inherit_timeout(timeout)
     if not started:
         try:
+            if sites > 1:
+                start_sites(sites, backend, timeout, launched)
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
         except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError
             if is_collective_timeout(exc):
@@ -296,6 +301,7 @@ def destroy_process_group(clean_exit: bool = True) -> None:
     costs at most `_TEARDOWN_BARRIER_S`, then the group is destroyed anyway) before any of
     them closes its connections. After an error there is no barrier: peers may be inside
     another collective, and the launcher ends them."""
+    stop_sites(clean_exit)
     if dist.is_initialized():
         gc.collect()
         if clean_exit and dist.get_world_size() > 1:

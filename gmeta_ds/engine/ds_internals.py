@@ -249,6 +249,16 @@ def with_load_universal(ds_config: dict) -> dict:
 CONFIG_MODULE = "deepspeed.runtime.config"
 
 
+def refresh_master_weights(engine) -> None:
+    """After the module's parameters were written from outside (the outer synchronisation
+    across sites), make the optimizer's fp32 master copy follow them: ZeRO-1/2 and the bf16 /
+    fp16 wrappers keep one (``refresh_fp32_params``, which their own checkpoint loading
+    calls); a plain torch optimizer (ZeRO-0, fp32) steps the module's parameters themselves."""
+    refresh = getattr(engine.optimizer, "refresh_fp32_params", None)
+    if refresh is not None:
+        refresh()
+
+
 def parse_ds_config(ds_config: dict) -> None:
     """Run DeepSpeed's own parser on ``ds_config`` (raises what it raises)."""
     importlib.import_module(CONFIG_MODULE).DeepSpeedConfig(ds_config)
@@ -447,6 +457,18 @@ INTERNALS = (
              "(DeepSpeedEngine._get_ckpt_name, _common_checkpoint_state)",
              "resuming a ZeRO-0 checkpoint with the Adam that wrote it", _saves_config_in_model_states),
 )
+
+
+def _has_refresh_fp32() -> bool:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return all(callable(getattr(cls, "refresh_fp32_params", None)) for cls in (DeepSpeedZeroOptimizer, BF16_Optimizer))
+
+
+INTERNALS = (*INTERNALS,
+             Internal("DeepSpeedZeroOptimizer.refresh_fp32_params and BF16_Optimizer.refresh_fp32_params",
+                      "the outer synchronisation across sites (sites.count > 1)", _has_refresh_fp32))
 
 
 def check_internals() -> list[str]:

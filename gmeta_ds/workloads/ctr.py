@@ -33,6 +33,7 @@ from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config, with_topolog
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
+from gmeta_ds.engine.sites import data_part
 from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
@@ -65,7 +66,7 @@ class CTRWorkload(Workload):
         train = built.data.train
         lengths = task_lengths(train) if cfg.data.bucket_by_length else None
         sampler = MetaBatchSampler(len(train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
-                                   plan.world_size, rank, cfg.seed, lengths)
+                                   plan.world_size, rank, cfg.seed, lengths, part=data_part())
         return TaskLoader(train, sampler, cfg.data.prefetch, resample=cfg.data.resample)
 
     def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
