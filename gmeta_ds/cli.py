@@ -196,6 +196,13 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     world = (hostfile_world_size(hosts, args.num_gpus) if hosts else None) or args.world_size or env_world()[1]
     ds_config, plan = resolve_ds_config(cfg, world)
+    sites_line = None
+    if cfg.sites.count > 1:  # plan site 0 (every site is alike): its share of the batch and ranks
+        from gmeta_ds.engine.sites import describe_sites, site_run
+
+        local = (args.num_gpus or hosts[0].slots) if hosts else world
+        _, ds_config, plan = site_run(cfg, ds_config, plan, (0, world, local))
+        sites_line = describe_sites(cfg.sites, world)
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
 
     check_device_support(ds_config)  # train refuses fp16 without a GPU: so does validate
@@ -206,14 +213,16 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     replaced = check_earlier_run(cfg)  # what train refuses, validate refuses
     workload = get_workload(cfg.task)
     planned = _with_hostfile_hosts(cfg, hosts, args.num_gpus)
-    workload.preflight(planned, world)  # what train checks before its first collective
+    workload.preflight(planned, plan.world_size)  # what train checks before its first collective
     lines = workload.describe(planned, ds_config, plan)
     print("run config:\n" + json.dumps(config_to_dict(cfg), indent=2))
     print("deepspeed config (resolved):\n" + json.dumps(ds_config, indent=2))
     if hosts:
         print(f"hostfile {args.hostfile}: " + ", ".join(
             f"{h.name} ({args.num_gpus or h.slots} rank(s))" for h in hosts) + f" = {world} ranks")
-    print(f"batch: {plan.describe().replace('tasks', workload.noun)}")
+    print(f"batch: {plan.describe().replace('tasks', workload.noun)}" + (" per site" if sites_line else ""))
+    if sites_line:
+        print(sites_line)
     for line in lines:
         print(line)
     if replaced:

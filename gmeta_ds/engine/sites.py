@@ -168,3 +168,12 @@ def data_part() -> tuple[int, int]:
     (`data.sampler.MetaBatchSampler`'s ``part``); (0, 1) on one site."""
     sites = active_sites()
     return (sites.site, sites.count) if sites is not None else (0, 1)
+
+
+def describe_sites(settings, world: int) -> str:
+    """``gmeta-ds validate``'s line for ``sites.*`` at ``world`` ranks."""
+    outer = (f"outer SGD lr {settings.outer_lr:g}, momentum {settings.outer_momentum:g}"
+             + (", Nesterov" if settings.nesterov else ""))
+    return (f"sites: {settings.count} sites x {world // settings.count} rank(s) (ranks numbered site by site), "
+            f"synchronised every {settings.sync_every} meta-steps and after the last ({outer}; changes cross "
+            f"sites as {settings.delta_dtype}); site s > 0 writes OUTPUT_DIR/sites/site-<s>")

@@ -25,9 +25,11 @@ TABLES = {"sharding": "sharded", "plan": "row_wise", "optimizer": "sgd", "lr": 0
 PLAIN = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 
 
-def site_config(tmp_path: Path, sites: dict | None, algorithm: str = "fomaml", steps: int = 4, **extra) -> Path:
+def site_config(tmp_path: Path, sites: dict | None, algorithm: str = "fomaml", steps: int = 4, stage: int = 0,
+                **extra) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "sgd.json").write_text(json.dumps(SGD_DS))
+    (tmp_path / "sgd.json").write_text(json.dumps({**SGD_DS, "zero_optimization": {"stage": stage},
+                                                   "zero_allow_untested_optimizer": stage > 0}))
     sections = {"embedding": TABLES, "deepspeed": str(tmp_path / "sgd.json"),
                 "meta": {"algorithm": algorithm, "tasks_per_micro_batch": 2, "tasks_per_meta_step": 8},
                 "train": {"meta_steps": steps, "log_every": 1, "lr": 0.05, "progress": False, **extra.pop("train", {})}}
@@ -49,12 +51,13 @@ def same(a: dict, b: dict, rel: float) -> None:
         assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-9), key
 
 
-@pytest.mark.parametrize("algorithm,world", [("fomaml", 4), ("maml", 2)])
-def test_every_step_with_plain_averaging_is_synchronous_training(tmp_path, algorithm, world):
-    """2 sites x W/2 ranks, H = 1, outer lr 1 without momentum == W ranks as one site."""
-    flat = site_config(tmp_path / "flat", None, algorithm)
+@pytest.mark.parametrize("algorithm,world,stage", [("fomaml", 4, 0), ("maml", 2, 0), ("reptile", 4, 2)])
+def test_every_step_with_plain_averaging_is_synchronous_training(tmp_path, algorithm, world, stage):
+    """2 sites x W/2 ranks, H = 1, outer lr 1 without momentum == W ranks as one site (under
+    ZeRO-2 the synchronised weights must also reach DeepSpeed's fp32 partitions)."""
+    flat = site_config(tmp_path / "flat", None, algorithm, stage=stage)
     gmeta_ranks(world, "train", "--config", flat)
-    sites = site_config(tmp_path / "sites", {"count": 2, "sync_every": 1, **PLAIN}, algorithm)
+    sites = site_config(tmp_path / "sites", {"count": 2, "sync_every": 1, **PLAIN}, algorithm, stage=stage)
     gmeta_ranks(world, "train", "--config", sites)
     one, two = summary(flat), summary(sites)
     same(one, two, 1e-5)
@@ -125,3 +128,15 @@ def test_bad_site_settings_are_refused_before_any_collective(tmp_path, sets, exp
     assert done.returncode == 2, done.stderr[-3000:]
     assert expected in done.stderr and "Traceback" not in done.stderr
     assert not out_dir(config).exists() or not any(out_dir(config).iterdir())
+
+
+def test_zero2_keeps_the_synchronised_weights_in_its_fp32_partitions(tmp_path):
+    """ZeRO-2 steps fp32 partitions of its own: after a synchronisation they must hold the new
+    anchor (DeepSpeed's refresh_fp32_params), so ZeRO-2 trains what ZeRO-0 trains across sites."""
+    outer = {"count": 2, "sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    runs = []
+    for stage in (0, 2):
+        config = site_config(tmp_path / f"zero{stage}", outer, "reptile", steps=6, stage=stage, train={"lr": 0.5})
+        gmeta_ranks(2, "train", "--config", config)
+        runs.append(summary(config))
+    same(runs[0], runs[1], 1e-5)
