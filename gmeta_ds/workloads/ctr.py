@@ -111,9 +111,15 @@ class CTRWorkload(Workload):
         return lines
 
     def report(self, summary: dict, output_dir) -> list[str]:
-        lines = [f"done: {summary['meta_steps']} meta-steps, {summary['tasks_seen']} tasks on "
-                 f"{summary['world_size']} rank(s) in {summary['elapsed_s']:.1f}s; final query loss "
-                 f"{summary['final_query_loss']:.4f}"]
+        sites = summary.get("sites")
+        where = (f"{sites['tasks_seen_all_sites']} tasks on {sites['count']} sites x {sites['ranks_per_site']} rank(s)"
+                 if sites else f"{summary['tasks_seen']} tasks on {summary['world_size']} rank(s)")
+        lines = [f"done: {summary['meta_steps']} meta-steps, {where} in {summary['elapsed_s']:.1f}s; final query "
+                 f"loss {summary['final_query_loss']:.4f}"]
+        if sites:
+            lines.append(f"sites: {sites['synchronisations']} synchronisation(s) (every {sites['sync_every']} "
+                         f"meta-steps), {sites['cross_site_bytes_per_task']:.0f} bytes sent across sites per task "
+                         f"({sites['delta_dtype']})")
         # null: a metric undefined on these tasks (printed nan; why: ev["warnings"])
         ev = {k: float("nan") if v is None else v for k, v in summary.get("eval", {}).items()}
         if ev and ev.get("tasks", 1):
