@@ -110,6 +110,7 @@ def test_hierarchical_exchange_on_two_hosts_of_two_ranks_equals_one_process(tmp_
     two = ml_config(tmp_path / "two", embedding={**embedding, "hosts": 2, "exchange_topology": "auto"})
     out = gmeta_ranks(1, "validate", "--config", str(two), "--world-size", "4", *micro).stdout
     assert "  topology: 2 host(s) x 2 rank(s), hierarchical pooled exchange (est. cross-host" in out, out
+    assert " row exchange (est. cross-host " in out and "ids' overlap in a host " in out, out
     hostfile = tmp_path / "hostfile"  # validate plans on a hostfile's hosts when embedding.hosts is 0
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     auto = ml_config(tmp_path / "auto", embedding={**embedding, "exchange_topology": "auto"})
