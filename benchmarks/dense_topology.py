@@ -32,7 +32,7 @@ import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the c
 from emulated_cluster import PREFIX, emulated_cluster  # noqa: E402
 from topology import launch  # noqa: E402
 
-SETTINGS = dict(width=1024, layers=4, batch=16, steps=4, warmup=1, reps=3)
+SETTINGS = dict(width=512, layers=4, batch=16, steps=4, warmup=1, reps=3)
 VARIANTS = {
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
@@ -43,7 +43,10 @@ VARIANTS = {
 
 def _config(variant: dict, ranks_per_host: int, s: dict) -> dict:
     zero = {k: (ranks_per_host if v == "ranks_per_host" else v) for k, v in variant.items()}
-    zero.update(reduce_bucket_size=10_000_000, stage3_param_persistence_threshold=0)
+    # ds_configs/zero3.json's settings: nothing persists or is prefetched, and a parameter gathered
+    # in forward is released and gathered again in backward (the gather hpZ keeps in the host)
+    zero.update(reduce_bucket_size=10_000_000, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
+                stage3_max_live_parameters=10_000_000, stage3_max_reuse_distance=0)
     return {"train_micro_batch_size_per_gpu": s["batch"], "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
             "zero_optimization": zero, "steps_per_print": 10 ** 9}
