@@ -7,7 +7,8 @@ hosts crosses a link of R bit/s each way while ranks of one host talk over its l
 
 Root only (namespaces, veths, qdiscs); nothing is added to the machine's own namespace, and
 everything is removed on exit (also on errors), as are leftovers of the same prefix at start
-(a killed run). netem is not available in every kernel; tbf is, and is all this needs.
+(a killed run). The prefix (default ``gmtopo``, or the GMETA_EMULATED_PREFIX environment
+variable) keeps two users of one machine apart. netem is not available in every kernel; tbf is, and is all this needs.
 
 CLI (a quick check of the links): ``python benchmarks/emulated_cluster.py --hosts 2 --rate 100mbit``
 creates the cluster, measures the rate of a TCP stream from host 0 to host 1 and inside host 0
@@ -21,7 +22,9 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-PREFIX = "gmtopo"
+# Name prefix of the namespaces and links: one per user of the machine (GMETA_EMULATED_PREFIX,
+# at most 9 characters: interface names end in e<host> / h<host> / br within 15).
+PREFIX = os.environ.get("GMETA_EMULATED_PREFIX", "gmtopo")
 SUBNET = "10.233"
 
 

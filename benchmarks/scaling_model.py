@@ -40,7 +40,10 @@ On the GPU cluster (g = 8 GPUs per node, N = W/g nodes) collectives are hierarch
                  all-gather in the node; half of it for a reduce-scatter or an all-gather)
     all-to-all  flat: a_net + (W-1) o_peer + max(V (g-1)/(W-1) / b_nvl, V (W-g)/(W-1) / b_net)
                 hierarchical (intra-node first): 2 a_nvl + 2 V / b_nvl + a_net + (N-1) o_peer
-                + V (W-g)/(W-1) / b_net  (8x fewer, 8x larger inter-node messages)
+                + V (W-g)/(W-1) / (o b_net)  (8x fewer, 8x larger inter-node messages; o the
+                ids' overlap between the node's g ranks, g E[U(n)] / E[U(g n)] under Zipf: the
+                node's gateway deduplicates its requests, `sharding/hierarchical_rows.py`; the
+                two-level model of the emulated runs is benchmarks/topology_model.py)
 Outer synchronisation every k meta-steps (local-SGD style; it changes the algorithm) divides
 T_dense and T_small by k; the all-to-alls cannot be skipped (every lookup needs its rows).
 
@@ -213,6 +216,20 @@ def a2a_bytes(facts: dict, world: int, tasks_per_micro: float) -> list[float]:
             stages[k] += b[k]
     counts = 8 * len(facts["sharded_tables"]) * (world - 1)
     return [counts, stages["input_dist"] - counts, stages["output_dist"], stages["output_dist_backward"]]
+
+
+def node_overlap(facts: dict, world: int, tasks_per_micro: float) -> float:
+    """The ids' overlap between the g ranks of a node (their distinct ids summed over the
+    distinct ids of their union, E[U] under Zipf): what the hierarchical row exchange divides
+    the inter-node ids, rows and row gradients by (`sharding/hierarchical_rows.py`)."""
+    g, _ = _hier(world)
+    n = int(tasks_per_micro * facts["ids_per_task"])
+    if g == 1 or not facts["sharded_tables"] or n == 0:
+        return 1.0
+    for rows, _ in facts["sharded_tables"]:
+        _PROBS[rows] = _PROBS[rows] if rows in _PROBS else zipf_probs(rows)
+    apart = sum(g * expected_unique(n, _PROBS[r]) for r, _ in facts["sharded_tables"])
+    return apart / sum(expected_unique(g * n, _PROBS[r]) for r, _ in facts["sharded_tables"])
 
 
 def dense_bytes(stage: int, params: int, micro: int) -> tuple[float, float]:
@@ -393,7 +410,9 @@ def gpu_all_reduce(size: float, world: int, link: dict, nvl: dict, part: float =
     return part * t
 
 
-def gpu_all_to_all(v: float, world: int, link: dict, nvl: dict, hierarchical: bool) -> float:
+def gpu_all_to_all(v: float, world: int, link: dict, nvl: dict, hierarchical: bool, overlap: float = 1.0) -> float:
+    """Seconds of an all-to-all sending ``v`` bytes per rank; hierarchical: inside the node,
+    then ``1 / overlap`` of the inter-node bytes across (the node's requests deduplicated)."""
     if world == 1:
         return 0.0
     g, n = _hier(world)
@@ -401,7 +420,8 @@ def gpu_all_to_all(v: float, world: int, link: dict, nvl: dict, hierarchical: bo
     if n == 1:
         return (g - 1) * nvl["alpha"] + intra / nvl["bw"]
     if hierarchical:
-        return 2 * nvl["alpha"] + 2 * v / nvl["bw"] + link["alpha"] + (n - 1) * link["o_peer"] + inter / link["bw"]
+        return (2 * nvl["alpha"] + 2 * v / nvl["bw"] + link["alpha"] + (n - 1) * link["o_peer"]
+                + inter / overlap / link["bw"])
     return link["alpha"] + (world - 1) * link["o_peer"] + max(intra / nvl["bw"], inter / link["bw"])
 
 
@@ -412,7 +432,8 @@ def gpu_step(facts: dict, world: int, tasks: int, task_s: float, fixed_s: float,
     nvl = LINKS["nvlink"]
     S, passes = dense_bytes(zero, facts["dense_params"], 1)
     dense = passes * gpu_all_reduce(S, world, link, nvl, 0.5) / sync_every
-    a2a = sum(gpu_all_to_all(v, world, link, nvl, hierarchical) for v in a2a_bytes(facts, world, tasks))
+    overlap = node_overlap(facts, world, tasks) if hierarchical else 1.0
+    a2a = sum(gpu_all_to_all(v, world, link, nvl, hierarchical, overlap) for v in a2a_bytes(facts, world, tasks))
     sm = (small * gpu_all_reduce(4, world, link, nvl)
           + gpu_all_reduce(4 * facts["replicated_floats"], world, link, nvl)) / sync_every
     compute = task_s * tasks

@@ -1,17 +1,20 @@
-"""Flat vs hierarchical pooled exchange on an emulated cluster (issue 37 items 4-5).
+"""Flat vs hierarchical exchanges on an emulated cluster (issue 37 items 4-5).
 
 H hosts x R ranks (`emulated_cluster`: network namespaces, the links between hosts limited by
 tbf), each rank a process started with the launcher's variables (RANK, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK: the topology comes from them, `engine.topology.resolve_topology`),
 gloo over the namespace's interface. Every rank looks up a CTR-shaped micro-batch of bags in
-sharded row-wise tables pooled on their owners (the traffic of a configuration whose sharded
-tables dominate: no dense model), backward, sparse step; per exchange it reports steps/s,
-tasks/s (``bags_per_task`` bags make one task; median of ``reps`` repetitions, the exchanges
-interleaved) and the bytes it sent across hosts per step
-(the counters', `comm.CommStats.total_cross_host`).
+sharded row-wise tables (the traffic of a configuration whose sharded tables dominate: no dense
+model), pooled on their owners (``exchange: pooled``) or by the requester after the
+deduplicated row exchange (``exchange: rows``), backward, sparse step; per exchange it reports
+steps/s, tasks/s (``bags_per_task`` bags make one task; median of ``reps`` repetitions, the
+exchanges interleaved) and the bytes it sent across hosts per step (the counters',
+`comm.CommStats.total_cross_host`); row runs also the ids' measured overlap between the ranks
+of a host (`id_overlap`).
 
-    python benchmarks/topology.py                     # 2 x 2 at 1gbit and 100mbit, and 1 x 4
+    python benchmarks/topology.py                     # pooled and rows: 2 x 2 at 1gbit and 100mbit, 1 x 4
     python benchmarks/topology.py --check             # only: hierarchical equals flat on 2 x 2
+    python benchmarks/topology.py --prefix gmx --subnet 9   # namespaces of another name (see emulated_cluster)
 
 Root only (namespaces). ``--worker`` is the per-rank entry point the driver starts.
 """
@@ -28,16 +31,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the checkout on sys.path)
-from emulated_cluster import emulated_cluster  # noqa: E402
+from emulated_cluster import PREFIX, emulated_cluster  # noqa: E402
 
 PORT = 29512
-SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=6, warmup=1, reps=5, bags_per_task=32)
+SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=6, warmup=1, reps=5, bags_per_task=32,
+                exchange="pooled")
+# (hosts, ranks per host, inter-host rate, settings changed) of a full run
+RUNS = [(2, 2, "1gbit", {}), (2, 2, "100mbit", {}), (1, 4, None, {}),
+        (2, 2, "1gbit", {"exchange": "rows"}), (2, 2, "100mbit", {"exchange": "rows"}), (1, 4, None, {"exchange": "rows"}),
+        (2, 2, "100mbit", {"exchange": "rows", "rows": 20_000}), (1, 4, None, {"exchange": "rows", "rows": 20_000})]
 
 
-def _tables(n: int, rows: int, dim: int):
+def _tables(n: int, rows: int, dim: int, exchange: str = "pooled"):
     from gmeta_ds.embedding.tables import TableConfig
 
-    return [TableConfig(f"t{k}", rows, dim, (f"f{k}",), pooling="sum", exchange="pooled", optimizer="sgd")
+    return [TableConfig(f"t{k}", rows, dim, (f"f{k}",), pooling="sum", exchange=exchange, optimizer="sgd")
             for k in range(n)]
 
 
@@ -62,7 +70,7 @@ def _collections(s: dict, timeout_s: int):
     from gmeta_ds.engine.topology import resolve_topology
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = plan_tables(_tables(s["tables"], s["rows"], s["dim"]), world, {})
+    base = plan_tables(_tables(s["tables"], s["rows"], s["dim"], s["exchange"]), world, {})
     topology = resolve_topology(0, world)
     return {how: ShardedEmbeddingCollection(with_topology(base, topology, how), rank, seed=3, device="cpu",
                                             timeout_s=timeout_s)
@@ -144,22 +152,25 @@ def worker(mode: str, settings: dict) -> None:
         dist.destroy_process_group()
 
 
-def id_overlap(s: dict, ranks_per_host: int, step: int = 0) -> float:
+def id_overlap(s: dict, ranks_per_host: int, step: int = 0) -> tuple[float, float]:
     """The ids' overlap between the ranks of one host, per table and averaged: the sum of the
-    ranks' distinct ids over the distinct ids of their union (what a hierarchical row exchange,
-    deduplicating a host's requests before they cross, would divide the flat row bytes by)."""
+    ranks' distinct ids over the distinct ids of their union (what the hierarchical row
+    exchange, deduplicating a host's requests before they cross, divides the flat row bytes by);
+    and a rank's distinct ids per id looked up (`sparse.BagStats.distinct_ratio`)."""
     import torch
 
-    ratios = []
+    ratios, distinct = [], []
     for k in range(s["tables"]):
         ids = [_bags(rank, step, s)[f"f{k}"].values.unique() for rank in range(ranks_per_host)]
         ratios.append(sum(len(i) for i in ids) / len(torch.cat(ids).unique()))
-    return sum(ratios) / len(ratios)
+        distinct.append(len(ids[0]) / (s["bags"] * s["length"]))
+    return sum(ratios) / len(ratios), sum(distinct) / len(distinct)
 
 
-def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float = 300) -> list[dict]:
-    """Start ``ranks_per_host`` ranks on each emulated host (`Host`), wait, return each rank's
-    JSON line; raises with every rank's output when one fails."""
+def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float = 300,
+           script: str = __file__) -> list[dict]:
+    """Start ``ranks_per_host`` ranks of ``script --worker mode`` on each emulated host (`Host`),
+    wait, return each rank's JSON line; raises with every rank's output when one fails."""
     world = len(hosts) * ranks_per_host
     procs = []
     for rank in range(world):
@@ -168,7 +179,7 @@ def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float
                "LOCAL_WORLD_SIZE": str(ranks_per_host), "GROUP_RANK": str(rank // ranks_per_host),
                "MASTER_ADDR": hosts[0].address, "MASTER_PORT": str(PORT), "GLOO_SOCKET_IFNAME": host.interface,
                "OMP_NUM_THREADS": "1"}
-        argv = [sys.executable, __file__, "--worker", mode, "--settings", json.dumps(settings)]
+        argv = [sys.executable, script, "--worker", mode, "--settings", json.dumps(settings)]
         procs.append(subprocess.Popen(host.command(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outs = []
@@ -186,32 +197,41 @@ def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float
     return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
 
 
+def _run(hosts_n: int, ranks: int, rate: str | None, settings: dict, prefix: str, subnet: int) -> dict:
+    """One emulated cluster, one benchmark on it: rank 0's result, with the run's shape and,
+    for the row exchange, the ids' measured overlap between the ranks of a host."""
+    with emulated_cluster(hosts_n, rate, prefix, subnet) as hosts:
+        first = launch(hosts, ranks, "bench", settings)[0]
+    run = {"hosts": hosts_n, "ranks_per_host": ranks, "rate": rate or "loopback", "exchange": settings["exchange"],
+           "rows": settings["rows"], **first}
+    run.pop("rank")
+    if settings["exchange"] == "rows":
+        run["id_overlap"], run["distinct_ratio"] = id_overlap(settings, ranks)
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=("check", "bench"))
     parser.add_argument("--settings", default=json.dumps(SETTINGS))
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--prefix", default=PREFIX, help="name prefix of the namespaces (unique per user)")
+    parser.add_argument("--subnet", type=int, default=1, help="third octet of the hosts' 10.233.S.0/24")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "topology.json"))
     args = parser.parse_args()
     settings = {**SETTINGS, **json.loads(args.settings)}
     if args.worker:
         return worker(args.worker, settings)
     if args.check:
-        with emulated_cluster(2) as hosts:
-            print(launch(hosts, 2, "check", settings))
+        for exchange in ("pooled", "rows"):
+            with emulated_cluster(2, None, args.prefix, args.subnet) as hosts:
+                print(launch(hosts, 2, "check", {**settings, "exchange": exchange}))
         return None
     runs = []
-    for hosts_n, ranks, rate in ((2, 2, "1gbit"), (2, 2, "100mbit"), (1, 4, None)):
-        with emulated_cluster(hosts_n, rate) as hosts:
-            first = launch(hosts, ranks, "bench", settings)[0]
-        run = {"hosts": hosts_n, "ranks_per_host": ranks, "rate": rate or "loopback", **first}
-        run.pop("rank")
-        runs.append(run)
-        print(json.dumps(run), flush=True)
-    overlap = id_overlap(settings, 2)
-    print(f"ids' overlap between the 2 ranks of a host: {overlap:.3f}", flush=True)
-    Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs, "id_overlap_2_ranks": overlap},
-                                         indent=2) + "\n")
+    for hosts_n, ranks, rate, changed in RUNS:
+        runs.append(_run(hosts_n, ranks, rate, {**settings, **changed}, args.prefix, args.subnet))
+        print(json.dumps(runs[-1]), flush=True)
+    Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
     return None
 
 

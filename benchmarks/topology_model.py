@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (puts the checkout on sys.path)
-from gmeta_ds.embedding.topology import Topology, cross_host_bytes  # noqa: E402
+from gmeta_ds.embedding.topology import Topology, cross_host_bytes, row_cross_host_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "topology.json"
 RATES = {"1gbit": 1e9 / 8, "100mbit": 1e8 / 8}
@@ -40,26 +40,38 @@ NVL = {"bw": 450e9, "alpha": 2e-6}
 IB = {"bw_per_rank": 50e9, "alpha": 5e-6}
 
 
-def step_bytes(topology: Topology, s: dict) -> dict[str, float]:
-    """Cross-host bytes per rank and step, flat and hierarchical (the planner's estimate)."""
-    flat, hier = cross_host_bytes("row_wise", topology, s["dim"], s["length"])
+def step_bytes(topology: Topology, s: dict, run: dict | None = None) -> dict[str, float]:
+    """Cross-host bytes per rank and step, flat and hierarchical (the planner's estimate; for
+    the row exchange from the run's measured distinct ratio and ids' overlap in a host)."""
+    if run is not None and run.get("exchange") == "rows":
+        flat, hier = row_cross_host_bytes(topology, s["dim"], s["length"], run["distinct_ratio"], run["id_overlap"])
+    else:
+        flat, hier = cross_host_bytes("row_wise", topology, s["dim"], s["length"])
     return {"flat": flat * s["tables"] * s["bags"], "hierarchical": hier * s["tables"] * s["bags"]}
+
+
+def _host_run(runs: list[dict], run: dict) -> dict | None:
+    """The one-host run of the same exchange and table size (its steps give T_host)."""
+    return next((r for r in runs if r["hosts"] == 1 and r.get("exchange", "pooled") == run.get("exchange", "pooled")
+                 and r.get("rows") == run.get("rows")), None)
 
 
 def check(results: dict) -> list[dict]:
     """Predicted vs measured steps/s of every emulated run (the 1 x 4 run gives T_host)."""
-    s, runs = results["settings"], results["runs"]
-    host = next(r for r in runs if r["hosts"] == 1)
+    runs = results["runs"]
     rows = []
     for run in runs:
-        if run["rate"] not in RATES:
+        host = _host_run(runs, run)
+        if run["rate"] not in RATES or host is None:
             continue
+        s = {**results["settings"], "rows": run.get("rows", results["settings"]["rows"])}
         topology = Topology(run["hosts"] * run["ranks_per_host"], run["ranks_per_host"])
         for how in ("flat", "hierarchical"):
-            measured_x, model_x = run[how]["cross_host_bytes_per_step"], step_bytes(topology, s)[how]
+            measured_x, model_x = run[how]["cross_host_bytes_per_step"], step_bytes(topology, s, run)[how]
             t_host = 1 / host[how]["steps_per_s"]
             predicted = 1 / (t_host + topology.ranks_per_host * model_x / RATES[run["rate"]])
-            rows.append({"run": f"{run['hosts']} x {run['ranks_per_host']} at {run['rate']}", "exchange": how,
+            rows.append({"run": f"{run.get('exchange', 'pooled')} {run['hosts']} x {run['ranks_per_host']} at "
+                                f"{run['rate']} ({s['rows']:,} rows)", "exchange": how,
                          "measured": run[how]["steps_per_s"], "predicted": predicted,
                          "error": predicted / run[how]["steps_per_s"] - 1,
                          "bytes_measured": measured_x, "bytes_model": model_x})
@@ -95,11 +107,11 @@ def main() -> int:
     results = json.loads(RESULTS.read_text())
     print("check against the emulated runs (steps/s):")
     for r in check(results):
-        print(f"  {r['run']:>20} {r['exchange']:>12}: measured {r['measured']:6.2f}, model {r['predicted']:6.2f} "
+        print(f"  {r['run']:>40} {r['exchange']:>12}: measured {r['measured']:6.2f}, model {r['predicted']:6.2f} "
               f"({r['error']:+.0%}); cross-host B/step measured {r['bytes_measured']:,.0f}, "
               f"planner {r['bytes_model']:,.0f}")
     print("extrapolation, 8 GPUs per host, NVLink 450 GB/s + IB 50 GB/s per GPU, exchange time per step:")
-    for r in extrapolate(results["settings"]):
+    for r in extrapolate({**results["settings"], "exchange": "pooled"}):
         print(f"  {r['hosts']:>4} hosts ({r['gpus']:>5} GPUs), bags of {r['length']:>3}: flat {r['flat_ms']:.3f} ms, "
               f"hierarchical {r['hierarchical_ms']:.3f} ms ({r['speedup']:.2f}x)")
     return 0

@@ -72,10 +72,13 @@ class Jagged:
 @dataclass(frozen=True)
 class BagStats:
     """What a table's lookups look like, for `choose_exchange`: ``mean_length`` ids per bag,
-    ``distinct_ratio`` distinct ids per id looked up in one micro-batch (1: no repeats)."""
+    ``distinct_ratio`` distinct ids per id looked up in one micro-batch (1: no repeats); for
+    `topology.choose_row_topology`, ``host_distinct_ratio``: the same over the micro-batches of
+    the ranks of one host together (None: not estimated)."""
 
     mean_length: float
     distinct_ratio: float = 1.0
+    host_distinct_ratio: float | None = None
 
 
 def string_id(value: str) -> int:

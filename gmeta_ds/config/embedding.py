@@ -58,10 +58,11 @@ class EmbeddingConfig:
     # The run's hosts: 0 takes them from the launcher (LOCAL_WORLD_SIZE / LOCAL_SIZE ranks per
     # host); N splits the ranks into N hosts of equal size (one machine can pretend to be several).
     hosts: int = 0
-    # How tables pooled on their owners exchange across hosts: flat (one all-to-all over every
-    # rank), hierarchical (inside each host, then once per host pair: one partial sum per bag and
-    # host), auto (hierarchical when there are several hosts of several ranks and it is expected
-    # to send fewer bytes across hosts; `gmeta-ds validate` prints the estimate).
+    # How the exchanges cross hosts: flat (one all-to-all over every rank), hierarchical (inside
+    # each host, then once per host pair: tables pooled on their owners send one partial sum per
+    # bag and host, the row exchange each distinct id of a host once), auto (each exchange
+    # hierarchical when there are several hosts of several ranks and it is expected to send
+    # fewer bytes across hosts; `gmeta-ds validate` prints the estimates).
     exchange_topology: str = "flat"
     tables: dict[str, TableOverride] = field(default_factory=dict)
 

@@ -225,12 +225,14 @@ def _collate_parts(task_set: TaskSet, parts: list[tuple], tasks: np.ndarray) -> 
 BAG_SAMPLE = 1 << 20  # values read per multi-hot field to estimate its id frequencies
 
 
-def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int) -> dict[str, BagStats]:
+def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int, ranks_per_host: int = 1) -> dict[str, BagStats]:
     """Per multi-hot field: its mean bag length, and the distinct ids per id looked up that one
     micro-batch of ``tasks_per_micro_batch`` average tasks can expect, E[distinct] / n over n
     draws from the field's id frequencies (estimated on up to `BAG_SAMPLE` values, read in 16
-    evenly spaced runs so a task store reads little). What ``exchange: auto`` chooses by; the
-    same on every rank (it reads only the training tasks)."""
+    evenly spaced runs so a task store reads little); with ``ranks_per_host`` > 1, also that of
+    the host's R micro-batches together (R n draws). What ``exchange: auto`` and
+    ``exchange_topology: auto`` choose by; the same on every rank (it reads only the training
+    tasks)."""
     out = {}
     rows = max(1, task_set.num_interactions)
     per_batch = tasks_per_micro_batch * rows / max(1, len(task_set))
@@ -241,10 +243,13 @@ def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int) -> dict[str, B
         run = max(1, min(nnz, BAG_SAMPLE) // 16)
         starts = np.linspace(0, nnz - run, 16).astype(np.int64)
         sample = np.concatenate([np.asarray(values[int(a):int(a) + run]) for a in np.unique(starts)])
-        p = np.unique(sample, return_counts=True)[1] / len(sample)
+        log_miss = np.log1p(-np.minimum(np.unique(sample, return_counts=True)[1] / len(sample), 1 - 1e-12))
         draws = per_batch * nnz / rows
-        distinct = float(np.sum(-np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-12)))))
-        out[name] = BagStats(nnz / rows, min(1.0, distinct / max(draws, 1.0)))
+
+        def ratio(n: float) -> float:
+            return min(1.0, float(np.sum(-np.expm1(n * log_miss))) / max(n, 1.0))
+
+        out[name] = BagStats(nnz / rows, ratio(draws), ratio(ranks_per_host * draws) if ranks_per_host > 1 else None)
     return out
 
 

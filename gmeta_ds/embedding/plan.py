@@ -30,7 +30,7 @@ from torch import Tensor
 from gmeta_ds.sparse import BagStats
 from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
 from gmeta_ds.embedding.tables import TableConfig
-from gmeta_ds.embedding.topology import Topology, choose_topology
+from gmeta_ds.embedding.topology import Topology, choose_row_topology, choose_topology, host_overlap
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.registry import PLANS
 
@@ -161,18 +161,25 @@ class TablePlan:
 @dataclass(frozen=True)
 class ShardingPlan:
     """A `TablePlan` per table, all for the same world size; the run's hosts (`Topology`; None:
-    one host) and how tables pooled on their owners exchange across them (``flat`` or
-    ``hierarchical``, `with_topology`), with the cross-host bytes per bag it was chosen by."""
+    one host) and how tables pooled on their owners and the deduplicated row exchange cross
+    them (``flat`` or ``hierarchical`` each, `with_topology`), with the cross-host bytes per bag
+    each was chosen by (rows: and the ids' expected overlap between the ranks of a host)."""
 
     tables: dict[str, TablePlan]
     world_size: int
     topology: Topology | None = None
     exchange_topology: str = "flat"
     cross_host: tuple[float, float] | None = None
+    row_exchange_topology: str = "flat"
+    cross_host_rows: tuple[float, float, float] | None = None
 
     @property
     def hierarchical(self) -> bool:
         return self.exchange_topology == "hierarchical" and self.world_size > 1
+
+    @property
+    def hierarchical_rows(self) -> bool:
+        return self.row_exchange_topology == "hierarchical" and self.world_size > 1
 
     def bytes_per_rank(self) -> list[int]:
         return [sum(p.bytes_on(r) for p in self.tables.values()) for r in range(self.world_size)]
@@ -198,25 +205,42 @@ class ShardingPlan:
         per_rank = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in enumerate(self.bytes_per_rank()))
         lines.append(f"  memory (rows, optimizer state, dynamic maps): {per_rank}")
         if self.topology is not None:
-            line = f"  topology: {self.topology.describe()}, {self.exchange_topology} pooled exchange"
-            if self.cross_host and any(p.exchange == "pooled" for p in self.tables.values()):
-                line += (f" (est. cross-host {self.cross_host[0]:,.0f} B per bag flat, "
-                         f"{self.cross_host[1]:,.0f} B hierarchical)")
-            lines.append(line)
+            lines.append(self._describe_topology())
         return "\n".join(lines)
+
+    def _describe_topology(self) -> str:
+        """The topology line: hosts, each exchange's topology and the estimates it was chosen by."""
+        line = f"  topology: {self.topology.describe()}, {self.exchange_topology} pooled exchange"
+        if self.cross_host and any(p.exchange == "pooled" for p in self.tables.values()):
+            line += (f" (est. cross-host {self.cross_host[0]:,.0f} B per bag flat, "
+                     f"{self.cross_host[1]:,.0f} B hierarchical)")
+        line += f", {self.row_exchange_topology} row exchange"
+        if self.cross_host_rows and self.cross_host_rows[0]:
+            flat, hier, overlap = self.cross_host_rows
+            line += (f" (est. cross-host {flat:,.0f} B per bag flat, {hier:,.0f} B hierarchical, "
+                     f"ids' overlap in a host {overlap:.2f})")
+        return line
 
 
 def with_topology(plan: ShardingPlan, topology: Topology, mode: str,
                   bag_stats: dict[str, BagStats] | None = None) -> ShardingPlan:
-    """``plan`` on the hosts of ``topology``, its pooled tables exchanging ``flat``,
-    ``hierarchical`` or (``auto``) whichever crosses hosts with fewer expected bytes
-    (`topology.choose_topology`, from the tables' mean bag lengths when known)."""
+    """``plan`` on the hosts of ``topology``, its pooled tables and its row exchange each
+    crossing hosts ``flat``, ``hierarchical`` or (``auto``) whichever crosses with fewer
+    expected bytes (`topology.choose_topology`, `topology.choose_row_topology`, from the
+    tables' bag statistics when known). Dynamic tables (their exchange carries occurrence
+    counts) are not counted among the row exchange's: they keep the flat one."""
     if topology.world != plan.world_size:
         raise ValueError(f"topology of {topology.world} ranks for a plan of {plan.world_size}")
-    pooled = [(p.kind, p.table.dim, (bag_stats or {}).get(name, BagStats(1.0, 1.0)).mean_length)
+    stats = {name: (bag_stats or {}).get(name, BagStats(1.0, 1.0)) for name in plan.tables}
+    pooled = [(p.kind, p.table.dim, stats[name].mean_length)
               for name, p in plan.tables.items() if p.exchange == "pooled"]
+    rows = [(p.table.dim, stats[name].mean_length, stats[name].distinct_ratio,
+             host_overlap(stats[name].distinct_ratio, stats[name].host_distinct_ratio))
+            for name, p in plan.tables.items() if p.exchange != "pooled" and p.kind in ("row_wise", "table_wise")]
     chosen, estimate = choose_topology(mode, topology, pooled)
-    return dataclasses.replace(plan, topology=topology, exchange_topology=chosen, cross_host=estimate)
+    row_chosen, row_estimate = choose_row_topology(mode, topology, rows)
+    return dataclasses.replace(plan, topology=topology, exchange_topology=chosen, cross_host=estimate,
+                               row_exchange_topology=row_chosen, cross_host_rows=row_estimate)
 
 
 def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str],

@@ -142,13 +142,13 @@ class ShardedEmbeddingCollection:
 
     def _topology(self, timeout_s: int | None) -> None:
         """On a plan of several hosts: which ranks are on another host (the counters' cross-host
-        bytes) and, for the hierarchical exchange, the intra- and inter-host groups (created
+        bytes) and, for a hierarchical exchange, the intra- and inter-host groups (created
         once, collectively, with ``timeout_s``; `engine.topology.topology_groups`)."""
         topology = self.plan.topology
         if topology is None or self.world == 1:
             return
         self.ctx.remote = topology.remote(self.rank)
-        if self.plan.hierarchical and dist.is_initialized():
+        if (self.plan.hierarchical or self.plan.hierarchical_rows) and dist.is_initialized():
             self.ctx.tiers = topology_groups(topology, self.rank, timeout_s)
 
     def _strategies(self) -> tuple[dict[str, Sharding], dict[str, Sharding]]:

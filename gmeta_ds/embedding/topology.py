@@ -10,6 +10,10 @@ across hosts (inter-host, the "gateways": rank (h, l) talks to (h', l) only).
 `choose_topology` picks ``hierarchical`` for ``embedding.exchange_topology: auto`` when the run
 has more than one host of more than one rank and the expected cross-host bytes per bag of the
 tables pooled on their owners (`cross_host_bytes`) are fewer that way; ``flat`` otherwise.
+`choose_row_topology` does the same for the deduplicated row exchange (`row_cross_host_bytes`:
+hierarchical divides flat's bytes by the ids' overlap between the ranks of a host), asking for
+at least `ROW_GAIN` times fewer bytes, since its intra-host hop costs about that much on one
+host.
 """
 from __future__ import annotations
 
@@ -82,3 +86,44 @@ def choose_topology(mode: str, topology: Topology, pooled: list[tuple[str, int, 
         return mode, (flat, hier)
     multi = topology.hosts > 1 and topology.ranks_per_host > 1
     return ("hierarchical" if multi and pooled and hier < flat else "flat"), (flat, hier)
+
+
+# The hierarchical row exchange's intra-host hop costs ~8-10% of a step on one host (measured
+# for the pooled exchange forced on one host, docs/performance.md): auto asks for that gain.
+ROW_GAIN = 1.1
+
+
+def host_overlap(distinct_ratio: float, host_distinct_ratio: float | None) -> float:
+    """The ids' overlap between the ranks of a host: R ranks' distinct ids over the distinct ids
+    of their union, from the distinct ids per id of one rank's micro-batch and of R of them
+    together (`sparse.BagStats`); 1 (no overlap) when the host's ratio is unknown."""
+    if not host_distinct_ratio:
+        return 1.0
+    return max(1.0, distinct_ratio / host_distinct_ratio)
+
+
+def row_cross_host_bytes(topology: Topology, dim: int, mean_length: float, distinct_ratio: float = 1.0,
+                         overlap: float = 1.0) -> tuple[float, float]:
+    """Expected bytes per bag that cross hosts in the deduplicated row exchange, flat and
+    hierarchical: each distinct id (``mean_length x distinct_ratio`` per bag) owned on another
+    host ((W - R) / W of them) sends its id (8 B), gets its row and sends its gradient (8d B);
+    hierarchically once per host instead of once per rank: flat's divided by ``overlap``."""
+    remote = (topology.world - topology.ranks_per_host) / topology.world
+    flat = mean_length * distinct_ratio * remote * (8 + 8 * dim)
+    return flat, flat / overlap
+
+
+def choose_row_topology(mode: str, topology: Topology,
+                        tables: list[tuple[int, float, float, float]]) -> tuple[str, tuple]:
+    """``flat`` or ``hierarchical`` for the row exchange of ``tables`` ((dim, mean bag length,
+    distinct ratio, host overlap) each) and its estimate: (flat, hierarchical) cross-host bytes
+    per bag summed over them, and their ratio (the overlap over all of them)."""
+    flat = hier = 0.0
+    for dim, length, ratio, overlap in tables:
+        f, h = row_cross_host_bytes(topology, dim, length, ratio, overlap)
+        flat, hier = flat + f, hier + h
+    estimate = (flat, hier, flat / hier if hier else 1.0)
+    if mode != "auto":
+        return mode, estimate
+    multi = topology.hosts > 1 and topology.ranks_per_host > 1
+    return ("hierarchical" if multi and tables and hier * ROW_GAIN <= flat else "flat"), estimate

@@ -294,13 +294,14 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
     """The sharding plan of the model's tables (``embedding.sharding: sharded``); with the
     training tasks, ``exchange: auto`` tables choose rows or pooled by their bag statistics.
     A plan the tables cannot take is a `ConfigError` naming the table."""
+    mode = cfg.embedding.exchange_topology
+    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
     stats = None
     if train is not None:
         from gmeta_ds.ds_config import resolve_ds_config
 
-        stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
-    mode = cfg.embedding.exchange_topology
-    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
+        stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch,
+                               topology.ranks_per_host if topology is not None else 1)
     try:
         plan = plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
                                 world_size, stats)

@@ -26,6 +26,12 @@ def test_hierarchical_pooled_exchange_equals_flat_and_sends_one_sum_per_host(wor
     assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs)), outputs
 
 
+@pytest.mark.parametrize("world,ranks_per_host", [(4, 2), (2, 1)])
+def test_hierarchical_row_exchange_equals_flat_and_sends_each_distinct_row_once_per_host(world, ranks_per_host):
+    outputs = run_ranks("hierarchical_rows_equal_flat", world, str(ranks_per_host), timeout=180)
+    assert all(out.strip().endswith(f"ok {r}") for r, out in enumerate(outputs)), outputs
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_tables_pooled_on_their_owners_equal_unsharded(world):
     outputs = run_ranks("pooled_equals_unsharded", world, timeout=180)

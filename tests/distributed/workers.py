@@ -396,3 +396,57 @@ def hierarchical_equals_flat(ranks_per_host: str) -> None:
         dist.all_reduce(total)
         assert total[0] == total[1], (how, total, got)
     print("ok", rank)
+
+
+def _remote_distinct_rows(plan: ShardingPlan, topology: Topology, requesters: list[int]) -> int:
+    """Bytes of the rows that owners on other hosts send to ``requesters`` (one rank: the flat
+    exchange; the ranks of one host: the hierarchical one) when each distinct (table, id) they
+    ask for together crosses once: 4 d B each, over every table exchanged by rows."""
+    world = plan.world_size
+    host = topology.host_of(requesters[0])
+    asked = {}
+    for rank in requesters:
+        for feature, jagged in features(rank, world).items():
+            table = next(t for t in TABLES if feature in t.features)
+            if plan.tables[table.name].kind != "replicated":
+                asked.setdefault(table.name, []).append(jagged.values)
+    total = 0
+    for name, parts in asked.items():
+        ids = torch.cat(parts).unique()
+        owners = plan.tables[name].owners(ids)
+        total += 4 * plan.tables[name].table.dim * int((owners // topology.ranks_per_host != host).sum())
+    return total
+
+
+def hierarchical_rows_equal_flat(ranks_per_host: str) -> None:
+    """The deduplicated row exchange through the host's gateways, on the world as hosts of
+    ``ranks_per_host`` ranks: forward bit for bit the flat exchange's, averaged row gradients the
+    unsharded twin's, and the rows crossing hosts one per distinct (table, id) of a host (flat:
+    of a rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topology = Topology(world, int(ranks_per_host))
+    base = mixed_plan(world)
+    flat = ShardedEmbeddingCollection(with_topology(base, topology, "flat"), rank, seed=5)
+    hier = ShardedEmbeddingCollection(with_topology(base, topology, "hierarchical"), rank, seed=5)
+    assert hier.plan.hierarchical_rows and hier.ctx.tiers is not None and not flat.plan.hierarchical_rows
+    feats = features(rank, world)
+    compare_with_twin(hier, EmbeddingCollection(TABLES, seed=5), feats)
+    out_f, out_h = flat(feats), hier(feats)
+    assert all(torch.equal(out_h[n], out_f[n]) for n in feats), "forward differs from the flat exchange"
+    loss_of(out_f, rank).backward()
+    flat.finish_gradients()
+    for name, shard in flat.shards.items():
+        if shard.grad is not None:
+            torch.testing.assert_close(hier.shards[name].grad.to_dense(), shard.grad.to_dense(), msg=name)
+    expected = {"flat": _remote_distinct_rows(base, topology, [rank])}
+    if topology.local_of(rank) == 0:  # one gateway per host counts the host's rows once
+        expected["hierarchical"] = _remote_distinct_rows(base, topology, topology.host_ranks(topology.host_of(rank)))
+    for how, coll, stage in (("flat", flat, "output_dist"), ("hierarchical", hier, "inter_output_dist")):
+        coll.stats.reset()
+        coll(feats)
+        got = coll.stats.as_dict()
+        total = torch.tensor([got[stage].get("cross_host_bytes_sent", 0), expected.get(how, 0)])
+        dist.all_reduce(total)
+        assert total[0] == total[1], (how, total, got)
+        assert sum(v.get("cross_host_bytes_sent", 0) for k, v in got.items() if k.startswith("intra")) == 0
+    print("ok", rank)

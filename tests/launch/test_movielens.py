@@ -102,7 +102,8 @@ def test_sharded_multi_hot_two_ranks_equal_one_process(tmp_path, embedding):
 def test_hierarchical_exchange_on_two_hosts_of_two_ranks_equals_one_process(tmp_path):
     """embedding.hosts: 2 makes 4 ranks 2 emulated hosts of 2; the genres and the other bags,
     row-wise and pooled on their owners, exchange hierarchically (validate says so) and the
-    run equals one process (about 20 s)."""
+    run equals one process; forced, the deduplicated row exchange of the single-hot fields
+    too (about 30 s)."""
     embedding = {**POOLED, "tables": {"gender": {"plan": "replicated"}, "genres": {"exchange": "pooled"}}}
     micro = ("--set", "meta.tasks_per_micro_batch=2")
     one = ml_config(tmp_path / "one", embedding=embedding)
@@ -110,16 +111,23 @@ def test_hierarchical_exchange_on_two_hosts_of_two_ranks_equals_one_process(tmp_
     two = ml_config(tmp_path / "two", embedding={**embedding, "hosts": 2, "exchange_topology": "auto"})
     out = gmeta_ranks(1, "validate", "--config", str(two), "--world-size", "4", *micro).stdout
     assert "  topology: 2 host(s) x 2 rank(s), hierarchical pooled exchange (est. cross-host" in out, out
+    assert " row exchange (est. cross-host " in out and "ids' overlap in a host " in out, out
     hostfile = tmp_path / "hostfile"  # validate plans on a hostfile's hosts when embedding.hosts is 0
     hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
     auto = ml_config(tmp_path / "auto", embedding={**embedding, "exchange_topology": "auto"})
     out = gmeta_ranks(1, "validate", "--config", str(auto), "--hostfile", str(hostfile), *micro).stdout
     assert "  topology: 2 host(s) x 2 rank(s), hierarchical pooled exchange" in out, out
     gmeta_ranks(4, "train", "--config", str(two), *micro)
-    a, b = summary(one), summary(two)
-    for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5), key
-    assert b["eval"]["auc"] == pytest.approx(a["eval"]["auc"], rel=1e-5)
+    # forced: the single-hot fields' row exchange too (auto keeps it flat: no statistics for them)
+    forced = ml_config(tmp_path / "forced", embedding={**embedding, "hosts": 2, "exchange_topology": "hierarchical"})
+    out = gmeta_ranks(1, "validate", "--config", str(forced), "--world-size", "4", *micro).stdout
+    assert "hierarchical pooled exchange" in out and "hierarchical row exchange" in out, out
+    gmeta_ranks(4, "train", "--config", str(forced), *micro)
+    a = summary(one)
+    for b in (summary(two), summary(forced)):
+        for key in ("dense_checksum", "embedding_checksum", "final_query_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+        assert b["eval"]["auc"] == pytest.approx(a["eval"]["auc"], rel=1e-5)
 
 
 def test_validate_prints_each_tables_exchange_and_refuses_a_table_that_cannot_pool(tmp_path):

@@ -7,6 +7,8 @@
   check and deduplicate each table's ids (one unique across tables where that is linear);
 - ``exchange.py`` — `RowExchange`: one all-to-all per group of tables (same dimension,
   placement, process group) for every strategy that adds to it, support and query together;
+  ``hierarchical_rows.py`` its two-level form across hosts (each distinct id of a host crosses
+  once);
 - ``row_wise.py``, ``table_wise.py``, ``replicated.py``, ``dynamic.py``, ``owner_pooled.py``,
   ``hierarchical.py`` (pooled on the owner across hosts in two levels) — the strategies (`registry.SHARDINGS` names them; `base.strategy_name` picks a table's).
 

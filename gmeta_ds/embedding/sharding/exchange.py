@@ -13,7 +13,10 @@ micro-batch together):
 3. output_dist — rows go back by one all-to-all, in request order.
 
 Backward sends row gradients to their owners (the reverse all-to-all, one call per group),
-where they arrive as sparse gradients of the shard. World size 1 issues no collectives.
+where they arrive as sparse gradients of the shard. World size 1 issues no collectives. On a
+plan whose row exchange is hierarchical, groups without occurrence counts on the default group
+go through the host's gateways instead (`hierarchical_rows`: each distinct id a host asks for
+crosses hosts once).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch import Tensor
 
 from gmeta_ds.embedding.comm import all_to_all
 from gmeta_ds.embedding.sharding.base import ShardContext, Sharding
+from gmeta_ds.embedding.sharding.hierarchical_rows import applies, hierarchical_rows
 
 
 class Routed(NamedTuple):
@@ -74,6 +78,9 @@ class RowExchange:
         sent_counts = counts[order] if counts is not None else None
         if world == 1:
             fetched = self._lookup(tables, local[order], table_of[order], sent_counts)
+        elif applies(self.ctx, names[0], sent_counts):
+            fetched = hierarchical_rows(self.ctx, n_tables, local[order], per_owner,
+                                        lambda ids, table: self._lookup(tables, ids, table))
         else:
             fetched = self._exchange(tables, local[order], sent_counts, per_owner)
         rows = fetched[torch.argsort(order)]  # back to request order

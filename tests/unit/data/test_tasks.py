@@ -73,6 +73,10 @@ def test_bag_statistics_mean_length_and_expected_distinct_ids():
     rng = np.random.default_rng(0)  # the same by simulation
     simulated = np.mean([len(np.unique(rng.choice(values, 9))) / 9 for _ in range(20000)])
     assert abs(stats.distinct_ratio - simulated) < 0.01
+    assert stats.host_distinct_ratio is None
+    host = bag_statistics(task_set(), tasks_per_micro_batch=2, ranks_per_host=3)["genres"]
+    assert host.distinct_ratio == stats.distinct_ratio  # the host's 3 micro-batches: 27 draws
+    assert abs(host.host_distinct_ratio - np.sum(1 - (1 - p) ** 27) / 27) < 1e-9
 
 
 def test_first_support_keeps_the_first_k_support_rows_and_every_query_row():

@@ -7,7 +7,8 @@ import pytest
 from gmeta_ds.config import config_from_dict
 from gmeta_ds.embedding.plan import plan_tables, with_topology
 from gmeta_ds.embedding.tables import TableConfig
-from gmeta_ds.embedding.topology import Topology, choose_topology, cross_host_bytes
+from gmeta_ds.embedding.topology import (Topology, choose_row_topology, choose_topology, cross_host_bytes,
+                                         host_overlap, row_cross_host_bytes)
 from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.sparse import BagStats
@@ -80,7 +81,7 @@ def test_hierarchical_crosses_hosts_with_one_sum_per_host_and_auto_picks_it_only
 
 
 def test_the_plan_prints_its_topology_and_the_estimate():
-    tables = [TableConfig("a", 100, 8, ("a",), exchange="pooled"), TableConfig("b", 100, 8, ("b",))]
+    tables = [TableConfig("a", 100, 8, ("a",), exchange="pooled"), TableConfig("b", 5000, 8, ("b",))]
     plan = plan_tables(tables, 4, {})
     assert "topology" not in plan.describe() and not plan.hierarchical
     chosen = with_topology(plan, Topology(4, 2), "auto", {"a": BagStats(20.0)})
@@ -88,3 +89,19 @@ def test_the_plan_prints_its_topology_and_the_estimate():
     line = chosen.describe().splitlines()[-1]
     assert line.startswith("  topology: 2 host(s) x 2 rank(s), hierarchical pooled exchange (est. cross-host ")
     assert "B per bag flat" in line
+    assert "flat row exchange" in line  # b: unknown overlap, so nothing to gain
+    rows = with_topology(plan, Topology(4, 2), "auto", {"a": BagStats(20.0), "b": BagStats(10.0, 0.5, 0.3)})
+    assert rows.hierarchical_rows and not chosen.hierarchical_rows
+    assert rows.describe().splitlines()[-1].endswith("hierarchical row exchange (est. cross-host 180 B per bag flat, "
+                                                     "108 B hierarchical, ids' overlap in a host 1.67)")
+
+
+def test_the_row_exchange_divides_flat_bytes_by_the_overlap_and_auto_asks_for_a_gain():
+    assert host_overlap(0.5, None) == 1.0 and host_overlap(0.5, 0.25) == 2.0 and host_overlap(0.5, 0.6) == 1.0
+    flat, hier = row_cross_host_bytes(Topology(8, 2), 16, 10.0, 0.5, 2.0)
+    assert flat == pytest.approx(10 * 0.5 * 6 / 8 * (8 + 8 * 16)) and hier == flat / 2
+    assert choose_row_topology("auto", Topology(4, 2), [(16, 10.0, 0.5, 1.5)])[0] == "hierarchical"
+    assert choose_row_topology("auto", Topology(4, 2), [(16, 10.0, 0.5, 1.05)])[0] == "flat"  # < ROW_GAIN
+    assert choose_row_topology("auto", Topology(4, 4), [(16, 10.0, 0.5, 1.5)])[0] == "flat"  # one host
+    assert choose_row_topology("auto", Topology(4, 1), [(16, 10.0, 0.5, 1.5)])[0] == "flat"
+    assert choose_row_topology("hierarchical", Topology(4, 2), [])[0] == "hierarchical"
