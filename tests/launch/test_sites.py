@@ -116,6 +116,7 @@ def test_a_site_without_the_others_checkpoint_is_refused_on_every_rank(tmp_path)
     assert "site 1: meta-step 0" in done.stderr
 
 
+
 @pytest.mark.parametrize("sets,expected", [
     (["sites.count=3"], "sites.count: 3 sites cannot share WORLD_SIZE=2 ranks evenly"),
     (["deepspeed=ds_configs/zero3.json"], "sites need ZeRO stage 0, 1 or 2 (got 3)"),
