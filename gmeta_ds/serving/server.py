@@ -128,11 +128,14 @@ class Metrics:
 class App:
     """The served model, its batcher and metrics, and the request handlers' shared steps."""
 
-    def __init__(self, path: str | Path, options: ServerOptions):
+    def __init__(self, path: str | Path, options: ServerOptions, submit=None):
         self.path, self.options = Path(path), options
         self.holder = ModelHolder(load(path, options))
         self.metrics = Metrics(self.holder.model)
         self.batcher = Batcher(self.holder, options.max_batch, options.max_wait_ms / 1000.0, self.metrics.observe)
+        # one user -> (Scored, model): this batcher's queue, or another batching in front of
+        # its `run_batch` (Ray Serve's ``@serve.batch``, gmeta_ds.serving.ray_app)
+        self.submit = submit or self.batcher.submit
         self.reloading = threading.Lock()
 
     async def answer(self, endpoint: str, work):
@@ -178,7 +181,7 @@ class App:
         body = await self.body(request)
         model = self.holder.model
         user = parse(body, model.fields, self.options.max_rows)
-        result, model = await self.batcher.submit(user)
+        result, model = await self.submit(user)
         self.metrics.hits.inc(int(result.cached))
         self.metrics.unknown.inc(result.unknown)
         return body, result, model
@@ -204,11 +207,12 @@ class App:
             return load(path, self.options)
 
 
-def create_app(path: str | Path, options: ServerOptions | None = None):
-    """The FastAPI application serving the export at ``path`` (module docstring)."""
+def create_app(path: str | Path, options: ServerOptions | None = None, submit=None):
+    """The FastAPI application serving the export at ``path`` (module docstring); ``submit``:
+    `App`'s (default: the app's own batcher)."""
     from fastapi import FastAPI
 
-    state = App(path, options or ServerOptions())
+    state = App(path, options or ServerOptions(), submit)
 
     @asynccontextmanager
     async def lifespan(_app):
