@@ -38,7 +38,7 @@ class GmetaServe:
         opts = ServerOptions(**options)
         torch.set_num_threads(opts.threads)
         self.asgi = create_app(export, opts, submit=self.submit)
-        self.batcher = self.asgi.state.served.batcher
+        self.batcher = self.asgi.served.batcher
         self.batch.set_max_batch_size(opts.max_batch)
         self.batch.set_batch_wait_timeout_s(opts.max_wait_ms / 1000.0)
         quiet_gc()
