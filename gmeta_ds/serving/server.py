@@ -3,9 +3,12 @@
 FastAPI on uvicorn (one process, asyncio): the endpoints are plain async functions, request
 bodies are read with a size limit and checked by `gmeta_ds.serving.protocol` (a 4xx naming the
 field, never a 500 for a bad request), and the model work runs on one inference thread fed by
-the dynamic batcher (`gmeta_ds.serving.batching`). LitServe batches too, but its batching
-hands the model a list of decoded requests per worker process and has no Open Inference
-Protocol front; here the batch is the vectorised inner loop itself and OIP v2 is the contract.
+the dynamic batcher (`gmeta_ds.serving.batching`). A POST to the two scoring endpoints, the hot
+path, is answered by `ScoringASGI` from the ASGI messages, ahead of FastAPI's middleware and
+router; `gmeta_ds.serving.ray_app` runs the same application as Ray Serve replicas. LitServe
+batches too, but its batching hands the model a list of decoded requests per worker process and
+has no Open Inference Protocol front; here the batch is the vectorised inner loop itself and OIP
+v2 is the contract.
 
 Endpoints:
 
