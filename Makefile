@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
+# The extras `make install` installs (.ci/run adds ray, so that the Ray Serve test runs, not skips).
+EXTRAS ?= dev
 # With JUNIT_DIR set (.ci/run sets it), each pytest stage writes JUNIT_DIR/<stage>.xml.
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
@@ -15,7 +17,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -85,22 +85,30 @@ class Batcher:
         return batch
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = await self._collect()
             self.last_size = len(batch)
-            model = self.holder.model
-            try:
-                outcomes = await loop.run_in_executor(self.pool, _predict, model, [u for u, _ in batch], self.observe)
-            except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
-                outcomes = [exc] * len(batch)
+            outcomes = await self.run_batch([u for u, _ in batch])
             for (_, future), outcome in zip(batch, outcomes):
                 if future.done():
                     continue
                 if isinstance(outcome, Exception):
                     future.set_exception(outcome)
                 else:
-                    future.set_result((outcome, model))
+                    future.set_result(outcome)
+
+    async def run_batch(self, users: list[UserRequest]) -> list:
+        """One batch on the inference thread: each user's (`Scored`, the model that scored it),
+        or the exception it failed with. This queue's worker calls it, and so does the Ray
+        Serve deployment's ``@serve.batch`` method (`gmeta_ds.serving.ray_app`), which batches
+        instead of `_collect`."""
+        model = self.holder.model
+        try:
+            outcomes = await asyncio.get_running_loop().run_in_executor(self.pool, _predict, model, users,
+                                                                        self.observe)
+        except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
+            outcomes = [exc] * len(users)
+        return [o if isinstance(o, Exception) else (o, model) for o in outcomes]
 
 
 def _predict(model: ServedModel, users: list[UserRequest], observe) -> list:

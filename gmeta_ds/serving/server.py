@@ -3,9 +3,12 @@
 FastAPI on uvicorn (one process, asyncio): the endpoints are plain async functions, request
 bodies are read with a size limit and checked by `gmeta_ds.serving.protocol` (a 4xx naming the
 field, never a 500 for a bad request), and the model work runs on one inference thread fed by
-the dynamic batcher (`gmeta_ds.serving.batching`). LitServe batches too, but its batching
-hands the model a list of decoded requests per worker process and has no Open Inference
-Protocol front; here the batch is the vectorised inner loop itself and OIP v2 is the contract.
+the dynamic batcher (`gmeta_ds.serving.batching`). A POST to the two scoring endpoints, the hot
+path, is answered by `ScoringASGI` from the ASGI messages, ahead of FastAPI's middleware and
+router; `gmeta_ds.serving.ray_app` runs the same application as Ray Serve replicas. LitServe
+batches too, but its batching hands the model a list of decoded requests per worker process and
+has no Open Inference Protocol front; here the batch is the vectorised inner loop itself and OIP
+v2 is the contract.
 
 Endpoints:
 
@@ -60,12 +63,6 @@ class HTTPProblem(Exception):
         self.status, self.field = status, field
 
 
-def _json(content, status: int = 200) -> Response:
-    """``content`` as a JSON response, serialised by orjson (several times json's speed: a
-    response holds a float per candidate)."""
-    return Response(orjson.dumps(content), status, media_type="application/json")
-
-
 def model_function(spec: str | None):
     """The function ``MODULE:FUNCTION`` names (the user's own model code), or None."""
     if spec is None:
@@ -110,7 +107,15 @@ class Metrics:
         self.unknown = Counter("gmeta_serve_unknown_values", "values mapped to a default row",
                                registry=self.registry)
         self.info = Gauge("gmeta_serve_model_info", "the model served", ["name", "version"], registry=self.registry)
+        self.answered: dict[tuple[str, int], object] = {}  # (endpoint, status) -> its requests counter
         self.loaded(model, None)
+
+    def count(self, endpoint: str, status: int) -> None:
+        """One request answered (its labelled counter looked up once: ``labels`` costs microseconds)."""
+        counter = self.answered.get((endpoint, status))
+        if counter is None:
+            counter = self.answered[endpoint, status] = self.requests.labels(endpoint, str(status))
+        counter.inc()
 
     def loaded(self, model: ServedModel, old: ServedModel | None) -> None:
         if old is not None:
@@ -128,35 +133,44 @@ class Metrics:
 class App:
     """The served model, its batcher and metrics, and the request handlers' shared steps."""
 
-    def __init__(self, path: str | Path, options: ServerOptions):
+    def __init__(self, path: str | Path, options: ServerOptions, submit=None):
         self.path, self.options = Path(path), options
         self.holder = ModelHolder(load(path, options))
         self.metrics = Metrics(self.holder.model)
         self.batcher = Batcher(self.holder, options.max_batch, options.max_wait_ms / 1000.0, self.metrics.observe)
+        # one user -> (Scored, model): this batcher's queue, or another batching in front of
+        # its `run_batch` (Ray Serve's ``@serve.batch``, gmeta_ds.serving.ray_app)
+        self.submit = submit or self.batcher.submit
         self.reloading = threading.Lock()
 
-    async def answer(self, endpoint: str, work):
-        """Run a handler's ``work()``: its dict as JSON, a problem as a 4xx naming the field,
-        anything else as a 500 that leaves the server up; counted in the metrics."""
+    async def outcome(self, endpoint: str, work) -> tuple[int, bytes]:
+        """Run a handler's ``work()``: (200, its dict as JSON), a problem as a 4xx naming the
+        field, anything else as a 500 that leaves the server up; counted in the metrics. JSON
+        by orjson (several times json's speed: a response holds a float per candidate)."""
         try:
-            response = _json(await work())
+            status, content = 200, await work()
         except HTTPProblem as exc:
-            response = _json({"error": str(exc), "field": exc.field}, exc.status)
+            status, content = exc.status, {"error": str(exc), "field": exc.field}
         except RequestError as exc:
-            response = _json({"error": str(exc), "field": exc.field}, 400)
+            status, content = 400, {"error": str(exc), "field": exc.field}
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the server keeps serving
-            response = _json({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+            status, content = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
+        self.metrics.count(endpoint, status)
+        return status, orjson.dumps(content)
 
-    async def body(self, request, required: bool = True):
-        """The request's JSON body, refused past ``max_body_bytes`` (413) or when not JSON (400)."""
+    async def answer(self, endpoint: str, work) -> Response:
+        """`outcome` as a Starlette response."""
+        status, body = await self.outcome(endpoint, work)
+        return Response(body, status, media_type="application/json")
+
+    async def body(self, length: str, chunks, required: bool = True):
+        """The JSON body of a request (its Content-Length header, "" when none, and an async
+        iterator of its bytes), refused past ``max_body_bytes`` (413) or when not JSON (400)."""
         limit = self.options.max_body_bytes
-        length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise HTTPProblem(413, "body", f"{length} bytes; at most {limit} (gmeta-ds serve --max-body-bytes)")
         data = bytearray()
-        async for chunk in request.stream():
+        async for chunk in chunks:
             data += chunk
             if len(data) > limit:
                 raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
@@ -173,12 +187,13 @@ class App:
             raise HTTPProblem(404, "model name", f"no model {name!r} here; this server serves {model.name!r}")
         return model
 
-    async def score(self, request, parse):
-        """Parse one user with ``parse`` (`protocol.parse_json` / `parse_oip`) and score it."""
-        body = await self.body(request)
+    async def score(self, length: str, chunks, parse):
+        """Parse one user's body (`body`'s arguments) with ``parse`` (`protocol.parse_json` /
+        `parse_oip`) and score it."""
+        body = await self.body(length, chunks)
         model = self.holder.model
         user = parse(body, model.fields, self.options.max_rows)
-        result, model = await self.batcher.submit(user)
+        result, model = await self.submit(user)
         self.metrics.hits.inc(int(result.cached))
         self.metrics.unknown.inc(result.unknown)
         return body, result, model
@@ -186,7 +201,7 @@ class App:
     async def reload(self, name: str, request) -> dict:
         """Load an export (this one again, or ``parameters.path``) beside the served one and swap."""
         self.check_name(name)
-        body = await self.body(request, required=False)
+        body = await self.body(request.headers.get("content-length", ""), request.stream(), required=False)
         params = body.get("parameters") if isinstance(body, dict) else None
         path = Path(params["path"]) if isinstance(params, dict) and isinstance(params.get("path"), str) else self.path
         loop = asyncio.get_running_loop()
@@ -199,16 +214,28 @@ class App:
         self.metrics.loaded(new, old)
         return {"name": new.name, "version": new.version, "previous_version": old.version, "path": str(path)}
 
+    async def score_json(self, length: str, chunks) -> dict:
+        """``POST /v1/score``'s answer."""
+        _, result, model = await self.score(length, chunks, parse_json)
+        return json_response(result, model.name, model.version)
+
+    async def infer(self, name: str, length: str, chunks) -> dict:
+        """``POST /v2/models/{name}/infer``'s answer."""
+        self.check_name(name)
+        body, result, model = await self.score(length, chunks, parse_oip)
+        return oip_response(result, model.name, model.version, body.get("id"))
+
     def _load_one(self, path: Path) -> ServedModel:
         with self.reloading:  # one reload at a time
             return load(path, self.options)
 
 
-def create_app(path: str | Path, options: ServerOptions | None = None):
-    """The FastAPI application serving the export at ``path`` (module docstring)."""
+def create_app(path: str | Path, options: ServerOptions | None = None, submit=None):
+    """The FastAPI application serving the export at ``path`` (module docstring); ``submit``:
+    `App`'s (default: the app's own batcher)."""
     from fastapi import FastAPI
 
-    state = App(path, options or ServerOptions())
+    state = App(path, options or ServerOptions(), submit)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -219,20 +246,15 @@ def create_app(path: str | Path, options: ServerOptions | None = None):
     app = FastAPI(title="gmeta-ds serve", lifespan=lifespan)
     app.state.served = state
 
-    # the two scoring routes are Starlette's own: FastAPI's per-request parameter solving would
-    # add some 35 us to each (they are left out of /docs, which lists the other endpoints)
+    # a POST to the two scoring routes is answered by `ScoringASGI` before this app; these
+    # (Starlette's own, left out of /docs) answer other methods with 405, as routes do
     async def score_json(request: Request):
-        async def work():
-            _, result, model = await state.score(request, parse_json)
-            return json_response(result, model.name, model.version)
-        return await state.answer("/v1/score", work)
+        length = request.headers.get("content-length", "")
+        return await state.answer("/v1/score", lambda: state.score_json(length, request.stream()))
 
     async def infer(request: Request):
-        async def work():
-            state.check_name(request.path_params["name"])
-            body, result, model = await state.score(request, parse_oip)
-            return oip_response(result, model.name, model.version, body.get("id"))
-        return await state.answer("/v2/models/infer", work)
+        length, name = request.headers.get("content-length", ""), request.path_params["name"]
+        return await state.answer("/v2/models/infer", lambda: state.infer(name, length, request.stream()))
 
     app.add_route("/v1/score", score_json, methods=["POST"])
     app.add_route("/v2/models/{name}/infer", infer, methods=["POST"])
@@ -249,7 +271,49 @@ def create_app(path: str | Path, options: ServerOptions | None = None):
         return await state.answer("/v2/repository/load", lambda: state.reload(name, request))
 
     _plain_routes(app, state)
-    return app
+    return ScoringASGI(app, state)
+
+
+class ScoringASGI:
+    """The ASGI application `create_app` returns: a POST to ``/v1/score`` or
+    ``/v2/models/{name}/infer`` answered from the ASGI messages themselves (the same `App`
+    handlers, without a Request object, FastAPI's middleware stack and router: the server's
+    hot path), everything else (and the lifespan) by the FastAPI app. ``state`` is the FastAPI
+    app's (``state.served``: the `App`)."""
+
+    def __init__(self, app, served: App):
+        self.app, self.served, self.state = app, served, app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path == "/v1/score":
+                return await self._answer(send, "/v1/score", lambda h: self.served.score_json(h, _chunks(receive)),
+                                          scope)
+            name = path[11:-6] if path.startswith("/v2/models/") and path.endswith("/infer") else ""
+            if name and "/" not in name:
+                return await self._answer(send, "/v2/models/infer",
+                                          lambda h: self.served.infer(name, h, _chunks(receive)), scope)
+        await self.app(scope, receive, send)
+
+    async def _answer(self, send, endpoint: str, handler, scope) -> None:
+        """``handler(content_length)``'s `App.outcome`, sent as the response."""
+        length = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), "")
+        status, body = await self.served.outcome(endpoint, lambda: handler(length))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _chunks(receive):
+    """A request's body chunks, from its ASGI messages (up to the last, or the client leaving)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
 
 
 def _plain_routes(app, state: App) -> None:
@@ -301,7 +365,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
     print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
           f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)
     quiet_gc()
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # no proxy-headers middleware: the server listens on its own address and logs no client
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False)
 
 
 def quiet_gc() -> None:
