@@ -18,7 +18,7 @@ synchronisation and evaluation excluded), cross-site bytes per task by our count
 inter-site veths (tx_bytes before/after, headers and everything else included: synchronous
 training's traffic too), held-out AUC (site 0's summary ``eval.auc``).
 
-    python benchmarks/sites.py [--meta-steps 600] [--lock /path/bench.lock]   # root
+    python benchmarks/sites.py [--meta-steps 1200] [--lock /path/bench.lock]   # root, ~25 min
     python benchmarks/sites.py --plot        # docs/img/sites_auc_bytes.png from the saved JSON
     python benchmarks/sites.py --table       # the saved JSON's table
 
@@ -227,7 +227,7 @@ def ordered(runs: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meta-steps", type=int, default=600)
+    parser.add_argument("--meta-steps", type=int, default=1200, help="the demo's default")
     parser.add_argument("--rates", nargs="+", default=["100mbit", "10mbit"])
     parser.add_argument("--runs", nargs="+", help="only these runs (names as in the table; the others' results in "
                         "--out are kept)")
