@@ -43,7 +43,6 @@ On the GPU cluster (g = 8 GPUs per node, N = W/g nodes) collectives are hierarch
                 + V (W-g)/(W-1) / b_net  (8x fewer, 8x larger inter-node messages)
 Outer synchronisation every k meta-steps (local-SGD style; it changes the algorithm) divides
 T_dense and T_small by k; the all-to-alls cannot be skipped (every lookup needs its rows).
-Across sites (two sites over a slow link, issue 38): `sites_model`'s inter-site term (``inter_site``).
 
 Calibration on this machine (per config of benchmarks/results/scaling.json):
   t_fixed  the world-1 tasks/s (unprofiled), split by the world-1 profile's phase shares
@@ -72,6 +71,8 @@ to the longest task assumed; padded, sigma = 0). Published link figures and the 
     python benchmarks/scaling_model.py [--link-bench] [--gpu-task-us 20] [--gpu-fixed-ms 1]
                                        [--strong-tasks 4096] [--big-rows 20000000]
 
+Two sites over a slow link (issue 38): the inter-site term of benchmarks/sites_model.py.
+
 Reads benchmarks/results/scaling.json, writes benchmarks/results/scaling_model.json (the
 microbenchmark's numbers are kept there and reused until ``--link-bench`` reruns it, ~15 s).
 """
@@ -94,7 +95,7 @@ import time
 
 import numpy as np
 from comm_model import expected_unique, sharded_bytes, zipf_probs
-from sites_model import extrapolate as inter_site_rows
+from sites_model import two_sites
 
 SCALING = REPO / "benchmarks" / "results" / "scaling.json"
 RESULTS = REPO / "benchmarks" / "results" / "scaling_model.json"
@@ -444,28 +445,6 @@ def crossover(rows: list[dict]) -> int | None:
     return next((r["world"] for r in rows if r["comm_ms"] > r["compute_ms"]), None)
 
 
-def inter_site(facts: dict, args, site_world: int = 512) -> list[dict]:
-    """Two sites of ``site_world`` GPUs (weak, IB inside) over 10 / 100 Gbit/s: `sites_model`."""
-    world, ids = 2 * site_world, site_world * args.weak_tasks * facts["ids_per_task"]
-    t_site, t_all = (gpu_step(facts, w, args.weak_tasks, args.gpu_task_us * 1e-6, args.gpu_fixed_ms * 1e-3,
-                              LINKS["ib"])["total"] for w in (site_world, world))
-    a2a = sum(a2a_bytes(facts, world, args.weak_tasks))  # per rank; site_world of its world - 1 peers elsewhere
-    step_bytes = 4.0 * facts["dense_params"] + a2a * site_world * site_world / (world - 1)
-    probs = [(dim, _PROBS[rows] if rows in _PROBS else zipf_probs(rows)) for rows, dim in facts["sharded_tables"]]
-    touched = lambda h: [(dim, expected_unique(int(h * ids), p)) for dim, p in probs]  # distinct rows in H steps
-    return inter_site_rows(t_site, t_all, step_bytes, touched, facts["dense_params"],
-                           {"10gbit": 1.25e9, "100gbit": 12.5e9}, args.inter_site_latency_ms * 1e-3)
-
-
-def report_inter_site(models: dict, args) -> dict:
-    """`inter_site` for each model, printed (synchronous and H = 50)."""
-    rows = {m: inter_site(f, args) for m, f in models.items()}
-    print(f"\ntwo sites x 512 GPUs, weak, {args.inter_site_latency_ms:g} ms one-way: " + "; ".join(
-        f"{m} {r['link']} {r['run']} {r['step_ms']:.1f} ms x{r['speedup']:.1f}" for m, rs in rows.items()
-        for r in rs if r["run"] in ("synchronous", "H=50 fp32", "H=50 int8")))
-    return rows
-
-
 # ------------------------------------------------------------------ main
 def fmt_w(w) -> str:
     return f"{w}" if w else f">{WORLDS[-1]}"
@@ -587,7 +566,7 @@ def main(argv=None) -> int:
             print(f"  {mname:>20} {vname:>34}: strong W={fmt_w(res['strong']['crossover']):>6} "
                   f"{res['strong']['efficiency_1024']:>6.1%}  weak W={fmt_w(res['weak']['crossover']):>6} "
                   f"{res['weak']['efficiency_1024']:>6.1%}  comm@1024 {res['weak']['comm_ms_1024']:.2f} ms")
-    out["inter_site"] = report_inter_site(models, args)
+    out["inter_site"] = two_sites(models, args, gpu_step, a2a_bytes, LINKS["ib"])
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
     return 0

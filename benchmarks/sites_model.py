@@ -30,7 +30,7 @@ predicted from its measured bytes (the busier veth's). On the emulated link a sy
 costs max(B_sync / R, W), not the sum: tbf's 64 KB bucket lets the first bytes through at once
 and the faster site's transfer runs while it waits for the slower one (``overlap``). A real
 link has no bucket and L > 0: the extrapolation (`extrapolate`, called from
-benchmarks/scaling_model.py: two sites of GPUs over a 10 and 100 Gbit/s link) adds them.
+benchmarks/scaling_model.py: two sites of 512 GPUs over a 10 and 100 Gbit/s link) adds them.
 
     python benchmarks/sites_model.py      # the check on benchmarks/results/sites.json
 """
@@ -39,6 +39,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from comm_model import expected_unique, zipf_probs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sites.json"
 TASKS_PER_STEP = 64          # the demo's tasks per meta-step, all sites together
@@ -132,6 +134,30 @@ def extrapolate(t_site: float, t_all: float, step_bytes: float, touched, dense_p
                 t = step_time(t_site, b, rate, sync_collectives(dtype) * latency, h)
                 rows.append({"link": link, "run": f"H={h} {dtype}", "step_ms": t * 1e3,
                              "cross_site_ms": (t - t_site) * 1e3, "bytes_per_step": b / h, "speedup": sync / t})
+    return rows
+
+
+def gpu_two_sites(facts: dict, args, gpu_step, a2a_bytes, ib: dict, site_world: int = 512) -> list[dict]:
+    """`extrapolate` for two sites of ``site_world`` GPUs (weak, InfiniBand ``ib`` inside) over
+    10 / 100 Gbit/s, with the scaling model's ``gpu_step`` and ``a2a_bytes`` (passed in:
+    benchmarks/scaling_model.py imports this module)."""
+    world, ids = 2 * site_world, site_world * args.weak_tasks * facts["ids_per_task"]
+    t_site, t_all = (gpu_step(facts, w, args.weak_tasks, args.gpu_task_us * 1e-6, args.gpu_fixed_ms * 1e-3,
+                              ib)["total"] for w in (site_world, world))
+    a2a = sum(a2a_bytes(facts, world, args.weak_tasks))  # per rank; site_world of its world - 1 peers elsewhere
+    step_bytes = 4.0 * facts["dense_params"] + a2a * site_world * site_world / (world - 1)
+    probs = [(dim, zipf_probs(rows)) for rows, dim in facts["sharded_tables"]]
+    touched = lambda h: [(dim, expected_unique(int(h * ids), p)) for dim, p in probs]  # distinct rows in H steps
+    return extrapolate(t_site, t_all, step_bytes, touched, facts["dense_params"],
+                       {"10gbit": 1.25e9, "100gbit": 12.5e9}, args.inter_site_latency_ms * 1e-3)
+
+
+def two_sites(models: dict, args, gpu_step, a2a_bytes, ib: dict) -> dict:
+    """`gpu_two_sites` for each of the scaling model's ``models``, printed (synchronous, H=50)."""
+    rows = {m: gpu_two_sites(f, args, gpu_step, a2a_bytes, ib) for m, f in models.items()}
+    print(f"\ntwo sites x 512 GPUs, weak, {args.inter_site_latency_ms:g} ms one-way: " + "; ".join(
+        f"{m} {r['link']} {r['run']} {r['step_ms']:.1f} ms x{r['speedup']:.1f}" for m, rs in rows.items()
+        for r in rs if r["run"] in ("synchronous", "H=50 fp32", "H=50 int8")))
     return rows
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the checkout on sys.path)
-from emulated_cluster import emulated_cluster, rank_env, wait_all  # noqa: E402
+from emulated_cluster import emulated_cluster  # noqa: E402
 
 PORT = 29512
 SETTINGS = dict(tables=2, rows=200_000, dim=64, bags=512, length=32, steps=6, warmup=1, reps=5, bags_per_task=32)
@@ -159,13 +160,26 @@ def id_overlap(s: dict, ranks_per_host: int, step: int = 0) -> float:
 def launch(hosts, ranks_per_host: int, mode: str, settings: dict, timeout: float = 300) -> list[dict]:
     """Start ``ranks_per_host`` ranks on each emulated host (`Host`), wait, return each rank's
     JSON line; raises with every rank's output when one fails."""
+    world = len(hosts) * ranks_per_host
     procs = []
-    for rank in range(len(hosts) * ranks_per_host):
+    for rank in range(world):
+        host = hosts[rank // ranks_per_host]
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks_per_host),
+               "LOCAL_WORLD_SIZE": str(ranks_per_host), "GROUP_RANK": str(rank // ranks_per_host),
+               "MASTER_ADDR": hosts[0].address, "MASTER_PORT": str(PORT), "GLOO_SOCKET_IFNAME": host.interface,
+               "OMP_NUM_THREADS": "1"}
         argv = [sys.executable, __file__, "--worker", mode, "--settings", json.dumps(settings)]
-        procs.append(subprocess.Popen(hosts[rank // ranks_per_host].command(argv),
-                                      env=rank_env(hosts, ranks_per_host, rank, PORT), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = wait_all(procs, timeout)
+        procs.append(subprocess.Popen(host.command(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
     if any(p.returncode for p in procs):
         raise RuntimeError("\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-2000:]}\n{e[-3000:]}"
                                      for r, (p, (o, e)) in enumerate(zip(procs, outs))))
