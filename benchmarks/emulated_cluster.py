@@ -40,6 +40,39 @@ class Host:
         """``argv`` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
 
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link so far (the kernel's counter, headers included)."""
+        return int(subprocess.run(self.command(["cat", f"/sys/class/net/{self.interface}/statistics/tx_bytes"]),
+                                  capture_output=True, text=True, timeout=30, check=True).stdout)
+
+
+def rank_env(hosts: list[Host], ranks_per_host: int, rank: int, port: int) -> dict:
+    """The launcher's variables for ``rank`` of ``len(hosts) x ranks_per_host`` ranks (numbered
+    host by host; the store on host 0 at ``port``; gloo over the rank's host interface)."""
+    host = hosts[rank // ranks_per_host]
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(hosts) * ranks_per_host),
+            "LOCAL_RANK": str(rank % ranks_per_host), "LOCAL_WORLD_SIZE": str(ranks_per_host),
+            "GROUP_RANK": str(rank // ranks_per_host), "MASTER_ADDR": hosts[0].address, "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list:
+    """Each process's ``communicate()`` (all within ``timeout`` seconds in all); whatever still
+    runs at the end (a timeout, an error) is killed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return outs
+
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)

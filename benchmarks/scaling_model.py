@@ -74,6 +74,8 @@ to the longest task assumed; padded, sigma = 0). Published link figures and the 
     python benchmarks/scaling_model.py [--link-bench] [--gpu-task-us 20] [--gpu-fixed-ms 1]
                                        [--strong-tasks 4096] [--big-rows 20000000]
 
+Two sites over a slow link (issue 38): the inter-site term of benchmarks/sites_model.py.
+
 Reads benchmarks/results/scaling.json, writes benchmarks/results/scaling_model.json (the
 microbenchmark's numbers are kept there and reused until ``--link-bench`` reruns it, ~15 s).
 """
@@ -96,6 +98,7 @@ import time
 
 import numpy as np
 from comm_model import expected_unique, sharded_bytes, zipf_probs
+from sites_model import two_sites
 
 SCALING = REPO / "benchmarks" / "results" / "scaling.json"
 RESULTS = REPO / "benchmarks" / "results" / "scaling_model.json"
@@ -477,6 +480,7 @@ def main(argv=None) -> int:
     ap.add_argument("--strong-tasks", type=int, default=4096, help="global tasks per meta-step, strong")
     ap.add_argument("--weak-tasks", type=int, default=64, help="tasks per rank per meta-step, weak")
     ap.add_argument("--big-rows", type=int, default=20_000_000)
+    ap.add_argument("--inter-site-latency-ms", type=float, default=5.0, help="one-way, between two sites")
     args = ap.parse_args(argv)
     scaling = json.loads(SCALING.read_text())
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -583,6 +587,7 @@ def main(argv=None) -> int:
             print(f"  {mname:>20} {vname:>34}: strong W={fmt_w(res['strong']['crossover']):>6} "
                   f"{res['strong']['efficiency_1024']:>6.1%}  weak W={fmt_w(res['weak']['crossover']):>6} "
                   f"{res['weak']['efficiency_1024']:>6.1%}  comm@1024 {res['weak']['comm_ms_1024']:.2f} ms")
+    out["inter_site"] = two_sites(models, args, gpu_step, a2a_bytes, LINKS["ib"])
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
     return 0
