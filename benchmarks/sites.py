@@ -45,15 +45,16 @@ RESULTS = common.REPO / "benchmarks" / "results" / "sites.json"
 CHART = common.REPO / "docs" / "img" / "sites_auc_bytes.png"
 COMMON = ("eval.baseline=false", "eval.few_shot=[]", "eval.steps_curve=[]", "train.progress=false")
 TASKS_PER_STEP = 64  # the demo's meta.tasks_per_meta_step (all sites together)
-PLAIN = ("sites.outer_lr=1.0", "sites.outer_momentum=0.0", "sites.nesterov=false")  # outer step: the mean
+PLAIN = ("sites.outer_lr=1.0", "sites.outer_momentum=0.0", "sites.nesterov=false")  # outer step: the mean (default)
+DILOCO = ("sites.outer_lr=0.7", "sites.outer_momentum=0.9", "sites.nesterov=true")  # DiLoCo's outer step
 RUNS = (  # name, ranks, overrides
     ("synchronous", 2, ()),
-    ("H=1", 2, ("sites.count=2", "sites.sync_every=1")),
-    ("H=10", 2, ("sites.count=2", "sites.sync_every=10")),
-    ("H=50", 2, ("sites.count=2", "sites.sync_every=50")),
-    ("H=200", 2, ("sites.count=2", "sites.sync_every=200")),
-    ("H=50 int8", 2, ("sites.count=2", "sites.sync_every=50", "sites.delta_dtype=int8")),
-    ("H=50 bf16", 2, ("sites.count=2", "sites.sync_every=50", "sites.delta_dtype=bf16")),
+    ("H=1", 2, ("sites.count=2", "sites.sync_every=1", *DILOCO)),
+    ("H=10", 2, ("sites.count=2", "sites.sync_every=10", *DILOCO)),
+    ("H=50", 2, ("sites.count=2", "sites.sync_every=50", *DILOCO)),
+    ("H=200", 2, ("sites.count=2", "sites.sync_every=200", *DILOCO)),
+    ("H=50 int8", 2, ("sites.count=2", "sites.sync_every=50", "sites.delta_dtype=int8", *DILOCO)),
+    ("H=50 bf16", 2, ("sites.count=2", "sites.sync_every=50", "sites.delta_dtype=bf16", *DILOCO)),
     *((f"H={h}{' int8' * q} plain averaging", 2, ("sites.count=2", f"sites.sync_every={h}", *PLAIN,
                                                    *(("sites.delta_dtype=int8",) * q)))
       for h, q in ((10, 0), (50, 0), (200, 0), (50, 1))),

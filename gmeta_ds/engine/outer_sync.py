@@ -63,6 +63,27 @@ def decode(parts: tuple[torch.Tensor, ...], dtype: str, rows: bool) -> torch.Ten
     return (blocks.float() * scale.unsqueeze(1)).reshape(values.shape)
 
 
+class _Reader:
+    """Reads one site's synchronisation payload (bytes) back into tensors, in the order written."""
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload, self.at = payload, 0
+
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out = self.payload[self.at:self.at + size].clone().view(dtype).reshape(shape)
+        self.at += size
+        return out
+
+    def take_encoded(self, dtype: str, shape: tuple[int, ...], rows: bool) -> torch.Tensor:
+        """The fp32 values `encode` wrote for ``shape``."""
+        if dtype == "int8":
+            blocks = shape[0] if rows else shape[0] // BLOCK
+            values = self.take(torch.int8, shape)
+            return decode((values, self.take(torch.float32, (blocks,))), dtype, rows)
+        return decode((self.take(torch.bfloat16 if dtype == "bf16" else torch.float32, shape),), dtype, rows)
+
+
 class OuterSync:
     """The anchor, the outer optimizer and the touched rows of one rank (see the module)."""
 
@@ -118,30 +139,47 @@ class OuterSync:
     # ------------------------------------------------------------------ the synchronisation
     def synchronise(self) -> None:
         """Average the sites' changes and restart every site from the result (collective over
-        the site and across sites)."""
-        self._dense()
-        if self.embeddings is not None:
-            for name in self.embeddings.shards:
-                self._rows(name)
-        self.synchronisations += 1
-
-    def _dense(self) -> None:
-        start, size = self.fragment
-        delta = torch.zeros(size)
-        local = (self.anchor - self._flat())[start:start + size]  # this rank's part of the outer gradient
-        delta[: len(local)] = local
-        delta += self.residual
-        parts = encode(delta, self.dtype, rows=False)
+        the site and across sites): one payload per rank and synchronisation (the touched rows
+        of every table, and the dense fragment unless it is reduced in fp32), so the link
+        carries two all-gathers (lengths, bytes), plus one all-reduce for an fp32 fragment."""
+        delta = self._dense_delta()
+        tables = {name: self._touched(name) for name in self.embeddings.shards} if self.embeddings else {}
+        pieces = [torch.tensor([len(ids) for ids, _ in tables.values()], dtype=torch.int64)]
+        if self.dtype != "fp32":
+            parts = encode(delta, self.dtype, rows=False)
+            self.residual = delta - decode(parts, self.dtype, rows=False)
+            pieces += parts
+        for name, (ids, anchor) in tables.items():
+            change = self.embeddings.shards[name].detach()[ids.to(self.embeddings.shards[name].device)].float().cpu()
+            pieces += [ids.to(torch.int32), *encode(change - anchor, self.dtype, rows=True)]
+        payloads = self.sites.all_gather_rows(torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in pieces]))
+        readers = [_Reader(p) for p in payloads]
+        counts = [r.take(torch.int64, (len(tables),)) for r in readers]
         if self.dtype == "fp32":
             mean = self.sites.all_reduce(delta.clone()) / self.sites.count
         else:
-            gathered = [self.sites.all_gather(part) for part in parts]
-            sent = decode(parts, self.dtype, rows=False)
-            self.residual = delta - sent
-            mean = sum(decode(tuple(g[s] for g in gathered), self.dtype, rows=False)
-                       for s in range(self.sites.count)) / self.sites.count
-        whole = self._site_gather(mean)[: self.numel]
-        self.anchor.grad = whole
+            mean = sum(r.take_encoded(self.dtype, (len(delta),), rows=False) for r in readers) / self.sites.count
+        self._step_dense(mean)
+        for t, (name, (ids, anchor)) in enumerate(tables.items()):
+            dim = self.embeddings.shards[name].shape[1]
+            every = [(r.take(torch.int32, (int(n[t]),)), r.take_encoded(self.dtype, (int(n[t]), dim), rows=True))
+                     for r, n in zip(readers, counts)]
+            self._apply_rows(name, ids, anchor, every)
+        self.synchronisations += 1
+
+    def _dense_delta(self) -> torch.Tensor:
+        """This rank's fragment of the outer gradient (anchor minus weights now), with the
+        rounding error carried from the last synchronisation."""
+        start, size = self.fragment
+        delta = torch.zeros(size)
+        local = (self.anchor - self._flat())[start:start + size]
+        delta[: len(local)] = local
+        return delta + self.residual
+
+    def _step_dense(self, mean: torch.Tensor) -> None:
+        """The outer optimizer's step on the anchor with the sites' mean fragment (gathered
+        inside the site), written to the module."""
+        self.anchor.grad = self._site_gather(mean)[: self.numel]
         self.outer.step()
         self.anchor.grad = None
         self._write_dense(self.anchor)
@@ -164,22 +202,22 @@ class OuterSync:
                 offset += p.numel()
         ds_internals.refresh_master_weights(self.engine)
 
-    def _rows(self, name: str) -> None:
-        shard = self.embeddings.shards[name]
+    def _touched(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local rows of table ``name`` changed since the last synchronisation, their anchors)."""
         kept = self.row_anchor[name]
         ids = torch.cat(kept["ids"]) if kept["ids"] else torch.zeros(0, dtype=torch.int64)
-        anchor = torch.cat(kept["rows"]) if kept["rows"] else torch.zeros(0, shard.shape[1])
-        delta = shard.detach()[ids.to(shard.device)].float().cpu() - anchor
-        parts = encode(delta, self.dtype, rows=True)
-        every_ids = self.sites.all_gather_rows(ids.to(torch.int32))
-        every_parts = [self.sites.all_gather_rows(part) for part in parts]
-        union, where = torch.cat(every_ids).long().unique(return_inverse=True)
+        anchor = torch.cat(kept["rows"]) if kept["rows"] else torch.zeros(0, self.embeddings.shards[name].shape[1])
+        return ids, anchor
+
+    def _apply_rows(self, name: str, ids: torch.Tensor, anchor: torch.Tensor, every: list) -> None:
+        """Rows some site touched become their anchor plus the sites' mean delta (``every``:
+        each site's (ids, deltas))."""
+        shard = self.embeddings.shards[name]
+        union, where = torch.cat([i for i, _ in every]).long().unique(return_inverse=True)
         total = torch.zeros(len(union), shard.shape[1])
-        total.index_add_(0, where, torch.cat([decode(tuple(p[s] for p in every_parts), self.dtype, rows=True)
-                                              for s in range(self.sites.count)]))
+        total.index_add_(0, where, torch.cat([d for _, d in every]))
         base = shard.detach()[union.to(shard.device)].float().cpu()
-        mine = torch.searchsorted(union, ids)  # this site's touched rows start from their anchors
-        base[mine] = anchor
+        base[torch.searchsorted(union, ids)] = anchor  # this site's touched rows start from their anchors
         with torch.no_grad():
             shard[union.to(shard.device)] = (base + total / self.sites.count).to(shard.dtype).to(shard.device)
         self.touched[name].zero_()

@@ -88,7 +88,7 @@ def test_a_checkpoint_between_synchronisations_resumes_exactly_at_any_ranks_per_
     """H = 4, Nesterov outer step: 6 meta-steps in one go == 2 steps, stop, resume to 6 (the
     checkpoint at step 2 holds the anchor, the outer momentum and the touched rows' anchors),
     also when the 2 steps ran on 2 ranks per site and the resume on 1."""
-    outer = {"count": 2, "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
+    outer = {"count": 2, "sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     ckpt = {"checkpoint_every": 2, "keep_last": 0}
     full = site_config(tmp_path / "full", outer, steps=6, train=ckpt)
     gmeta_ranks(2, "train", "--config", full)
@@ -134,7 +134,7 @@ def test_bad_site_settings_are_refused_before_any_collective(tmp_path, sets, exp
 def test_zero2_keeps_the_synchronised_weights_in_its_fp32_partitions(tmp_path):
     """ZeRO-2 steps fp32 partitions of its own: after a synchronisation they must hold the new
     anchor (DeepSpeed's refresh_fp32_params), so ZeRO-2 trains what ZeRO-0 trains across sites."""
-    outer = {"count": 2, "sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    outer = {"count": 2, "sync_every": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
     runs = []
     for stage in (0, 2):
         config = site_config(tmp_path / f"zero{stage}", outer, "reptile", steps=6, stage=stage, train={"lr": 0.5})

@@ -34,7 +34,7 @@ def test_a_layout_that_cuts_ranks_or_hosts_unevenly_is_refused(count, world, loc
     ({"count": 2, "sync_every": 0}, "sites.sync_every: 0 must be an integer >= 1"),
     ({"count": 2, "outer_lr": 0}, "sites.outer_lr: 0.0 must be > 0"),
     ({"count": 2, "outer_momentum": 1.0}, "sites.outer_momentum: 1.0 must be in [0, 1)"),
-    ({"count": 2, "outer_momentum": 0.0}, "sites.nesterov: true needs sites.outer_momentum > 0"),
+    ({"count": 2, "nesterov": True}, "sites.nesterov: true needs sites.outer_momentum > 0"),
     ({"count": 2, "delta_dtype": "int4"}, "sites.delta_dtype: 'int4' is not one of fp32, bf16, int8"),
     ({"sync_every": 5}, "sites.sync_every: set, but sites.count is 1"),
     ({"count": 2000}, "sites.count"),
@@ -84,5 +84,5 @@ def test_int8_and_bf16_deltas_round_within_their_precision():
 def test_validate_says_where_the_sites_write():
     settings = config_from_dict({"sites": {"count": 2, "sync_every": 10}}).sites
     line = describe_sites(settings, 4)
-    assert "2 sites x 2 rank(s)" in line and "every 10 meta-steps" in line and "momentum 0.9, Nesterov" in line
+    assert "2 sites x 2 rank(s)" in line and "every 10 meta-steps" in line and "outer SGD lr 1, momentum 0;" in line
     assert site_dir("runs/x", 1).endswith("runs/x/sites/site-1")
