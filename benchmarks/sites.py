@@ -76,10 +76,10 @@ def locked(path: str | None):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def train_argv(out: Path, steps: int, overrides) -> list[str]:
-    """The CLI call of one rank."""
-    sets = [*COMMON, f"output_dir={out}", f"train.meta_steps={steps}", *overrides]
-    return [sys.executable, "-P", "-m", "gmeta_ds.cli", "train", "--config", str(CONFIG), "--overwrite",
+def train_argv(out: Path, steps: int, overrides, config: Path = CONFIG, extra=()) -> list[str]:
+    """The CLI call of one rank (``extra``: --set overrides of every run, after the run's own)."""
+    sets = [*COMMON, f"output_dir={out}", f"train.meta_steps={steps}", *overrides, *extra]
+    return [sys.executable, "-P", "-m", "gmeta_ds.cli", "train", "--config", str(config), "--overwrite",
             *[x for s in sets for x in ("--set", s)]]
 
 
@@ -141,15 +141,16 @@ def result(name: str, rate: str | None, out: Path, wire: list[int]) -> dict:
             "delta_dtype": sites.get("delta_dtype"), "meta_steps": summary["meta_steps"], "tasks": tasks,
             "train_s": seconds, "tasks_per_s": tasks / seconds, "counter_bytes_per_task": counted / tasks,
             "wire_bytes_per_task": sum(wire) / tasks if wire else 0.0, "wire_bytes": wire,
-            "synchronisations": sites.get("synchronisations"), "auc": summary["eval"]["auc"],
+            "synchronisations": sites.get("synchronisations"), "auc": summary.get("eval", {}).get("auc"),
             "elapsed_s": summary["elapsed_s"]}
 
 
-def run(spec, rate: str | None, steps: int, root: Path, lock: str | None, timeout: float) -> dict:
+def run(spec, rate: str | None, steps: int, root: Path, lock: str | None, timeout: float,
+        config: Path = CONFIG, extra=()) -> dict:
     """One benchmark run: two ranks over the emulated link at ``rate``, or one rank alone."""
     name, ranks, overrides = spec
     out = root / f"{name.replace(' ', '_').replace('=', '')}_{rate or 'alone'}"
-    argv = train_argv(out, steps, overrides)
+    argv = train_argv(out, steps, overrides, config, extra)
     with locked(lock):
         if ranks == 1:
             env = {**common.bench_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -176,7 +177,7 @@ def table(runs: list[dict]) -> str:
                      f"{base['wire_bytes_per_task'] / r['wire_bytes_per_task']:,.0f}")
         lines.append(f"| {r['rate']} | {r['run']} | {r['tasks_per_s']:,.0f} | {speed} | "
                      f"{r['counter_bytes_per_task']:,.0f} | {r['wire_bytes_per_task']:,.0f} | {fewer} "
-                     f"| {r['auc']:.4f} |")
+                     f"| {'-' if r['auc'] is None else format(r['auc'], '.4f')} |")
     return "\n".join(lines)
 
 
@@ -236,6 +237,9 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/gmsite_runs", help="the runs' output folders")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--config", default=str(CONFIG), help="another run config (e.g. a communication-bound one)")
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                        help="a --set override of every run (repeatable)")
     parser.add_argument("--plot", action="store_true", help="only draw the chart from --out")
     parser.add_argument("--table", action="store_true", help="only print the table of --out")
     args = parser.parse_args()
@@ -249,11 +253,14 @@ def main() -> None:
     for spec in chosen:
         for rate in (args.rates if spec[1] > 1 else [None]):
             started = time.perf_counter()
-            new = run(spec, rate, args.meta_steps, root, args.lock, args.timeout)
+            new = run(spec, rate, args.meta_steps, root, args.lock, args.timeout, Path(args.config), args.sets)
             runs = [r for r in runs if (r["run"], r["rate"]) != (new["run"], new["rate"])] + [new]
             print(json.dumps({**new, "wall_s": round(time.perf_counter() - started, 1)}), flush=True)
-            Path(args.out).write_text(json.dumps({"meta_steps": args.meta_steps, "config": str(CONFIG.relative_to(
-                common.REPO)), "overrides": list(COMMON), "runs": ordered(runs)}, indent=2) + "\n")
+            config = Path(args.config).resolve()
+            shown = str(config.relative_to(common.REPO)) if config.is_relative_to(common.REPO) else str(config)
+            Path(args.out).write_text(json.dumps({"meta_steps": args.meta_steps, "config": shown,
+                                                  "overrides": [*COMMON, *args.sets], "runs": ordered(runs)},
+                                                 indent=2) + "\n")
     print(table(ordered(runs)))
     return None
 

@@ -13,8 +13,8 @@ joined by a link of R bytes/s per direction and one-way latency L.
           int8 (all-gathers), and the rows some site touched since the last one, ids + values,
           (S-1) U (4 + d b) per table (U: distinct rows a site's H meta-steps touch)
   W       a synchronisation's fixed cost: n collectives crossing the link (per synchronisation
-          the dense all-reduce, int8: 2 all-gathers, and per table 2 + 2 parts all-gathers:
-          lengths + padded, for the ids and each encoded part; per synchronous meta-step the
+          2 all-gathers, the payloads' lengths and the payloads: every table's ids and rows, and
+          the dense change in bf16/int8, plus the dense all-reduce in fp32; per synchronous meta-step the
           dense reduce-scatter + all-gather, 4 all-to-alls per micro-batch, the small
           all-reduces) times L, and D, the wait for the slower site plus the synchronisation's
           own work
@@ -45,13 +45,13 @@ from comm_model import expected_unique, zipf_probs
 RESULTS = Path(__file__).resolve().parent / "results" / "sites.json"
 TASKS_PER_STEP = 64          # the demo's tasks per meta-step, all sites together
 SYNC_COLLECTIVES_STEP = 9    # dense reduce-scatter + all-gather, 4 all-to-alls, 3 small all-reduces
-TABLES = 2                   # the demo's sharded tables (item_id, brand)
 
 
-def sync_collectives(dtype: str, tables: int = TABLES) -> int:
-    """Collectives crossing sites per synchronisation (see the module docstring)."""
-    parts = 2 if dtype == "int8" else 1
-    return parts + tables * (2 + 2 * parts)
+def sync_collectives(dtype: str) -> int:
+    """Collectives crossing sites per synchronisation: one all-gather of the payloads' lengths
+    and one of the payloads (every table's touched rows, and the dense fragment in bf16/int8),
+    plus the all-reduce of an fp32 dense fragment (`OuterSync.synchronise`)."""
+    return 3 if dtype == "fp32" else 2
 
 
 def step_time(t_site: float, bytes_dir: float, rate: float, fixed: float, every: int | None,

@@ -7,8 +7,9 @@ reduction and the table exchanges inside the site only). Every ``sites.sync_ever
 - **dense parameters** (everything DeepSpeed optimises): each site's outer gradient, the anchor
   (the weights of the last synchronisation) minus its weights now, is averaged over the sites
   and applied to the anchor by the outer optimizer (``torch.optim.SGD``: lr ``sites.outer_lr``,
-  momentum ``sites.outer_momentum``, Nesterov; DiLoCo's lr 0.7, momentum 0.9 by default); every
-  site restarts from the new anchor. Site-local rank r carries the r-th of W/S equal fragments
+  momentum ``sites.outer_momentum``, ``sites.nesterov``; by default lr 1 without momentum, the
+  mean of the sites' weights; DiLoCo's step is lr 0.7, Nesterov momentum 0.9); every site
+  restarts from the new anchor. Site-local rank r carries the r-th of W/S equal fragments
   across sites, then the site's ranks gather the averaged fragments: the dense change crosses
   sites once per site, not once per rank.
 - **embedding rows**: only rows some site changed since the last synchronisation cross (ids +
@@ -20,9 +21,12 @@ reduction and the table exchanges inside the site only). Every ``sites.sync_ever
   table.
 - **on the wire** (``sites.delta_dtype``): fp32, bf16, or int8 with one fp32 scale per block of
   256 values (per row for rows); the dense fragment's rounding error is carried into the next
-  synchronisation (error feedback), rows' is not (a row may not be touched again).
+  synchronisation (error feedback), rows' is not (a row may not be touched again). Each rank
+  sends one payload per synchronisation (every table's ids and deltas, and the dense fragment
+  unless it is fp32, which goes by one all-reduce): on a wide-area link each collective costs
+  latency and ~1 KB of framing whatever its size.
 
-H = 1 with ``outer_lr: 1, outer_momentum: 0, nesterov: false`` is synchronous training over all
+H = 1 with the default plain averaging (``outer_lr: 1, outer_momentum: 0``) is synchronous training over all
 ranks whenever each site's update is linear in its averaged gradient: SGD (with or without
 momentum and weight decay, no gradient clipping) for the dense optimizer and plain SGD for the
 tables, for every algorithm (MAML, FOMAML, Reptile, Meta-SGD: their meta-gradients are means
