@@ -578,12 +578,12 @@ def start_outer_sync(meta: MetaEngine, settings, found, manifest: dict | None, o
     sites = active_sites()
     outer = OuterSync(meta.engine, meta.embeddings, sites, settings)
     rows = sum(p.shape[0] for p in meta.embeddings.shards.values()) if meta.embeddings is not None else 0
-    dtypes = DELTA_DTYPES
-    mine = torch.tensor([meta.step, outer.numel, rows, outer.every, dtypes.index(outer.dtype)], dtype=torch.int64)
+    mine = torch.tensor([meta.step, outer.numel, rows, outer.every, DELTA_DTYPES.index(outer.dtype)],
+                        dtype=torch.int64)
     every = [t.tolist() for t in sites.all_gather(mine)]
     if any(e != every[0] for e in every):
         where = "; ".join(f"site {s}: meta-step {e[0]}, {e[1]} dense values, {e[2]} rows on site rank "
-                          f"{sites.site_rank}, sync_every {e[3]}, delta_dtype {dtypes[e[4]]}"
+                          f"{sites.site_rank}, sync_every {e[3]}, delta_dtype {DELTA_DTYPES[e[4]]}"
                           for s, e in enumerate(every))
         raise ConfigError([f"sites.count: the {sites.count} sites do not start from the same state ({where}); "
                            f"every site needs the same config and, resuming, a checkpoint of the same meta-step "

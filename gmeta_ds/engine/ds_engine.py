@@ -61,7 +61,8 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
                         f"({', '.join(ds_internals.optimizer_names())}) nor one in torch.optim")
     torch_only = name and name.lower() not in ds_internals.optimizer_names() and getattr(torch.optim, name, None)
     if (torch_only and ds_config.get("zero_optimization", {}).get("stage", 0) >= 1
-            and name.lower() not in ZERO_TESTED_TORCH_OPTIMIZERS and not ds_config.get("zero_allow_untested_optimizer")):
+            and name.lower() not in ds_internals.zero_tested_torch_optimizers()
+            and not ds_config.get("zero_allow_untested_optimizer")):
         problems.append(f"deepspeed.optimizer.type: {name!r} under ZeRO stage >= 1 is one DeepSpeed has not tested "
                         "with ZeRO (it accepts torch's Adam, AdamW and Adagrad); add "
                         "\"zero_allow_untested_optimizer\": true to the DeepSpeed config to use it anyway")
@@ -75,10 +76,6 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
     if problems:
         raise ConfigError(problems, source)
 
-
-# The torch.optim optimizers DeepSpeed's ZeRO accepts without ``zero_allow_untested_optimizer``
-# (deepspeed/runtime/zero/utils.py, ZERO_SUPPORTED_OPTIMIZERS).
-ZERO_TESTED_TORCH_OPTIMIZERS = ("adam", "adamw", "adagrad")
 
 # Optimizer params DeepSpeed itself consumes before building its Adam (engine.py,
 # ``_configure_basic_optimizer`` / ``get_optimizer_configuration``), in addition to those

@@ -269,6 +269,17 @@ def optimizer_names() -> list[str]:
     return list(importlib.import_module(CONFIG_MODULE).DEEPSPEED_OPTIMIZERS)
 
 
+def zero_tested_torch_optimizers() -> list[str]:
+    """The torch.optim optimizers DeepSpeed's ZeRO accepts without
+    ``zero_allow_untested_optimizer`` (lower case), from DeepSpeed's own list
+    (``deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS``, undocumented; 0.19.8: Adam,
+    AdamW, Adagrad)."""
+    supported = importlib.import_module("deepspeed.runtime.zero.utils").ZERO_SUPPORTED_OPTIMIZERS
+    import torch
+
+    return [cls.__name__.lower() for cls in supported if getattr(torch.optim, cls.__name__, None) is cls]
+
+
 # --- ZeRO optimizer offload -----------------------------------------------------------------
 # Whether ZeRO keeps the optimizer state on the host decides which Adam DeepSpeed builds (its
 # CPU Adam for offload, `ds_engine.with_torch_adam` otherwise). It is read with DeepSpeed's own
@@ -467,6 +478,9 @@ def _has_refresh_fp32() -> bool:
 
 
 INTERNALS = (*INTERNALS,
+             Internal("deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS",
+                      "refusing, before any collective, a torch optimizer ZeRO would assert on",
+                      lambda: "adam" in zero_tested_torch_optimizers()),
              Internal("DeepSpeedZeroOptimizer.refresh_fp32_params and BF16_Optimizer.refresh_fp32_params",
                       "the outer synchronisation across sites (sites.count > 1)", _has_refresh_fp32))
 

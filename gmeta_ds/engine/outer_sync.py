@@ -39,6 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.engine.dist import on_wire
@@ -116,7 +117,7 @@ class OuterSync:
     # ------------------------------------------------------------------ between synchronisations
     def _flat(self) -> torch.Tensor:
         """The dense parameters as one fp32 host vector."""
-        return torch.cat([p.detach().float().reshape(-1).cpu() for p in self.params])
+        return parameters_to_vector(p.detach() for p in self.params).float().cpu()
 
     def remember_rows(self, name: str, param: nn.Parameter) -> None:
         """Before table ``name``'s update: keep the anchor of rows changed for the first time
