@@ -15,6 +15,13 @@ of a host (`id_overlap`).
     python benchmarks/topology.py                     # pooled and rows: 2 x 2 at 1gbit and 100mbit, 1 x 4
     python benchmarks/topology.py --check             # only: hierarchical equals flat on 2 x 2
     python benchmarks/topology.py --prefix gmx --subnet 9   # namespaces of another name (see emulated_cluster)
+    python benchmarks/topology.py --links             # only: the links' all-to-all curves (kept runs)
+
+The links' curves (``links`` in the results, used by topology_model.py): on each limited link,
+the seconds of one bare inter-host all-to-all (no tables: ``torch.distributed.all_to_all_single``,
+both hosts sending at once, as the exchanges do) for a sweep of the bytes a rank sends across
+hosts, in the flat pattern (every rank to every rank) and the gateway pattern (each rank to its
+peer of the same local index on the other hosts: the hierarchical exchanges' inter-host step).
 
 Root only (namespaces). ``--worker`` is the per-rank entry point the driver starts.
 """
@@ -137,6 +144,44 @@ def _bench(colls: dict, s: dict) -> None:
     print(json.dumps(result), flush=True)
 
 
+# Bytes a rank sends across hosts in one all-to-all, swept by the links' curves.
+LINK_BYTES = (62_500, 125_000, 250_000, 500_000, 1_000_000, 2_000_000, 4_000_000)
+
+
+def _links(s: dict) -> None:
+    """Seconds (median of ``reps``, the slowest rank's) of one inter-host all-to-all per pattern
+    and size (see the module docstring): a curve of what the link carries, not the nominal rate."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_host = int(os.environ["LOCAL_WORLD_SIZE"])
+    hosts, local = world // per_host, rank % per_host
+    curves = {}
+    for pattern in ("flat", "gateway"):
+        curve = []
+        for nbytes in LINK_BYTES:
+            if pattern == "flat":  # uniform: the same to each rank, (W - R) of them on other hosts
+                splits = [nbytes // 4 // (world - per_host)] * world
+            else:
+                splits = [nbytes // 4 // (hosts - 1) if (r % per_host == local and r // per_host != rank // per_host)
+                          else 0 for r in range(world)]
+            send, recv = torch.zeros(sum(splits)), torch.empty(sum(splits))
+            times = []
+            for rep in range(s["warmup"] + s["reps"] + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_to_all_single(recv, send, splits, splits)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times.append(float(elapsed))
+            curve.append([nbytes, statistics.median(times[s["warmup"]:])])
+        curves[pattern] = curve
+    print(json.dumps({"rank": rank, "links": curves}), flush=True)
+
+
 def worker(mode: str, settings: dict) -> None:
     """One rank: the launcher's variables in the environment (see the module docstring)."""
     import torch
@@ -145,8 +190,11 @@ def worker(mode: str, settings: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        colls = _collections(settings, 120)
-        (_check if mode == "check" else _bench)(colls, settings)
+        if mode == "links":
+            _links(settings)
+        else:
+            colls = _collections(settings, 120)
+            (_check if mode == "check" else _bench)(colls, settings)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -212,9 +260,10 @@ def _run(hosts_n: int, ranks: int, rate: str | None, settings: dict, prefix: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("check", "bench"))
+    parser.add_argument("--worker", choices=("check", "bench", "links"))
     parser.add_argument("--settings", default=json.dumps(SETTINGS))
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--links", action="store_true", help="only measure the links' all-to-all curves")
     parser.add_argument("--prefix", default=PREFIX, help="name prefix of the namespaces (unique per user)")
     parser.add_argument("--subnet", type=int, default=1, help="third octet of the hosts' 10.233.S.0/24")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "topology.json"))
@@ -227,11 +276,21 @@ def main() -> None:
             with emulated_cluster(2, None, args.prefix, args.subnet) as hosts:
                 print(launch(hosts, 2, "check", {**settings, "exchange": exchange}))
         return None
+    out = Path(args.out)
+    links = {}
+    for rate in sorted({run[2] for run in RUNS if run[2]}):
+        with emulated_cluster(2, rate, args.prefix, args.subnet) as hosts:
+            links[rate] = launch(hosts, 2, "links", settings)[0]["links"]
+        print(json.dumps({"links": rate, **links[rate]}), flush=True)
+    if args.links:
+        kept = json.loads(out.read_text())
+        out.write_text(json.dumps({**kept, "links": links}, indent=2) + "\n")
+        return None
     runs = []
     for hosts_n, ranks, rate, changed in RUNS:
         runs.append(_run(hosts_n, ranks, rate, {**settings, **changed}, args.prefix, args.subnet))
         print(json.dumps(runs[-1]), flush=True)
-    Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
+    out.write_text(json.dumps({"settings": settings, "runs": runs, "links": links}, indent=2) + "\n")
     return None
 
 

@@ -1,19 +1,23 @@
-"""A two-level model of the pooled exchange (issue 37 item 5): checked against the emulated
-runs of benchmarks/topology.py, then extrapolated to 128 hosts x 8 GPUs.
+"""A two-level model of the exchanges (issue 37 item 5): checked against the emulated runs of
+benchmarks/topology.py (pooled on the owners and the deduplicated row exchange, flat and
+hierarchical), then extrapolated to 128 hosts x 8 GPUs.
 
-One step of a rank (lookup of B bags of L ids in T row-wise tables pooled on their owners,
-backward, sparse step) on H hosts of R ranks, each host's link to the others carrying b_net
-bytes/s each way (shared by its R ranks), links inside a host b_nvl per rank:
+One step of a rank (lookup of B bags of L ids in T row-wise tables, backward, sparse step) on
+H hosts of R ranks, each host's link to the others shared by its R ranks:
 
-    T(mode) = T_host(mode) + R X(mode) / b_net + C(mode) a_net      (emulated: a_net in T_host)
+    T(mode) = T_host(mode) + sum over the step's inter-host all-to-alls s of t_link(pattern, X_s)
 
   T_host   the step on one host (compute and the intra-host exchange), measured: the 1 x 4 run
-           of the same mode (hierarchical on one host does the gateway's extra work)
-  X        bytes a rank sends across hosts per step (ids out; partial sums back and their
-           gradients out again), `gmeta_ds.embedding.topology.cross_host_bytes` per bag x T B
-           (16 B per id as the planner's estimate: the counters see 4-5)
-  C        inter-host collectives per step (flat: 4 all-to-alls over W ranks, (W - R) remote
-           peers each; hierarchical: 4 over H gateways, H - 1 remote peers)
+           of the same mode and table (hierarchical on one host does the gateway's extra work)
+  X_s      bytes a rank sends across hosts in all-to-all s (ids; partial sums or rows; their
+           gradients): the planner's estimate, `gmeta_ds.embedding.topology.cross_host_bytes`
+           (pooled) or `row_cross_host_bytes` (rows, from the run's measured distinct ratio and
+           ids' overlap in a host) per bag x T B, split into the three stages
+  t_link   the link's all-to-all curve, measured apart from the runs by benchmarks/topology.py
+           (``links``: a bare all-to-all of X bytes per rank, both hosts sending at once; the
+           flat pattern for flat, the gateway pattern for hierarchical), interpolated. Links
+           loaded both ways carry 52-88% of their nominal rate for 0.5-4 MB (docs/performance.md);
+           the nominal rate, R X / b_net, is printed beside it (what the model used before).
 
 On the GPU cluster the intra-host part is not measured but modelled too: the hierarchical
 exchange moves the ids and sums once more inside the host (2 V_intra / b_nvl + 2 (R-1) a_nvl),
@@ -40,14 +44,34 @@ NVL = {"bw": 450e9, "alpha": 2e-6}
 IB = {"bw_per_rank": 50e9, "alpha": 5e-6}
 
 
-def step_bytes(topology: Topology, s: dict, run: dict | None = None) -> dict[str, float]:
-    """Cross-host bytes per rank and step, flat and hierarchical (the planner's estimate; for
-    the row exchange from the run's measured distinct ratio and ids' overlap in a host)."""
+def stage_bytes(topology: Topology, s: dict, run: dict | None = None) -> dict[str, list[float]]:
+    """Bytes a rank sends across hosts in each inter-host all-to-all of a step (ids; rows or
+    partial sums; their gradients), flat and hierarchical: the planner's estimate (for the row
+    exchange from the run's measured distinct ratio and the ids' overlap in a host)."""
+    bags = s["tables"] * s["bags"]
     if run is not None and run.get("exchange") == "rows":
-        flat, hier = row_cross_host_bytes(topology, s["dim"], s["length"], run["distinct_ratio"], run["id_overlap"])
-    else:
-        flat, hier = cross_host_bytes("row_wise", topology, s["dim"], s["length"])
-    return {"flat": flat * s["tables"] * s["bags"], "hierarchical": hier * s["tables"] * s["bags"]}
+        shape = (s["length"], run["distinct_ratio"], run["id_overlap"])
+        (flat, hier), (ids, ids_hier) = (row_cross_host_bytes(topology, dim, *shape) for dim in (s["dim"], 0))
+    else:  # ids and their (bag, owner) codes: the estimate without the sums (dim 0)
+        (flat, hier), (ids, ids_hier) = (cross_host_bytes("row_wise", topology, dim, s["length"]) for dim in (s["dim"], 0))
+    return {how: [bags * i, bags * (total - i) / 2, bags * (total - i) / 2]
+            for how, i, total in (("flat", ids, flat), ("hierarchical", ids_hier, hier))}
+
+
+def step_bytes(topology: Topology, s: dict, run: dict | None = None) -> dict[str, float]:
+    """Cross-host bytes per rank and step, flat and hierarchical (`stage_bytes` summed)."""
+    return {how: sum(stages) for how, stages in stage_bytes(topology, s, run).items()}
+
+
+def link_seconds(curve: list[list[float]], nbytes: float) -> float:
+    """Seconds of one inter-host all-to-all of ``nbytes`` per rank on a measured link curve
+    ((bytes, seconds) points of benchmarks/topology.py's ``links``): piecewise linear through
+    the origin and the points, the last segment's slope beyond them."""
+    points = [(0.0, 0.0)] + [(float(b), float(t)) for b, t in curve]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if nbytes <= b1 or (b1, t1) == points[-1]:
+            return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
+    raise ValueError("empty curve")
 
 
 def _host_run(runs: list[dict], run: dict) -> dict | None:
@@ -57,8 +81,10 @@ def _host_run(runs: list[dict], run: dict) -> dict | None:
 
 
 def check(results: dict) -> list[dict]:
-    """Predicted vs measured steps/s of every emulated run (the 1 x 4 run gives T_host)."""
-    runs = results["runs"]
+    """Predicted vs measured steps/s of every emulated run (the 1 x 4 run gives T_host): with
+    the link's measured all-to-all curve (flat pattern for flat, gateway pattern for
+    hierarchical) per inter-host stage, and with the nominal rate (``nominal``)."""
+    runs, links = results["runs"], results.get("links", {})
     rows = []
     for run in runs:
         host = _host_run(runs, run)
@@ -66,15 +92,19 @@ def check(results: dict) -> list[dict]:
             continue
         s = {**results["settings"], "rows": run.get("rows", results["settings"]["rows"])}
         topology = Topology(run["hosts"] * run["ranks_per_host"], run["ranks_per_host"])
+        stages = stage_bytes(topology, s, run)
         for how in ("flat", "hierarchical"):
-            measured_x, model_x = run[how]["cross_host_bytes_per_step"], step_bytes(topology, s, run)[how]
+            model_x = sum(stages[how])
             t_host = 1 / host[how]["steps_per_s"]
-            predicted = 1 / (t_host + topology.ranks_per_host * model_x / RATES[run["rate"]])
+            nominal = 1 / (t_host + topology.ranks_per_host * model_x / RATES[run["rate"]])
+            curve = links.get(run["rate"], {}).get("flat" if how == "flat" else "gateway")
+            predicted = 1 / (t_host + sum(link_seconds(curve, b) for b in stages[how])) if curve else nominal
             rows.append({"run": f"{run.get('exchange', 'pooled')} {run['hosts']} x {run['ranks_per_host']} at "
                                 f"{run['rate']} ({s['rows']:,} rows)", "exchange": how,
                          "measured": run[how]["steps_per_s"], "predicted": predicted,
-                         "error": predicted / run[how]["steps_per_s"] - 1,
-                         "bytes_measured": measured_x, "bytes_model": model_x})
+                         "error": predicted / run[how]["steps_per_s"] - 1, "nominal": nominal,
+                         "nominal_error": nominal / run[how]["steps_per_s"] - 1,
+                         "bytes_measured": run[how]["cross_host_bytes_per_step"], "bytes_model": model_x})
     return rows
 
 
@@ -108,8 +138,8 @@ def main() -> int:
     print("check against the emulated runs (steps/s):")
     for r in check(results):
         print(f"  {r['run']:>40} {r['exchange']:>12}: measured {r['measured']:6.2f}, model {r['predicted']:6.2f} "
-              f"({r['error']:+.0%}); cross-host B/step measured {r['bytes_measured']:,.0f}, "
-              f"planner {r['bytes_model']:,.0f}")
+              f"({r['error']:+.0%}; nominal rate {r['nominal']:.2f}, {r['nominal_error']:+.0%}); cross-host "
+              f"B/step measured {r['bytes_measured']:,.0f}, planner {r['bytes_model']:,.0f}")
     print("extrapolation, 8 GPUs per host, NVLink 450 GB/s + IB 50 GB/s per GPU, exchange time per step:")
     for r in extrapolate({**results["settings"], "exchange": "pooled"}):
         print(f"  {r['hosts']:>4} hosts ({r['gpus']:>5} GPUs), bags of {r['length']:>3}: flat {r['flat_ms']:.3f} ms, "

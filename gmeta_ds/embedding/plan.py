@@ -232,7 +232,7 @@ def with_topology(plan: ShardingPlan, topology: Topology, mode: str,
     if topology.world != plan.world_size:
         raise ValueError(f"topology of {topology.world} ranks for a plan of {plan.world_size}")
     stats = {name: (bag_stats or {}).get(name, BagStats(1.0, 1.0)) for name in plan.tables}
-    pooled = [(p.kind, p.table.dim, stats[name].mean_length)
+    pooled = [(p.kind, p.table.dim, stats[name].mean_length, 4 if p.table.num_rows < 2**31 else 8)
               for name, p in plan.tables.items() if p.exchange == "pooled"]
     rows = [(p.table.dim, stats[name].mean_length, stats[name].distinct_ratio,
              host_overlap(stats[name].distinct_ratio, stats[name].host_distinct_ratio))

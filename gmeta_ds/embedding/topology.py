@@ -57,30 +57,35 @@ class Topology:
         return f"{self.hosts} host(s) x {self.ranks_per_host} rank(s)"
 
 
-def cross_host_bytes(kind: str, topology: Topology, dim: int, mean_length: float) -> tuple[float, float]:
+def cross_host_bytes(kind: str, topology: Topology, dim: int, mean_length: float,
+                     id_bytes: int = 4) -> tuple[float, float]:
     """Expected bytes per bag that cross hosts (ids out, partial sums back, their gradients out
-    again) when a table pooled on its owners exchanges flat and hierarchically. Ids (with their
-    (bag, owner) codes: 16 B per id) leave the host either way, for the (H - 1) / H of them
-    owned elsewhere; flat sends back one partial sum and its gradient (8d B) per remote owner
-    holding part of the bag, hierarchical one per remote host. Row-wise, ids spread evenly:
-    n(1 - (1 - 1/n)^L) of n owners (hosts) hold part of a bag of L ids; table-wise: one owner."""
+    again) when a table pooled on its owners exchanges flat and hierarchically: what
+    `sharding.owner_pooled` sends. Ids (``id_bytes`` each: int32 on the wire while the rows fit
+    in it) leave the host either way, for the (H - 1) / H of them owned elsewhere, with a code
+    and a length (8 B) per (bag, remote owner) pair; flat sends back one partial sum and its
+    gradient (8d B) per remote owner holding part of the bag, hierarchical one per remote host.
+    Row-wise, ids spread evenly: n(1 - (1 - 1/n)^L) of n owners (hosts) hold part of a bag of L
+    ids; table-wise: one owner."""
     hosts, world = topology.hosts, topology.world
-    ids = 16 * mean_length * (hosts - 1) / hosts
     if kind == "table_wise":
         remote = (hosts - 1) / hosts
+        ids = id_bytes * mean_length * remote + 8 * remote
         return ids + remote * 8 * dim, ids + remote * 8 * dim
     owners = world * (1 - (1 - 1 / world) ** mean_length) * (world - topology.ranks_per_host) / world
     host_parts = hosts * (1 - (1 - 1 / hosts) ** mean_length) * (hosts - 1) / hosts
+    ids = id_bytes * mean_length * (hosts - 1) / hosts + 8 * owners
     return ids + owners * 8 * dim, ids + host_parts * 8 * dim
 
 
-def choose_topology(mode: str, topology: Topology, pooled: list[tuple[str, int, float]]) -> tuple[str, tuple]:
+def choose_topology(mode: str, topology: Topology, pooled: list[tuple]) -> tuple[str, tuple]:
     """``flat`` or ``hierarchical`` for ``mode`` (``embedding.exchange_topology``: flat, hierarchical or auto) and the estimate it was
     chosen by: (flat, hierarchical) expected cross-host bytes per bag summed over ``pooled``
-    ((plan kind, dim, mean bag length) of each table pooled on its owners; length 1 where unknown)."""
+    ((plan kind, dim, mean bag length[, bytes per id on the wire]) of each table pooled on its
+    owners; length 1 where unknown)."""
     flat = hier = 0.0
-    for kind, dim, length in pooled:
-        f, h = cross_host_bytes(kind, topology, dim, length)
+    for kind, dim, length, *id_bytes in pooled:
+        f, h = cross_host_bytes(kind, topology, dim, length, *id_bytes)
         flat, hier = flat + f, hier + h
     if mode != "auto":
         return mode, (flat, hier)

@@ -68,8 +68,16 @@ def test_topology_places_ranks_host_by_host():
 
 def test_hierarchical_crosses_hosts_with_one_sum_per_host_and_auto_picks_it_only_on_several_hosts():
     flat, hier = cross_host_bytes("row_wise", Topology(16, 8), 64, 200.0)
-    ids = 16 * 200 / 2
+    ids = cross_host_bytes("row_wise", Topology(16, 8), 0, 200.0)[0]  # ids and (bag, owner) codes
     assert (hier - ids) * 8 == pytest.approx(flat - ids, rel=0.01)  # every owner holds part: 1/R
+    # what owner_pooled sends per bag of 3 ids on 2 hosts x 2: the remote ids (int32), a code and a
+    # length per (bag, remote owner) pair, one sum and its gradient per remote owner (flat) or host
+    owners = 4 * (1 - 0.75 ** 3) / 2
+    host_parts = 2 * (1 - 0.5 ** 3) / 2
+    assert cross_host_bytes("row_wise", Topology(4, 2), 8, 3.0) == pytest.approx(
+        (4 * 1.5 + 8 * owners + 64 * owners, 4 * 1.5 + 8 * owners + 64 * host_parts))
+    assert cross_host_bytes("row_wise", Topology(4, 2), 8, 3.0, id_bytes=8)[0] == pytest.approx(
+        8 * 1.5 + 8 * owners + 64 * owners)  # int64 ids past 2^31 rows
     assert cross_host_bytes("table_wise", Topology(4, 2), 8, 3.0)[0] == cross_host_bytes("table_wise", Topology(4, 2),
                                                                                         8, 3.0)[1]
     pooled = [("row_wise", 16, 10.0)]
