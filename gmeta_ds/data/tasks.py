@@ -230,9 +230,10 @@ def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int, ranks_per_host
     micro-batch of ``tasks_per_micro_batch`` average tasks can expect, E[distinct] / n over n
     draws from the field's id frequencies (estimated on up to `BAG_SAMPLE` values, read in 16
     evenly spaced runs so a task store reads little); with ``ranks_per_host`` > 1, also that of
-    the host's R micro-batches together (R n draws). What ``exchange: auto`` and
+    the host's R micro-batches together (R n draws), and the same two for every single-hot
+    field (`single_hot_overlap`). What ``exchange: auto`` (multi-hot fields) and
     ``exchange_topology: auto`` choose by; the same on every rank (it reads only the training
-    tasks)."""
+    tasks, with a fixed seed)."""
     out = {}
     rows = max(1, task_set.num_interactions)
     per_batch = tasks_per_micro_batch * rows / max(1, len(task_set))
@@ -250,6 +251,43 @@ def bag_statistics(task_set: TaskSet, tasks_per_micro_batch: int, ranks_per_host
             return min(1.0, float(np.sum(-np.expm1(n * log_miss))) / max(n, 1.0))
 
         out[name] = BagStats(nnz / rows, ratio(draws), ratio(ranks_per_host * draws) if ranks_per_host > 1 else None)
+    if ranks_per_host > 1:
+        out.update(single_hot_overlap(task_set, tasks_per_micro_batch, ranks_per_host))
+    return out
+
+
+SINGLE_SAMPLES = 16  # simulated hosts per single-hot field
+
+
+def single_hot_overlap(task_set: TaskSet, tasks_per_micro_batch: int, ranks_per_host: int,
+                       seed: int = 0) -> dict[str, BagStats]:
+    """Per single-hot field: the distinct ids per id of one micro-batch and of a host's R
+    micro-batches together, counted on `SINGLE_SAMPLES` simulated hosts of R x
+    ``tasks_per_micro_batch`` training tasks drawn without replacement. Counted rather than
+    drawn from the id frequencies (as for bags): a task's rows share ids (its user's above all),
+    so ids are not independent draws; a field whose ids belong to tasks (the user) shows no
+    overlap between ranks, one shared across tasks (a popular item) does."""
+    n_tasks = len(task_set)
+    per_host = min(n_tasks, max(1, int(tasks_per_micro_batch)) * ranks_per_host)
+    if n_tasks < 2 or per_host < 2:
+        return {}
+    rng = np.random.default_rng(seed)
+    hosts = [np.array_split(rng.choice(n_tasks, size=per_host, replace=False), ranks_per_host)
+             for _ in range(SINGLE_SAMPLES)]
+    starts, ends = task_set.offsets[:-1], task_set.offsets[1:]
+    rows = [[np.concatenate([np.arange(starts[t], ends[t]) for t in part]) for part in host if len(part)]
+            for host in hosts]
+    out = {}
+    for j, spec in enumerate(single_fields(task_set.fields)):
+        column = task_set.ids[:, j]
+        looked_up = ranks_distinct = host_distinct = 0
+        for host in rows:
+            ids = [np.asarray(column[r]) for r in host]
+            looked_up += sum(len(i) for i in ids)
+            ranks_distinct += sum(len(np.unique(i)) for i in ids)
+            host_distinct += len(np.unique(np.concatenate(ids)))
+        # over the same ids, so their ratio is the overlap: the ranks' distinct ids over the union's
+        out[spec.name] = BagStats(1.0, ranks_distinct / looked_up, host_distinct / looked_up)
     return out
 
 

@@ -303,8 +303,10 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
         stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch,
                                topology.ranks_per_host if topology is not None else 1)
     try:
+        # the rows-or-pooled choice is the bags' (single-hot fields exchange rows); the topology's is every field's
+        bags = {name: s for name, s in stats.items() if name in train.multi} if stats is not None else None
         plan = plan_from_config(field_tables(fields, cfg.model.embed_dim, cfg.embedding), cfg.embedding,
-                                world_size, stats)
+                                world_size, bags)
         if topology is not None and (topology.hosts > 1 or mode != "flat"):  # one host, flat: as before
             plan = with_topology(plan, topology, mode, stats)
         return plan

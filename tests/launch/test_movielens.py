@@ -118,7 +118,7 @@ def test_hierarchical_exchange_on_two_hosts_of_two_ranks_equals_one_process(tmp_
     out = gmeta_ranks(1, "validate", "--config", str(auto), "--hostfile", str(hostfile), *micro).stdout
     assert "  topology: 2 host(s) x 2 rank(s), hierarchical pooled exchange" in out, out
     gmeta_ranks(4, "train", "--config", str(two), *micro)
-    # forced: the single-hot fields' row exchange too (auto keeps it flat: no statistics for them)
+    # forced: the single-hot fields' row exchange too, whatever their overlap
     forced = ml_config(tmp_path / "forced", embedding={**embedding, "hosts": 2, "exchange_topology": "hierarchical"})
     out = gmeta_ranks(1, "validate", "--config", str(forced), "--world-size", "4", *micro).stdout
     assert "hierarchical pooled exchange" in out and "hierarchical row exchange" in out, out

@@ -79,6 +79,30 @@ def test_bag_statistics_mean_length_and_expected_distinct_ids():
     assert abs(host.host_distinct_ratio - np.sum(1 - (1 - p) ** 27) / 27) < 1e-9
 
 
+def test_single_hot_overlap_counts_simulated_hosts_of_tasks():
+    """A field whose ids belong to a task (the user) overlaps nowhere between ranks; one whose
+    ids every task shares (5 items, each in every task) overlaps R-fold; the plan's auto
+    topology takes the hierarchical row exchange for the second only."""
+    from gmeta_ds.data.tasks import bag_statistics, single_hot_overlap
+    from gmeta_ds.embedding.plan import plan_tables, with_topology
+    from gmeta_ds.embedding.tables import TableConfig
+    from gmeta_ds.embedding.topology import Topology
+
+    fields = [FieldSpec("user", 40, "user"), FieldSpec("item", 5, "item")]
+    n_tasks, rows = 40, 10
+    ids = np.stack([np.repeat(np.arange(n_tasks), rows), np.tile(np.arange(rows) % 5, n_tasks)], 1).astype(np.int32)
+    ts = TaskSet(fields, ids, np.zeros(n_tasks * rows, np.float32), np.arange(0, n_tasks * rows + 1, rows),
+                 np.full(n_tasks, 5), np.arange(n_tasks))
+    stats = single_hot_overlap(ts, tasks_per_micro_batch=2, ranks_per_host=2)
+    assert stats["user"].distinct_ratio == 2 / 20 and stats["user"].host_distinct_ratio == 4 / 40  # overlap 1
+    assert stats["item"].distinct_ratio == 5 / 20 and stats["item"].host_distinct_ratio == 5 / 40  # overlap 2
+    assert bag_statistics(ts, 2, ranks_per_host=2) == stats and bag_statistics(ts, 2) == {}  # one rank per host
+    tables = [TableConfig(f.name, f.num_ids * 100, 8, (f.name,)) for f in fields]
+    for only, expected in (("user", "flat"), ("item", "hierarchical")):
+        plan = plan_tables([t for t in tables if t.name == only], 4, {only: "row_wise"})
+        assert with_topology(plan, Topology(4, 2), "auto", stats).row_exchange_topology == expected, only
+
+
 def test_first_support_keeps_the_first_k_support_rows_and_every_query_row():
     ts = task_set()
     cut = ts.first_support(2)  # task 0: support rows 0-1 of 0-2, query row 3; task 1: support 4, query 5-6
