@@ -8,6 +8,7 @@ distinct ids over the distinct ids of their union.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import common  # noqa: E402,F401  (puts the checkout on sys.path)
 from gmeta_ds.config import load_config  # noqa: E402
 from gmeta_ds.data.sampler import MetaBatchSampler  # noqa: E402
 from gmeta_ds.data.tasks import single_hot_overlap  # noqa: E402
+from gmeta_ds.errors import ConfigError  # noqa: E402
 from gmeta_ds.embedding.topology import host_overlap  # noqa: E402
 from gmeta_ds.sparse import single_fields  # noqa: E402
 from gmeta_ds.workloads.ctr import build_data  # noqa: E402
@@ -26,8 +28,18 @@ WORLD, PER_HOST, STEPS = 4, 2, 20
 
 
 def main() -> None:
-    cfg = load_config(sys.argv[1], sys.argv[3:])
-    per_micro_batch = int(sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="a run config (YAML)")
+    parser.add_argument("tasks_per_micro_batch", type=int, help="tasks per rank and micro-batch (>= 1)")
+    parser.add_argument("--set", action="append", default=[], help="a config override KEY=VALUE, as for gmeta-ds")
+    args = parser.parse_args()
+    if args.tasks_per_micro_batch < 1:
+        parser.error(f"tasks_per_micro_batch must be >= 1, got {args.tasks_per_micro_batch}")
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        sys.exit(f"single_hot_overlap.py: {exc}")
+    per_micro_batch = args.tasks_per_micro_batch
     train = build_data(cfg).train
     expected = single_hot_overlap(train, per_micro_batch, PER_HOST)
     samplers = [MetaBatchSampler(len(train), per_micro_batch, 1, WORLD, r, cfg.seed, np.diff(train.offsets))
