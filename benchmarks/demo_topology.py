@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (sets OMP_WAIT_POLICY before torch; puts the checkout on sys.path)
-from emulated_cluster import PREFIX, emulated_cluster, rank_env, wait_all  # noqa: E402
-from sites import COMMON, CONFIG, train_seconds  # noqa: E402
+import common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch; puts the checkout on sys.path)
+from emulated_cluster import PREFIX, emulated_cluster  # noqa: E402
+from sites import launch, train_argv, train_seconds  # noqa: E402
 
 PORT, PER_HOST, TASKS_PER_STEP = 29650, 2, 64
 
@@ -43,19 +42,9 @@ def main() -> None:
         for rep in range(args.reps):
             for topology in ("flat", "auto"):
                 out = Path(tmp) / f"{topology}{rep}"
-                sets = [*COMMON, f"output_dir={out}", f"train.meta_steps={args.meta_steps}",
-                        "meta.tasks_per_micro_batch=16", f"embedding.exchange_topology={topology}"]
-                argv = [sys.executable, "-P", "-m", "gmeta_ds.cli", "train", "--config", str(CONFIG), "--overwrite",
-                        *[x for s in sets for x in ("--set", s)]]
-                logs = [open(Path(tmp) / f"{topology}{rep}.rank{r}.log", "w") for r in range(2 * PER_HOST)]
-                procs = [subprocess.Popen(hosts[r // PER_HOST].command(argv), env=rank_env(hosts, PER_HOST, r, PORT),
-                                          cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
-                         for r, log in enumerate(logs)]
-                wait_all(procs, 1800)
-                for log in logs:
-                    log.close()
-                if any(p.returncode for p in procs):
-                    sys.exit(f"{topology}: a rank failed\n" + (Path(tmp) / f"{topology}{rep}.rank0.log").read_text()[-3000:])
+                argv = train_argv(out, args.meta_steps, ("meta.tasks_per_micro_batch=16",
+                                                         f"embedding.exchange_topology={topology}"))
+                launch(hosts, argv, out, 1800, PER_HOST, PORT)
                 run = {"tasks_per_s": args.meta_steps * TASKS_PER_STEP / train_seconds(out),
                        "cross_host_bytes_rank0": cross_host_bytes(out),
                        "auc": json.loads((out / "summary.json").read_text())["eval"]["auc"]}

@@ -83,21 +83,21 @@ def train_argv(out: Path, steps: int, overrides, config: Path = CONFIG, extra=()
             *[x for s in sets for x in ("--set", s)]]
 
 
-def start(hosts, argv: list[str], out: Path) -> list[subprocess.Popen]:
-    """One rank per host, each logging to ``out``/rank<r>.log."""
+def start(hosts, argv: list[str], out: Path, per_host: int = 1, port: int = PORT) -> list[subprocess.Popen]:
+    """``per_host`` ranks per host (numbered host by host), each logging to ``out``.rank<r>.log."""
     procs = []
-    for rank, host in enumerate(hosts):
+    for rank in range(len(hosts) * per_host):
         log = open(out.parent / f"{out.name}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen(host.command(argv), env=rank_env(hosts, 1, rank, PORT), cwd=common.REPO,
-                                      stdout=log, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(hosts[rank // per_host].command(argv), env=rank_env(hosts, per_host, rank, port),
+                                      cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT, text=True))
         log.close()
     return procs
 
 
-def launch(hosts, argv: list[str], out: Path, timeout: float) -> list[int]:
-    """Run ``argv`` on every host (a rank each); the bytes each host sent on its link meanwhile."""
+def launch(hosts, argv: list[str], out: Path, timeout: float, per_host: int = 1, port: int = PORT) -> list[int]:
+    """Run ``argv`` on every host (``per_host`` ranks each); the bytes each host sent on its link meanwhile."""
     before = [h.tx_bytes() for h in hosts]
-    procs = start(hosts, argv, out)
+    procs = start(hosts, argv, out, per_host, port)
     wait_all(procs, timeout)
     after = [h.tx_bytes() for h in hosts]
     failed = [r for r, p in enumerate(procs) if p.returncode]

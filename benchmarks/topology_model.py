@@ -32,6 +32,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (puts the checkout on sys.path)
 from gmeta_ds.embedding.topology import Topology, cross_host_bytes, row_cross_host_bytes  # noqa: E402
@@ -67,11 +69,10 @@ def link_seconds(curve: list[list[float]], nbytes: float) -> float:
     """Seconds of one inter-host all-to-all of ``nbytes`` per rank on a measured link curve
     ((bytes, seconds) points of benchmarks/topology.py's ``links``): piecewise linear through
     the origin and the points, the last segment's slope beyond them."""
-    points = [(0.0, 0.0)] + [(float(b), float(t)) for b, t in curve]
-    for (b0, t0), (b1, t1) in zip(points, points[1:]):
-        if nbytes <= b1 or (b1, t1) == points[-1]:
-            return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
-    raise ValueError("empty curve")
+    x, y = np.array([[0.0, 0.0], *curve], dtype=float).T
+    if nbytes <= x[-1]:
+        return float(np.interp(nbytes, x, y))
+    return float(y[-1] + (nbytes - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2]))
 
 
 def _host_run(runs: list[dict], run: dict) -> dict | None:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from gmeta_ds.sparse import BagStats
 from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
-from gmeta_ds.embedding.tables import TableConfig
+from gmeta_ds.embedding.tables import INT32_LIMIT, TableConfig
 from gmeta_ds.embedding.topology import Topology, choose_row_topology, choose_topology, host_overlap
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.registry import PLANS
@@ -232,7 +232,7 @@ def with_topology(plan: ShardingPlan, topology: Topology, mode: str,
     if topology.world != plan.world_size:
         raise ValueError(f"topology of {topology.world} ranks for a plan of {plan.world_size}")
     stats = {name: (bag_stats or {}).get(name, BagStats(1.0, 1.0)) for name in plan.tables}
-    pooled = [(p.kind, p.table.dim, stats[name].mean_length, 4 if p.table.num_rows < 2**31 else 8)
+    pooled = [(p.kind, p.table.dim, stats[name].mean_length, 4 if p.table.num_rows <= INT32_LIMIT else 8)
               for name, p in plan.tables.items() if p.exchange == "pooled"]
     rows = [(p.table.dim, stats[name].mean_length, stats[name].distinct_ratio,
              host_overlap(stats[name].distinct_ratio, stats[name].host_distinct_ratio))

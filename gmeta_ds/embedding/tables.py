@@ -26,6 +26,7 @@ TABLE_KINDS = ("static", "dynamic")
 DEVICES = ("auto", "accelerator", "host")
 EXCHANGES = ("auto", "rows", "pooled")
 INIT_BLOCK_ROWS = 1 << 16
+INT32_LIMIT = 2**31 - 1  # ids, rows and offsets up to this go on the wire as int32
 
 
 @dataclass(frozen=True)

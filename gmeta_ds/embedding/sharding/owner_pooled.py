@@ -40,10 +40,8 @@ from gmeta_ds.embedding.optim import plain_update
 from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.sharding.base import ShardContext
 from gmeta_ds.embedding.sharding.row_wise import RowWise
-from gmeta_ds.embedding.tables import FLAGS_RATIO, check_ids, distinct_rows, unique_keys
+from gmeta_ds.embedding.tables import FLAGS_RATIO, INT32_LIMIT, check_ids, distinct_rows, unique_keys
 from gmeta_ds.sparse import Jagged
-
-INT32_LIMIT = 2**31 - 1
 
 
 @dataclass(frozen=True)
