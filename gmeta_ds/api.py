@@ -184,7 +184,10 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
                  inner_lr_scale: dict[str, float] | None = None,
                  inner_loss_prior: float = DEFAULTS.meta.inner_loss_prior,
                  offset_first: float | None = DEFAULTS.meta.offset_first,
-                 support_level: float | None = DEFAULTS.meta.support_level) -> MetaLearner:
+                 support_level: float | None = DEFAULTS.meta.support_level,
+                 rank_weight: float = DEFAULTS.meta.rank_weight,
+                 warmup_steps: int = DEFAULTS.meta.warmup_steps,
+                 init_weight: float = DEFAULTS.meta.init_weight) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
     algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
@@ -208,12 +211,19 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
     popularity offset of ``gmeta_ds.models`` and ``popularity.bias`` adapted): each task's
     offset is first set to the MAP of its support (prior precision λ), then the inner steps run.
     ``support_level`` (λ, with the popularity offset): after the inner steps each task's logits
-    are shifted so their support mean equals popularity + the task's MAP offset (prior λ)."""
+    are shifted so their support mean equals popularity + the task's MAP offset (prior λ).
+    ``rank_weight`` (w, binary or regression labels): the query loss is the pointwise loss + w x
+    the mean pairwise logistic loss over each task's query pairs that its labels order, so the
+    outer loss asks for each user's order of items, not only their level (0: pointwise only).
+    ``warmup_steps``: the engine's first meta-steps train the model on every row of their tasks
+    without adaptation (plain supervised training), then meta-training starts from there.
+    ``init_weight`` (a): the outer loss + a x the unadapted model's loss on every row of the
+    tasks, so meta-training keeps the initialisation's own ranking while it learns to adapt."""
     where = "gmeta_ds.meta_learner"
     if not isinstance(model, nn.Module):
         raise ConfigError([f"model: expected a torch.nn.Module, got {type(model).__name__}"], where)
     problems = _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body,
-                                 inner_lr_scale, inner_loss_prior)
+                                 inner_lr_scale, inner_loss_prior, rank_weight, warmup_steps, init_weight)
     check(problems, where)
     patterns = _adapt_patterns(model, adapt, where)
     if isinstance(algorithm, MetaAlgorithm):
@@ -223,7 +233,8 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
         algo = ALGORITHMS[algorithm].from_settings(AlgorithmSettings(
             inner_steps=inner_steps, inner_lr=inner_lr, adapt=patterns, vectorize=vmap, kind=loss,
             split_body=split_body, inner_lr_scale=inner_lr_scale, inner_loss_prior=inner_loss_prior,
-            offset_first=offset_first, support_level=support_level))
+            offset_first=offset_first, support_level=support_level, rank_weight=rank_weight,
+            warmup_steps=warmup_steps, init_weight=init_weight))
     return MetaLearner(model, algo)
 
 
@@ -238,7 +249,7 @@ def _task_bytes(model: nn.Module, inner_steps: int) -> int:
 
 
 def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body, inner_lr_scale,
-                      inner_loss_prior) -> list[str]:
+                      inner_loss_prior, rank_weight=0.0, warmup_steps=0, init_weight=0.0) -> list[str]:
     """What is wrong with `meta_learner`'s arguments (the inner loop's: only when the
     algorithm is built here from its name)."""
     problems = []
@@ -266,6 +277,12 @@ def _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_b
                     problems.append(f"inner_lr_scale: key {glob!r} is not a glob (str)")
                 finite(problems, f"inner_lr_scale[{glob!r}]", scale)
     finite(problems, "inner_loss_prior", inner_loss_prior, strict=False)
+    finite(problems, "rank_weight", rank_weight, strict=False)
+    int_at_least(problems, "warmup_steps", warmup_steps, 0)
+    finite(problems, "init_weight", init_weight, strict=False)
+    if rank_weight and loss not in ("binary", "regression") and not problems:
+        problems.append(f"rank_weight: orders a task's rows by their labels; loss {loss!r} has none "
+                        "(binary or regression)")
     return problems
 
 

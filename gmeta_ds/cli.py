@@ -10,6 +10,7 @@
     gmeta-ds export   CHECKPOINT|WEIGHTS OUT_DIR --config FILE.yaml [--set ...] [--overwrite]
     gmeta-ds serve    EXPORT_DIR [--host H] [--port P] [--model MODULE:FUNCTION] [...]
     gmeta-ds data synthesize --interactions N --out DIR [--shards K] [--seed S] [--items M]
+    gmeta-ds tune     --config FILE.yaml --space SPACE.yaml --trials N [--study NAME] [--set ...]
 
 ``--deepspeed_config FILE`` (DeepSpeed's own argument; ``--deepspeed`` is accepted with it)
 and Accelerate's ``deepspeed_config_file`` override the run config's ``deepspeed:`` key.
@@ -88,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                            "OUTPUT_DIR/splits/; the mean differences with intervals in OUTPUT_DIR/splits.json")
     _export_parser(sub)
     _serve_parser(sub)
+    _tune_parser(sub)
     p = sub.add_parser("plot", help="write PNG charts of a run directory")
     p.add_argument("run_dir", help="a run's output_dir (metrics.jsonl, summary.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
@@ -141,6 +143,24 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cache-size", type=_at_least(0), default=10000, help="users' adapted parameters kept")
     p.add_argument("--cache-ttl-s", type=float, default=600.0, help="how long they are kept (seconds)")
     p.add_argument("--threads", type=_at_least(1), default=1, help="torch threads (default 1)")
+
+
+def _tune_parser(sub) -> None:
+    """``gmeta-ds tune``'s arguments (gmeta_ds/tune.py, docs/tuning.md)."""
+    from gmeta_ds.tune import TRIAL_TIMEOUT_S  # no optuna, no torch: cheap
+
+    p = sub.add_parser("tune", help="Optuna search over config keys, each trial a train scored on the "
+                       "validation users (docs/tuning.md)")
+    p.add_argument("--config", required=True, help="run config YAML (needs data.valid_fraction > 0)")
+    p.add_argument("--space", required=True, metavar="SPACE.yaml",
+                   help="dotted config keys -> {low, high[, log][, step]} or {choices: [...]}")
+    p.add_argument("--trials", type=_at_least(1), required=True, metavar="N",
+                   help="finished trials in all (a rerun continues the study in OUTPUT_DIR/tune.db)")
+    p.add_argument("--study", default="tune", metavar="NAME", help="the study's name (default: tune)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value for every trial (repeatable)")
+    p.add_argument("--trial-timeout", type=_at_least(1), default=TRIAL_TIMEOUT_S, metavar="SECONDS",
+                   help=f"a trial running longer is killed and recorded failed (default {TRIAL_TIMEOUT_S})")
 
 
 def _at_least(low: int):
@@ -307,6 +327,12 @@ def _cmd_eval(cfg: RunConfig, weights: str | None, splits: int | None = None) ->
     write_json(Path(cfg.output_dir) / "eval.json", result)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from gmeta_ds.tune import tune
+
+    return tune(args.config, args.space, args.overrides, args.trials, args.study, args.trial_timeout)
 
 
 def _cmd_plot(run_dir: str, out: str | None) -> int:
@@ -489,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_serve(args)
         if args.command == "data":
             return _cmd_data(args)
+        if args.command == "tune":
+            return _cmd_tune(args)
         cfg = load_config(args.config, _overrides(args))
         if args.command == "validate":
             return _cmd_validate(cfg, args)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
+from gmeta_ds.arguments import finite, int_at_least
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_contract
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.sparse import Jagged
@@ -263,3 +264,53 @@ def train_baseline(net: nn.Module, tasks: TaskSet, epochs: int, batch_size: int,
             loss.backward()
             optimizer.step()
     return net
+
+
+BASELINES = ("non_meta", "popularity")
+
+
+def evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines, train, settings,
+                      initial_kept: bool) -> tuple[list[str], list[str]]:
+    """What is wrong with `MetaEngine.evaluate`'s arguments, and the baselines it asks for:
+    ``settings`` the non-meta baseline's (epochs, lr, batch size); ``initial_kept``: the engine
+    kept the initial weights that baseline starts from."""
+    problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
+                                                      f"{type(tasks).__name__}"]
+    if inner_steps is not None:
+        int_at_least(problems, "inner_steps", inner_steps, 0)
+    int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
+    int_at_least(problems, "bootstrap_resamples", bootstrap_resamples, 0)
+    wanted = _baseline_names(problems, baselines)
+    if wanted:
+        _check_baselines(problems, wanted, train, *settings, initial_kept)
+    return problems, wanted
+
+
+def _baseline_names(problems: list[str], baselines) -> list[str]:
+    """``evaluate``'s ``baselines`` as a list of names of `BASELINES` (a str is one name)."""
+    if isinstance(baselines, str):
+        baselines = [baselines]
+    try:
+        names = list(baselines)
+    except TypeError:
+        problems.append(f"baselines: {baselines!r} is not a list of {', '.join(BASELINES)}")
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        problems.append(f"baselines: {', '.join(map(repr, bad))} not among {', '.join(BASELINES)}")
+    return [n for n in BASELINES if n in names]
+
+
+def _check_baselines(problems: list[str], wanted: list[str], train, epochs, lr, batch_size, initial_kept: bool) -> None:
+    """``evaluate``'s baseline arguments: the training tasks and the non-meta baseline's
+    training settings, and initial weights to start it from."""
+    if not isinstance(train, TaskSet):
+        problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
+                        f"pass train=data.train (got {type(train).__name__})")
+    int_at_least(problems, "baseline_epochs", epochs, 0)
+    finite(problems, "baseline_lr", lr)
+    int_at_least(problems, "baseline_batch_size", batch_size, 1)
+    if "non_meta" in wanted and not initial_kept:
+        problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
+                        "engine did not keep (its parameters were already partitioned when "
+                        "gm.initialize got them)")

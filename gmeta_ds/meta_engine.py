@@ -25,12 +25,12 @@ import torch.distributed as dist
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, embed_batch
-from gmeta_ds.arguments import check, finite, int_at_least
+from gmeta_ds.arguments import check, int_at_least
 from gmeta_ds.config import DEFAULTS
 from gmeta_ds.config.sites import DELTA_DTYPES
 from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
+from gmeta_ds.data.tasks import SUPPORT_SIZES, TaskBatch, TaskData, TaskSet, collate
 from gmeta_ds.sparse import single_fields
 from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
@@ -41,7 +41,7 @@ from gmeta_ds.engine.outer_sync import OuterSync
 from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.engine.sites import active_sites, data_part
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import merge, paired, predict, score
+from gmeta_ds.evaluation import BASELINES, evaluate_problems, merge, paired, predict, score  # noqa: F401 - BASELINES re-exported (api)
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.profiling import phase
@@ -87,39 +87,6 @@ def _who_is_nonfinite(bad_batches: list[TaskBatch]) -> list[tuple[int, list[int]
 
 class NonFiniteLoss(RuntimeError):
     """A meta-step's outer loss was NaN/inf on some rank (``train.nonfinite: abort``)."""
-
-
-BASELINES = ("non_meta", "popularity")
-
-
-def _baseline_names(problems: list[str], baselines) -> list[str]:
-    """``evaluate``'s ``baselines`` as a list of names of `BASELINES` (a str is one name)."""
-    if isinstance(baselines, str):
-        baselines = [baselines]
-    try:
-        names = list(baselines)
-    except TypeError:
-        problems.append(f"baselines: {baselines!r} is not a list of {', '.join(BASELINES)}")
-        return []
-    bad = [n for n in names if n not in BASELINES]
-    if bad:
-        problems.append(f"baselines: {', '.join(map(repr, bad))} not among {', '.join(BASELINES)}")
-    return [n for n in BASELINES if n in names]
-
-
-def _check_baselines(problems: list[str], wanted: list[str], train, epochs, lr, batch_size, initial_kept: bool) -> None:
-    """``evaluate``'s baseline arguments: the training tasks and the non-meta baseline's
-    training settings, and initial weights to start it from."""
-    if not isinstance(train, TaskSet):
-        problems.append(f"train: the baselines {', '.join(wanted)} are fitted on the training tasks: "
-                        f"pass train=data.train (got {type(train).__name__})")
-    int_at_least(problems, "baseline_epochs", epochs, 0)
-    finite(problems, "baseline_lr", lr)
-    int_at_least(problems, "baseline_batch_size", batch_size, 1)
-    if "non_meta" in wanted and not initial_kept:
-        problems.append("baselines: 'non_meta' starts from the model's initial weights, which this "
-                        "engine did not keep (its parameters were already partitioned when "
-                        "gm.initialize got them)")
 
 
 @dataclass
@@ -276,24 +243,27 @@ class MetaEngine:
         return self.plan.world_size
 
     def batches(self, tasks: TaskSet, step: int, bucket_by_length: bool = DEFAULTS.data.bucket_by_length,
-                resample: bool = DEFAULTS.data.resample) -> list[TaskBatch]:
+                resample: bool = DEFAULTS.data.resample,
+                resample_support: str = DEFAULTS.data.resample_support) -> list[TaskBatch]:
         """This rank's micro-batches of meta-step ``step``: the global batch of
         ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
         permutation per epoch), split over (micro-batch, rank). ``resample``: episode
         resampling (``data.resample``), each task's support and query redrawn from its rows,
-        keyed by (seed, step)."""
+        keyed by (seed, step); ``resample_support``: as ``data.resample_support``."""
         from gmeta_ds.data.loader import task_lengths
 
         problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.train), got "
                                                           f"{type(tasks).__name__}"]
         int_at_least(problems, "step", step, 0)
+        if resample_support not in SUPPORT_SIZES or (resample_support != "full" and not resample):
+            problems.append(f"resample_support: {resample_support!r} is not 'full' (or 'random' with resample=True)")
         check(problems, "MetaEngine.batches")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.batches")
         lengths = task_lengths(tasks) if bucket_by_length else None
         sampler = MetaBatchSampler(len(tasks), self.plan.tasks_per_micro_batch, self.plan.grad_accum_steps,
                                    self.plan.world_size, self.rank, self.seed, lengths, part=data_part())
         key = (self.seed, step) if resample else None
-        return [collate(tasks, ids, resample=key) for ids in sampler.micro_batches(step)]
+        return [collate(tasks, ids, resample=key, support=resample_support) for ids in sampler.micro_batches(step)]
 
     def meta_step(self, batches: list[TaskBatch]) -> StepResult:
         """One outer step on this rank's micro-batches (collective): fused lookups of support
@@ -309,6 +279,9 @@ class MetaEngine:
                               "MetaEngine.meta_step")
         if self.embeddings is not None:  # the lookup reads the id columns by row_fields
             check_id_columns(self.learner.net, batches[0])
+        warming = self.step < self.learner.algorithm.warmup_steps
+        for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
+            learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
         result = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
         if self.outer is not None and self.outer.due(self.step):
@@ -405,21 +378,14 @@ class MetaEngine:
         interaction (Adam, ``baseline_epochs`` x ``baseline_lr``, batches of
         ``baseline_batch_size`` rows, seeded by the engine's seed), scored as is
         (``baseline_<metric>``) and fine-tuned on each support with the learner's inner loop
-        (``baseline_finetune_<metric>``); ``"popularity"``, each item's shrunk training click
-        rate (or mean rating) plus a per-user offset fitted on the support
-        (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
+        (``baseline_finetune_<metric>``, per-user AUC included); ``"popularity"``, each item's
+        shrunk training click rate (or mean rating) plus a per-user offset fitted on the
+        support (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
         alone (no collective; deterministic on CPU). ``intervals``: each difference, meta-learned
         minus baseline, with a paired-bootstrap 95% interval (`gmeta_ds.intervals`; 0 resamples: none)."""
-        problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
-                                                          f"{type(tasks).__name__}"]
-        if inner_steps is not None:
-            int_at_least(problems, "inner_steps", inner_steps, 0)
-        int_at_least(problems, "tasks_per_batch", tasks_per_batch, 1)
-        int_at_least(problems, "bootstrap_resamples", bootstrap_resamples, 0)
-        wanted = _baseline_names(problems, baselines)
-        if wanted:
-            _check_baselines(problems, wanted, train, baseline_epochs, baseline_lr, baseline_batch_size,
-                             self.initial is not None)
+        problems, wanted = evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines,
+                                             train, (baseline_epochs, baseline_lr, baseline_batch_size),
+                                             self.initial is not None)
         check(problems, "MetaEngine.evaluate")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
         learner = self.single_process_learner()
@@ -476,6 +442,7 @@ class MetaEngine:
             out[f"baseline_finetune_{name}"] = base[name]
         if kind == "binary":
             out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+            out["baseline_finetune_auc_per_task"] = base["auc_per_task"]
         return out, {"baseline": (rows, "plain"), "baseline_finetune": (rows, "adapted")}
 
     def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> tuple[dict, tuple]:

@@ -2,8 +2,9 @@
 
 Sections: the run (what was trained, on how many users), the comparison table (every model's
 cold-start metrics) and each baseline's difference with its 95% paired interval and a verdict
-(better, worse or undecided at 95%), the four cold-start states (``eval.states``), the few-shot
-curve (``eval.few_shot``), the per-user AUC distribution (``per_user.csv``), the user splits
+(better, worse or undecided at 95%), per-user AUC first, then global AUC, then logloss (MAE
+first for ratings), the four cold-start states (``eval.states``), the few-shot curve
+(``eval.few_shot``), the per-user AUC distribution (``per_user.csv``), the user splits
 (``splits.json`` of ``gmeta-ds eval --splits``), the training curves (``metrics.jsonl``) and the
 configuration. Charts are matplotlib PNGs inlined as base64 ``data:`` URIs: the page loads no
 other file and nothing from the network, so it can be mailed or attached as it is. No torch:
@@ -32,6 +33,9 @@ NAMES = {"baseline": "non-meta baseline", "baseline_finetune": "baseline + fine-
          "baseline_finetune_tuned": "baseline + tuned fine-tune", "baseline_popularity": "popularity + user offset",
          "meta": "meta-learned + adaptation", "meta_no_adapt": "meta-learned, no adaptation"}
 METRIC_LABELS = {"auc": "AUC", "auc_per_task": "per-user AUC", "logloss": "logloss", "mae": "MAE", "rmse": "RMSE"}
+# The order of the metric columns and of each verdict row: the mean per-user AUC first (the
+# metric a cold-start user decides on), then the global AUC, then logloss; MAE, RMSE for ratings.
+METRIC_ORDER = ("auc_per_task", "auc", "logloss", "mae", "rmse")
 STATES = {"warm": "warm (existing users, existing items)", "user_cold": "user cold (new users, existing items)",
           "item_cold": "item cold (existing users, new items)", "user_item_cold": "user and item cold"}
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
@@ -117,7 +121,14 @@ def _run_section(summary: dict) -> str:
 
 
 def _metrics(evaluation: dict) -> list[str]:
-    return [m for m in ("auc", "auc_per_task", "logloss", "mae", "rmse") if m in evaluation]
+    """The metrics of ``evaluation`` (summary.json's ``eval``, or a state's), in `METRIC_ORDER`."""
+    return [m for m in METRIC_ORDER if m in evaluation]
+
+
+def _ordered(metrics) -> list[str]:
+    """``metrics`` (the keys of one baseline's differences) in `METRIC_ORDER`; others last."""
+    metrics = list(metrics)
+    return [m for m in METRIC_ORDER if m in metrics] + [m for m in metrics if m not in METRIC_ORDER]
 
 
 def _score_rows(evaluation: dict) -> list[list[str]]:
@@ -143,7 +154,9 @@ def _comparison_section(evaluation: dict) -> list[str]:
     if intervals.get("differences"):
         out.append(f"<p>Meta-learned minus each baseline, with the {intervals['level']:.0%} interval of a paired "
                    f"bootstrap over the {_e(intervals['users'])} held-out users ({_e(intervals['resamples'])} "
-                   "resamples). For AUC higher is better, for logloss, MAE and RMSE lower is.</p>")
+                   "resamples), and the verdict: per-user AUC first (the mean AUC of each held-out user's own "
+                   "query rows: what a cold-start user sees), then the global AUC, then logloss (MAE, then RMSE "
+                   "for ratings). For the AUCs higher is better, for logloss, MAE and RMSE lower is.</p>")
         out.append(_differences_table(intervals["differences"]))
     return out
 
@@ -159,8 +172,9 @@ def _verdict(metric: str, d: dict) -> str:
 
 
 def _differences_table(differences: dict) -> str:
-    """baseline x metric: difference [low, high] and the verdict."""
-    metrics = list(next(iter(differences.values())))
+    """baseline x metric: difference [low, high] and the verdict; per-user AUC first
+    (`METRIC_ORDER`)."""
+    metrics = _ordered(next(iter(differences.values())))
     rows = [[_e(NAMES.get(b, b)), *(f"{_num(d[m]['diff'], True)} [{_num(d[m]['low'], True)}, "
                                     f"{_num(d[m]['high'], True)}] {_verdict(m, d[m])}" for m in metrics)]
             for b, d in differences.items()]

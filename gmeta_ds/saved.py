@@ -45,6 +45,9 @@ from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
 FORMAT, VERSION = "gmeta_ds model", 1
 META, WEIGHTS, VOCAB = "model.json", "model.safetensors", "vocab.safetensors"
 ALGORITHM_KEYS = tuple(f.name for f in dataclasses.fields(AlgorithmSettings))
+# Settings added after exports existed, with the value an older export was trained with: a
+# training-only term (the query loss's ranking weight) that adapting and scoring never read.
+LATER_KEYS = {"rank_weight": 0.0, "warmup_steps": 0, "init_weight": 0.0}
 
 
 def algorithm_settings(algorithm) -> dict | None:
@@ -225,6 +228,8 @@ def _learner(model: nn.Module, settings, where: Path):
     """The meta-learner of the saved algorithm settings around ``model``."""
     from gmeta_ds.registry import ALGORITHMS
 
+    if isinstance(settings, dict):
+        settings = {**LATER_KEYS, **settings}
     if not isinstance(settings, dict) or settings.get("name") not in ALGORITHMS.names() \
             or not set(ALGORITHM_KEYS) <= set(settings):
         raise _refuse(where, f"'algorithm' is {settings!r}: expected a registered algorithm's name and "

@@ -28,7 +28,8 @@ def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int =
     return ALGORITHMS[cfg.algorithm].from_settings(AlgorithmSettings(
         inner_steps=cfg.inner_steps, inner_lr=cfg.inner_lr, adapt=cfg.adapt, vectorize=vectorize, kind=kind,
         split_body=cfg.split_body, inner_lr_scale=cfg.inner_lr_scale, inner_loss_prior=cfg.inner_loss_prior,
-        offset_first=cfg.offset_first, support_level=cfg.support_level))
+        offset_first=cfg.offset_first, support_level=cfg.support_level, rank_weight=cfg.rank_weight,
+        warmup_steps=cfg.warmup_steps, init_weight=cfg.init_weight))
 
 
 __all__ = ["ALGORITHMS", "FOMAML", "MAML", "MetaAlgorithm", "MetaLearner", "MetaOutput",

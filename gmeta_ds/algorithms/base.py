@@ -24,7 +24,7 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.algorithms.contract import (  # noqa: F401 - the contract checks, re-exported here
     CONTRACT_ERRORS, PROBE_ROWS, check_id_columns, check_row_fields, check_task_fields, model_contract, probe_model)
 from gmeta_ds.functional.inner import (
-    InnerLoop, InnerSettings, LearningRates, Params, TaskOutputs, TaskRecipe, run_tasks)
+    InnerLoop, InnerSettings, LearningRates, Params, TaskOutputs, TaskRecipe, run_tasks, supervised_tasks)
 from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features
 from gmeta_ds.models import popularity
@@ -119,6 +119,9 @@ class AlgorithmSettings:
     inner_loss_prior: float = 0.0
     offset_first: "float | None" = None
     support_level: "float | None" = None
+    rank_weight: float = 0.0
+    warmup_steps: int = 0
+    init_weight: float = 0.0
 
 
 class MetaAlgorithm:
@@ -134,7 +137,8 @@ class MetaAlgorithm:
     def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
                  kind: str = "binary", split_body: "bool | str" = "auto",
                  inner_lr_scale: "dict[str, float] | None" = None, inner_loss_prior: float = 0.0,
-                 offset_first: "float | None" = None, support_level: "float | None" = None):
+                 offset_first: "float | None" = None, support_level: "float | None" = None,
+                 rank_weight: float = 0.0, warmup_steps: int = 0, init_weight: float = 0.0):
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
         self.adapt = list(adapt)
@@ -144,6 +148,23 @@ class MetaAlgorithm:
         if not inner_loss_prior >= 0.0:
             raise ConfigError([f"meta.inner_loss_prior: {inner_loss_prior!r} must be a number >= 0"])
         self.inner_loss_prior = float(inner_loss_prior)
+        # meta.rank_weight: the query loss's pairwise ranking term (`InnerLoop.query_loss`)
+        if not (isinstance(rank_weight, (int, float)) and rank_weight >= 0.0):
+            raise ConfigError([f"meta.rank_weight: {rank_weight!r} must be a number >= 0"])
+        if rank_weight and kind not in ("binary", "regression"):
+            raise ConfigError([f"meta.rank_weight: orders a task's rows by their labels; labels of kind "
+                               f"{kind!r} have no order (binary or regression only)"])
+        self.rank_weight = float(rank_weight)
+        # meta.warmup_steps: the first meta-steps train without adaptation (`supervised_loss`);
+        # ``warming_up`` is set for each meta-step by the engine that counts them
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError([f"meta.warmup_steps: {warmup_steps!r} must be an integer >= 0"])
+        self.warmup_steps = warmup_steps
+        # meta.init_weight: the unadapted model's loss on every row, added to the outer loss
+        if isinstance(init_weight, bool) or not (isinstance(init_weight, (int, float)) and init_weight >= 0.0):
+            raise ConfigError([f"meta.init_weight: {init_weight!r} must be a number >= 0"])
+        self.init_weight = float(init_weight)
+        self.warming_up = False
         # meta.offset_first: the prior λ of the per-task offset set before the inner steps
         # (`InnerLoop.offset_first`); meta.support_level: that of `InnerLoop.level_shift`
         self.offset_first = _optional_prior("meta.offset_first", offset_first, kind)
@@ -153,7 +174,7 @@ class MetaAlgorithm:
         self.split_body = split_body  # meta.split_body: auto | true | false (`engine.parallelize`)
         # the inner loop's own settings, built once (`inner_loop`)
         self.inner = InnerSettings(steps=inner_steps, first_order=self.first_order, kind=kind,
-                                   support_prior=self.inner_loss_prior)
+                                   support_prior=self.inner_loss_prior, rank_weight=self.rank_weight)
 
     @classmethod
     def from_settings(cls, settings: AlgorithmSettings) -> "MetaAlgorithm":
@@ -199,6 +220,25 @@ class MetaAlgorithm:
             query_fast=lambda f: f) -> TaskOutputs:
         """The T tasks of a micro-batch (with a body split their inputs are features)."""
         return run_tasks(inner, theta, lrs, support, query, self.vectorize, query_fast)
+
+    def supervised_loss(self, inner: InnerLoop, theta: Params, support: tuple, query: tuple) -> MetaOutput:
+        """A warm-up meta-step (``meta.warmup_steps``): no inner loop, the unadapted model's
+        loss over every row of the tasks (support and query), as the non-meta baseline trains;
+        its gradient is plain supervised training's, through the same engine and optimizers."""
+        loss, support_loss, query_loss = supervised_tasks(inner, theta, support, query, self.vectorize)
+        return MetaOutput(loss.mean(), query_loss.detach().mean(), support_loss.detach().mean(),
+                          query_loss.detach())
+
+    def anchored_loss(self, inner: InnerLoop, lrs: LearningRates, theta: Params, support: tuple,
+                      query: tuple) -> MetaOutput:
+        """`outer_loss`, plus ``init_weight`` x `supervised_loss` when that is set: the
+        unadapted model is asked to predict every row of its tasks too, so meta-training cannot
+        trade the initialisation's own ranking for adaptability."""
+        out = self.outer_loss(inner, lrs, theta, support, query)
+        if not self.init_weight:
+            return out
+        anchor = self.supervised_loss(inner, theta, support, query)
+        return dataclasses.replace(out, loss=out.loss + self.init_weight * anchor.loss)
 
     def outer_loss(self, inner: InnerLoop, lrs: LearningRates, theta: Params, support: tuple,
                    query: tuple) -> MetaOutput:
@@ -342,11 +382,13 @@ class MetaLearner(nn.Module):
         model's matrix products run in the parameters' dtype under autocast."""
         first = next(iter(theta.values()))
         inner, lrs = self.inner_loop(split=self.active_split), self.learning_rates()
+        algorithm = self.algorithm
+        run = (lambda theta, s, q: algorithm.supervised_loss(inner, theta, s, q)) if algorithm.warming_up \
+            else (lambda theta, s, q: algorithm.anchored_loss(inner, lrs, theta, s, q))
         if first.dtype not in HALF:
-            return self.algorithm.outer_loss(inner, lrs, theta, *self.split_inputs(support, query))
+            return run(theta, *self.split_inputs(support, query))
         with torch.autocast(device_type=first.device.type, dtype=first.dtype):
-            return self.algorithm.outer_loss(inner, lrs, {n: p.float() for n, p in theta.items()},
-                                             *self.split_inputs(support, query))
+            return run({n: p.float() for n, p in theta.items()}, *self.split_inputs(support, query))
 
     def split_inputs(self, support: tuple, query: tuple) -> tuple[tuple, tuple]:
         """With an active body split, the support and query inputs replaced by the body's

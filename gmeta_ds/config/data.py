@@ -80,6 +80,10 @@ class DataConfig:
     # redrawn at random from all its rows (same sizes), keyed by (seed, meta-step); held-out
     # users keep their one split. Needs split: random (a time split's query is the latest rows).
     resample: bool = False
+    # With resample: the support's size too. full: the task's own; random: each drawn episode
+    # keeps the first k of its redrawn support rows, k log-uniform in [1, its support size], so
+    # meta-training also sees the 1-20 row supports a new user brings (the query is unchanged).
+    resample_support: str = "full"
     min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
     max_interactions: int = 100
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error

@@ -25,6 +25,18 @@ class MetaConfig:
     # instead of the mean, so a task with n support rows adapts n / (n + prior) as far per step
     # (0 = the mean). Like the popularity baseline's offset prior: few rows, small update.
     inner_loss_prior: float = 0.0
+    # The outer loss asks for each task's order too: query loss = BCE (MSE) + rank_weight x the
+    # mean pairwise logistic loss over the task's query pairs that the labels order (a click
+    # above a non-click), a smooth bound of 1 - per-user AUC. 0 = the pointwise loss alone.
+    rank_weight: float = 0.0
+    # The first warmup_steps meta-steps train the model on their tasks' rows without adaptation
+    # (support and query alike, plain supervised training through the same engine and
+    # optimizers), then meta-training starts from that initialisation. 0 = none.
+    warmup_steps: int = 0
+    # The outer loss also holds the initialisation to the data: + init_weight x the unadapted
+    # model's loss on every row of the tasks (support and query), so meta-training keeps the
+    # initialisation's own ranking while it learns to adapt. 0 = the algorithm's loss alone.
+    init_weight: float = 0.0
     # With model.item_popularity and popularity.bias adapted: before the inner steps, each task's
     # offset is moved to the MAP of its support given the model's own logits (the popularity
     # baseline's offset fit, Gaussian prior of precision offset_first); null = off.

@@ -192,6 +192,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _validate_run(cfg, problems)
     validate_meta_options(cfg.meta, problems)
     _validate_popularity(cfg, problems)
+    _validate_objective(cfg, problems)
     if cfg.task == "text":
         _validate_text(cfg.text, problems)
     _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
@@ -201,6 +202,10 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     _validate_positives(cfg, problems)
     _validate_held_out(cfg, problems)
     _one_of(problems, "data.long_tasks", cfg.data.long_tasks, ("skip", "train"))
+    _one_of(problems, "data.resample_support", cfg.data.resample_support, ("full", "random"))
+    if cfg.data.resample_support == "random" and not cfg.data.resample:
+        problems.append("data.resample_support: random sizes the support of redrawn episodes; set "
+                        "data.resample: true")
     if cfg.data.resample and cfg.data.split == "time":
         problems.append("data.resample: redraws each task's query at random, which would break "
                         "data.split: time (query = the latest rows); use data.split: random")
@@ -262,6 +267,25 @@ def _validate_popularity(cfg: RunConfig, problems: list[str]) -> None:
         _positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
 
 
+def _validate_objective(cfg: RunConfig, problems: list[str]) -> None:
+    """``meta.rank_weight``, ``meta.init_weight``, ``meta.warmup_steps``: what the outer loss asks for."""
+    meta = cfg.meta
+    if isinstance(meta.rank_weight, bool) or not isinstance(meta.rank_weight, (int, float)) \
+            or not meta.rank_weight >= 0 or meta.rank_weight == float("inf"):
+        problems.append(f"meta.rank_weight: {meta.rank_weight!r} must be a finite number >= 0")
+    elif meta.rank_weight and cfg.task != "ctr":
+        problems.append(f"meta.rank_weight: orders a task's rows by their labels; task {cfg.task!r} "
+                        "has class labels (ctr only)")
+    if isinstance(meta.init_weight, bool) or not isinstance(meta.init_weight, (int, float)) \
+            or not 0 <= meta.init_weight < float("inf"):
+        problems.append(f"meta.init_weight: {meta.init_weight!r} must be a finite number >= 0")
+    if isinstance(meta.warmup_steps, bool) or not isinstance(meta.warmup_steps, int) or meta.warmup_steps < 0:
+        problems.append(f"meta.warmup_steps: {meta.warmup_steps!r} must be an integer >= 0")
+    elif isinstance(cfg.train.meta_steps, int) and meta.warmup_steps >= cfg.train.meta_steps > 0:
+        problems.append(f"meta.warmup_steps: {meta.warmup_steps} leaves no meta-step of meta-training "
+                        f"(train.meta_steps is {cfg.train.meta_steps}); it must be below it")
+
+
 def _validate_positives(cfg: RunConfig, problems: list[str]) -> None:
     """Rates, steps and sizes across sections that must be > 0 (some may be 'auto')."""
     for key in ("meta.inner_steps", "meta.inner_lr", "train.meta_steps", "train.lr",
@@ -278,8 +302,8 @@ def _validate_positives(cfg: RunConfig, problems: list[str]) -> None:
 def _validate_held_out(cfg: RunConfig, problems: list[str]) -> None:
     """Which held-out users eval scores (eval.split) against the fractions data holds out."""
     _one_of(problems, "eval.split", cfg.eval.split, ("test", "valid"))
-    if cfg.eval.split == "valid" and (cfg.data.source == "synthetic" or cfg.data.valid_fraction <= 0):
-        problems.append("eval.split: 'valid' needs a log source with data.valid_fraction > 0")
+    if cfg.eval.split == "valid" and cfg.data.valid_fraction <= 0:
+        problems.append("eval.split: 'valid' scores the validation users; set data.valid_fraction > 0 (e.g. 0.1)")
     if not 0.0 <= cfg.data.valid_fraction < 1.0 or cfg.data.valid_fraction + cfg.data.test_fraction >= 1.0:
         problems.append(f"data.valid_fraction: {cfg.data.valid_fraction!r} must be in [0, 1) and leave "
                         f"training users next to data.test_fraction ({cfg.data.test_fraction})")

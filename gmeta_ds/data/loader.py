@@ -28,19 +28,20 @@ class TaskLoader:
     ``prefetch``: collate the next meta-step in a background thread. ``resample``
     (``data.resample``): each task's support and query are redrawn from its rows at every
     meta-step that draws it, keyed by (sampler seed, meta-step), so a resumed run and any world
-    size see the same episodes.
+    size see the same episodes; ``support`` (``data.resample_support``): "random" sizes each
+    redrawn support at random (`tasks.resampled_split`).
     """
 
     def __init__(self, tasks: TaskSet, sampler: MetaBatchSampler, prefetch: bool = True,
-                 resample: bool = False):
-        self.tasks, self.sampler, self.resample = tasks, sampler, resample
+                 resample: bool = False, support: str = "full"):
+        self.tasks, self.sampler, self.resample, self.support = tasks, sampler, resample, support
         self.next_step = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gmeta-prefetch") if prefetch else None
         self._pending: tuple[int, Future] | None = None
 
     def _collate(self, step: int) -> list[TaskBatch]:
         key = (self.sampler.seed, step) if self.resample else None
-        return [collate(self.tasks, mb, resample=key) for mb in self.sampler.micro_batches(step)]
+        return [collate(self.tasks, mb, resample=key, support=self.support) for mb in self.sampler.micro_batches(step)]
 
     def next(self) -> list[TaskBatch]:
         """The micro-batches of meta-step ``next_step``; starts collating the one after."""

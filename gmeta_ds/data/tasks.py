@@ -176,41 +176,51 @@ def _pad_multi(task_set: TaskSet, parts: list[slice | np.ndarray], width: int) -
 RESAMPLE_TAG = 0x5E5A  # keeps the episode streams apart from the sampler's epoch permutations
 
 
-def resampled_split(task_set: TaskSet, task: int, key: tuple[int, ...], position: int | None = None
-                    ) -> tuple[np.ndarray, np.ndarray]:
+SUPPORT_SIZES = ("full", "random")  # data.resample_support
+
+
+def resampled_split(task_set: TaskSet, task: int, key: tuple[int, ...], position: int | None = None,
+                    support: str = "full") -> tuple[np.ndarray, np.ndarray]:
     """Episode resampling: the rows of ``task`` re-split at random into a support of the task's
     own support size and a query of the rest, drawn from ``(*key, task)``. ``position`` is where
-    the task's rows lie in ``task_set`` when it is a subset (default: ``task``)."""
+    the task's rows lie in ``task_set`` when it is a subset (default: ``task``). ``support``
+    "random" (``data.resample_support``): the support keeps only its first k rows, k drawn
+    log-uniformly in [1, support size] from the same stream (the query is unchanged)."""
     where = task if position is None else position
     start, end = int(task_set.offsets[where]), int(task_set.offsets[where + 1])
-    order = start + np.random.default_rng([RESAMPLE_TAG, *key, int(task)]).permutation(end - start)
+    rng = np.random.default_rng([RESAMPLE_TAG, *key, int(task)])
+    order = start + rng.permutation(end - start)
     mid = int(task_set.support_len[where])
-    return np.sort(order[:mid]), np.sort(order[mid:])
+    keep = mid
+    if support == "random" and mid > 1:
+        keep = min(mid, max(1, int(np.exp(rng.uniform(0.0, np.log(mid + 1))))))
+    return np.sort(order[:keep]), np.sort(order[mid:])
 
 
 def collate(task_set: TaskSet, tasks: np.ndarray | list[int],
-            resample: tuple[int, ...] | None = None) -> TaskBatch:
+            resample: tuple[int, ...] | None = None, support: str = "full") -> TaskBatch:
     """Pad the given tasks of ``task_set`` into one `TaskBatch`. From a task store (arrays read
     on demand) the tasks' rows are first read once per task and array (`TaskSet.subset`), then
     padded from memory.
 
     ``resample`` (``data.resample``): a key of non-negative ints, e.g. (run seed, meta-step);
     each task's support and query are then redrawn from all its rows (`resampled_split`, same
-    sizes), the same for the same key and task whatever the batch or world size."""
+    sizes, or with ``support`` "random" a support of random size: `resampled_split`), the same
+    for the same key and task whatever the batch or world size."""
     tasks = np.asarray(tasks, dtype=np.int64)
     if not isinstance(task_set.ids, np.ndarray):
         sub = task_set.subset(tasks)
         if resample is None:
             batch = collate(sub, np.arange(len(tasks)))
         else:
-            parts = [resampled_split(sub, int(t), resample, position=i) for i, t in enumerate(tasks)]
+            parts = [resampled_split(sub, int(t), resample, position=i, support=support) for i, t in enumerate(tasks)]
             batch = _collate_parts(sub, parts, np.arange(len(tasks)))
         batch.task_ids = torch.as_tensor(tasks)
         return batch
     if resample is None:
         parts = [task_set.split(int(t)) for t in tasks]
     else:
-        parts = [resampled_split(task_set, int(t), resample) for t in tasks]
+        parts = [resampled_split(task_set, int(t), resample, support=support) for t in tasks]
     return _collate_parts(task_set, parts, tasks)
 
 

@@ -46,6 +46,17 @@ def masked_mse(preds: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
     return ((preds - targets).pow(2) * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def masked_pairwise(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
+    """Mean pairwise logistic (RankNet) loss over the ordered pairs of one task's real rows:
+    ``softplus(s_j - s_i)`` for every pair whose labels order them (``y_i > y_j``: a click above
+    a non-click, a higher rating above a lower one), a smooth bound of 1 - the task's AUC.
+    (N,) -> scalar; a task with no such pair (one class only) has loss 0 (never NaN)."""
+    real = mask[:, None] * mask[None, :]
+    ordered = (labels[:, None] > labels[None, :]).to(logits.dtype) * real
+    gaps = torch.nn.functional.softplus(logits[None, :] - logits[:, None])
+    return (gaps * ordered).sum() / ordered.sum().clamp(min=1.0)
+
+
 def masked_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     """Mean cross-entropy over the real rows of one task (N-way classification): logits
     (N, C), labels (N,) in 0..C-1, mask (N,); half-precision logits are upcast to float32."""
@@ -108,12 +119,15 @@ class InnerSettings:
     (`MetaAlgorithm.inner`): ``steps`` SGD steps, second or first order, the label ``kind``
     (its loss: `LOSSES`) and ``support_prior`` (meta.inner_loss_prior k: the support loss is
     sum / (rows + k) instead of the mean, so a task with n support rows takes steps
-    n / (n + k) as long: shrinkage of small supports)."""
+    n / (n + k) as long: shrinkage of small supports) and ``rank_weight`` (meta.rank_weight w: the
+    query loss is the label kind's loss + w x `masked_pairwise`, so the outer loss also asks
+    for the order of each task's query rows, not only their level)."""
 
     steps: int
     first_order: bool
     kind: str = "binary"
     support_prior: float = 0.0
+    rank_weight: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -175,6 +189,13 @@ class InnerLoop:
             return loss
         n = mask.sum().clamp(min=1.0)
         return loss * (n / (n + prior))
+
+    def query_loss(self, logits: Tensor, y: Tensor, mask: Tensor) -> Tensor:
+        """The outer (query) loss of one task's adapted logits: the label kind's loss, plus
+        ``rank_weight`` x the pairwise ranking loss (`masked_pairwise`) when it is set."""
+        loss = self.loss_fn(logits, y, mask)
+        weight = self.settings.rank_weight
+        return loss + weight * masked_pairwise(logits, y, mask) if weight else loss
 
     def query_logits(self, theta: Params, fast: Params, xs, ys: Tensor, ms: Tensor, xq) -> Tensor:
         """Adapted logits of the query rows ``xq``, plus the recipe's ``query_shift`` if any."""
@@ -239,7 +260,7 @@ class TaskOutputs:
 def _one_task(inner: InnerLoop, theta: Params, lrs: LearningRates, query_fast: Callable,
               adapt: Callable, xs, ys, ms, xq, yq, mq):
     fast, support_loss = adapt(theta, lrs, xs, ys, ms)
-    query_loss = inner.loss_fn(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
+    query_loss = inner.query_loss(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
     return query_loss, support_loss, fast
 
 
@@ -269,6 +290,27 @@ def loop_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tup
     support_loss = torch.stack([r[1] for r in results]).detach()
     fast = {n: torch.stack([r[2][n] for r in results]) for n in theta}
     return TaskOutputs(query_loss, support_loss, fast)
+
+
+def _supervised_task(inner: InnerLoop, theta: Params, xs, ys, ms, xq, yq, mq) -> tuple[Tensor, Tensor, Tensor]:
+    """One task without adaptation: (loss over its support and query rows, weighted by their
+    counts; the support loss; the query loss), all at ``theta``."""
+    support_loss = inner.task_loss(theta, xs, ys, ms)
+    query_loss = inner.query_loss(inner.logits(theta, xq), yq, mq)
+    ns, nq = ms.sum(), mq.sum()
+    return (support_loss * ns + query_loss * nq) / (ns + nq).clamp(min=1.0), support_loss, query_loss
+
+
+def supervised_tasks(inner: InnerLoop, theta: Params, support: tuple, query: tuple,
+                     vectorize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The T tasks of a micro-batch trained as plain supervised data (``meta.warmup_steps``):
+    per task (T,), the loss of the unadapted model over all its rows (support and query), the
+    support loss and the query loss (with the query loss's ranking term, `InnerLoop.query_loss`)."""
+    if vectorize:
+        return vmap(lambda *task: _supervised_task(inner, theta, *task))(*support, *query)
+    results = [_supervised_task(inner, theta, *(select_task(t, i) for t in support), *(select_task(t, i) for t in query))
+               for i in range(support[1].shape[0])]
+    return tuple(torch.stack(r) for r in zip(*results))
 
 
 def memory_bytes_per_rank() -> int:

@@ -67,7 +67,8 @@ class CTRWorkload(Workload):
         lengths = task_lengths(train) if cfg.data.bucket_by_length else None
         sampler = MetaBatchSampler(len(train), plan.tasks_per_micro_batch, plan.grad_accum_steps,
                                    plan.world_size, rank, cfg.seed, lengths, part=data_part())
-        return TaskLoader(train, sampler, cfg.data.prefetch, resample=cfg.data.resample)
+        return TaskLoader(train, sampler, cfg.data.prefetch, resample=cfg.data.resample,
+                          support=cfg.data.resample_support)
 
     def finish(self, cfg: RunConfig, engine, built: Built, rank: int, world: int) -> tuple[dict, dict]:
         with run_phase(cfg, "final gather"):
@@ -123,19 +124,9 @@ class CTRWorkload(Workload):
         # null: a metric undefined on these tasks (printed nan; why: ev["warnings"])
         ev = {k: float("nan") if v is None else v for k, v in summary.get("eval", {}).items()}
         if ev and ev.get("tasks", 1):
-            name = "auc" if "auc" in ev else "mae"
-            parts = [f"meta-learned + adaptation {ev[name]:.4f}", f"without adaptation {ev[name + '_no_adapt']:.4f}"]
-            if f"baseline_{name}" in ev:
-                parts.append(f"non-meta baseline {ev['baseline_' + name]:.4f}")
-            if f"baseline_finetune_{name}" in ev:
-                parts.append(f"baseline + fine-tune {ev['baseline_finetune_' + name]:.4f}")
-            if f"baseline_finetune_tuned_{name}" in ev:
-                tuned = ev["baseline_finetune_tuned_" + name]
-                parts.append(f"baseline + tuned fine-tune (lr {ev['baseline_finetune_lr']:g}, "
-                             f"{ev['baseline_finetune_steps']} steps) {tuned:.4f}")
-            if f"baseline_popularity_{name}" in ev:
-                parts.append(f"popularity + user offset {ev['baseline_popularity_' + name]:.4f}")
-            lines.append(f"cold-start {name.upper()}: " + " | ".join(parts))
+            # binary: per-user AUC first (the metric a cold-start user decides on), then the
+            # global AUC; ratings: MAE (no per-user AUC)
+            lines += cold_start_lines(ev, ("auc_per_task", "auc") if "auc" in ev else ("mae",))
             lines += interval_lines(summary["eval"].get("intervals"))
             lines += few_shot_lines(summary["eval"].get("few_shot"))
             lines += few_shot_lines(summary["eval"].get("inner_steps_curve"))
@@ -149,6 +140,40 @@ BASELINE_NAMES = {"baseline": "non-meta baseline", "baseline_finetune": "baselin
                   "baseline_finetune_tuned": "baseline + tuned fine-tune",
                   "baseline_popularity": "popularity + user offset"}
 METRIC_NAMES = {"auc": "AUC", "auc_per_task": "per-user AUC", "logloss": "logloss", "mae": "MAE", "rmse": "RMSE"}
+# The order metrics are shown in: the mean per-user AUC first (the metric a cold-start user
+# decides on), then the global AUC, then logloss; MAE first for ratings.
+METRIC_ORDER = ("auc_per_task", "auc", "logloss", "mae", "rmse")
+# The models of the printed cold-start lines: (name, key of a metric m in summary.json's eval).
+COLD_START_MODELS = (("meta-learned + adaptation", "{m}"), ("without adaptation", "{m}_no_adapt"),
+                     ("non-meta baseline", "baseline_{m}"), ("baseline + fine-tune", "baseline_finetune_{m}"),
+                     ("baseline + tuned fine-tune", "baseline_finetune_tuned_{m}"),
+                     ("popularity + user offset", "baseline_popularity_{m}"))
+
+
+def ordered_metrics(names) -> list[str]:
+    """``names`` in `METRIC_ORDER` (names it does not know last, in their order)."""
+    names = list(names)
+    rank = {m: i for i, m in enumerate(METRIC_ORDER)}
+    return sorted(names, key=lambda m: (rank.get(m, len(rank)), names.index(m)))
+
+
+def cold_start_lines(ev: dict, metrics) -> list[str]:
+    """``cold-start <metric>: meta-learned + adaptation X | ...``, one line per metric of
+    ``metrics``, each listing every model whose value of it is in ``ev`` (summary.json's
+    ``eval``, undefined values as nan)."""
+    lines = []
+    for metric in metrics:
+        parts = []
+        for label, key in COLD_START_MODELS:
+            key = key.format(m=metric)
+            if key not in ev:
+                continue
+            if key.startswith("baseline_finetune_tuned_"):
+                label += f" (lr {ev['baseline_finetune_lr']:g}, {ev['baseline_finetune_steps']} steps)"
+            parts.append(f"{label} {ev[key]:.4f}")
+        if parts:
+            lines.append(f"cold-start {METRIC_NAMES[metric]}: " + " | ".join(parts))
+    return lines
 
 
 def interval_lines(intervals: dict | None) -> list[str]:
@@ -162,9 +187,10 @@ def interval_lines(intervals: dict | None) -> list[str]:
 
 
 def difference_lines(differences: dict) -> list[str]:
-    """One line per baseline of {baseline: {metric: {"diff", "low", "high"}}}."""
+    """One line per baseline of {baseline: {metric: {"diff", "low", "high"}}}, its metrics
+    in `METRIC_ORDER` (per-user AUC first)."""
     return [f"  vs {BASELINE_NAMES.get(baseline, baseline)}: "
-            + " | ".join(f"{METRIC_NAMES[m]} {difference_text(d)}" for m, d in metrics.items())
+            + " | ".join(f"{METRIC_NAMES[m]} {difference_text(metrics[m])}" for m in ordered_metrics(metrics))
             for baseline, metrics in differences.items()]
 
 
@@ -467,7 +493,9 @@ def _fixed_rates(baseline: MetaLearner) -> dict[str, float]:
 
 
 def _non_meta_scores(named: Named, kind: str) -> dict:
-    """The non-meta baseline's headline metrics, as is and (when predicted) fine-tuned."""
+    """The non-meta baseline's headline metrics, as is and (when predicted) fine-tuned, and
+    (binary) the mean per-user AUC of both (``baseline_auc_per_task``,
+    ``baseline_finetune_auc_per_task``)."""
     base = score(named["baseline"][0], kind)
     out = {}
     for name in HEADLINE[kind]:
@@ -476,6 +504,8 @@ def _non_meta_scores(named: Named, kind: str) -> dict:
             out[f"baseline_finetune_{name}"] = base[name]
     if kind == "binary":
         out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
+        if "baseline_finetune" in named:
+            out["baseline_finetune_auc_per_task"] = base["auc_per_task"]
     return out
 
 

@@ -7,9 +7,10 @@ bash, in a fresh copy of the working tree (so relative outputs such as ``runs/de
 copy, and a command that needs an earlier one's output, e.g. ``export`` after ``train``, finds
 it). What is changed before running, and why:
 
-- ``gmeta-ds train`` / ``eval`` (direct, under any launcher, or through ``launch/*.sh``): small
-  sizes are appended as ``--set`` overrides (``SMALL``: 2 meta-steps, 200 synthetic users, a
-  short evaluation), which win over the config and the doc's own ``--set``;
+- ``gmeta-ds train`` / ``eval`` / ``tune`` (direct, under any launcher, or through ``launch/*.sh``):
+  small sizes are appended as ``--set`` overrides (``SMALL``: 2 meta-steps, 200 synthetic users, a
+  short evaluation), which win over the config and the doc's own ``--set`` (a ``tune`` trial's
+  own values still win over them);
 - launchers get a free port (``--master_port`` / ``--main_process_port`` / ``MASTER_PORT``);
 - ``make TARGET`` runs as ``make -n TARGET`` (it exists and resolves; ``make test`` would run
   this suite);
@@ -45,6 +46,9 @@ Nothing runs twice (issue 34), and each shortcut is named in the report and in `
 - **Benchmark rounds.** ``benchmarks/zoo_speed.py`` runs one round (``--rounds 1`` appended,
   the last ``--rounds`` wins): its rounds repeat the same trainings for a median ("first round
   only"); one round runs every model it names.
+- **Search trials.** ``gmeta-ds tune`` runs two trials (``--trials 2`` appended, the last wins):
+  every trial is the same small training with other values ("two trials only"); two show the
+  search, its study and its tune.json.
 - **Launches a launch test runs.** A documented ``train`` line that a test in tests/launch runs
   with the same launcher and the same config may run as ``gmeta-ds validate`` (same config,
   same ``--set``, the launch's world size) instead: ``COVERED_BY_LAUNCH_TESTS`` names the test,
@@ -92,6 +96,8 @@ EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/" 
 # Appended even when the doc sets them (argparse: the last wins): a benchmark's rounds repeat the
 # same runs to take a median, so one round checks the command (as the first seed of a seed loop).
 FIRST_ROUND = {"benchmarks/zoo_speed.py": ["--rounds", "1"]}
+# Appended to `gmeta-ds tune` (argparse: the last --trials wins): each trial is one more small training.
+TUNE_TRIALS = ["--trials", "2"]
 # Applied in one pass (a replacement is never rewritten again); /tmp/ only where a path starts.
 SUBSTITUTIONS = {r"\$HOME/data/ml-100k": "{fixtures}/ml-100k", r"\$HOME/data/ml-1m": "{fixtures}/ml-1m",
                  r"(?<![\w.-])/tmp/": "{work}/tmp/"}
@@ -103,7 +109,7 @@ SKIP_PREFIXES = {"pip ": "installs packages", "pip3 ": "installs packages",
 PLACEHOLDER = re.compile(r"(?<![\w$./{-])[A-Z][A-Z0-9_]+(?:\.[a-z]+)?(?![\w=(])")
 EXAMPLE_HOST = re.compile(r"(?<![\d.])10\.0\.0\.\d+(?![\d.])")
 GMETA_SUB = re.compile(r"(?:gmeta-ds|gmeta_ds\.cli|\$\(which gmeta-ds\))\s+"
-                       r"(train|eval|validate|plot|export)\b")
+                       r"(train|eval|validate|plot|export|tune)\b")
 SCRIPT_TRAIN = re.compile(r"(?:^|\s)launch/(?:deepspeed_single_node|torchrun)\.sh\s+\S+\s+(\S+)")
 # A documented launch (regex on the command as written) -> the tests/launch node id that runs the
 # same launcher with the same config; the doc's line then runs as `gmeta-ds validate`. Only pairs
@@ -223,7 +229,7 @@ def _small_overrides(simple: str, work: Path) -> str:
     evaluates."""
     sub = GMETA_SUB.search(simple)
     script = SCRIPT_TRAIN.search(simple)
-    if sub and sub.group(1) in ("train", "eval"):
+    if sub and sub.group(1) in ("train", "eval", "tune"):
         config = re.search(r"--config[= ]+(\S+)", simple)
     elif script:
         config = script
@@ -338,6 +344,10 @@ def plan(cmd: Command, work: Path, fixtures: Path) -> Command:
         for script, extra in EXTRA_ARGS.items():
             if re.search(rf"(^|\s){re.escape(script)}(\s|$)", simple) and extra[0] not in simple:
                 simple += " " + " ".join(e.format(work=work, fixtures=fixtures) for e in extra)
+        sub = GMETA_SUB.search(simple)
+        if sub and sub.group(1) == "tune":
+            simple += " " + " ".join(TUNE_TRIALS)
+            notes.append(f"two trials only ({' '.join(TUNE_TRIALS)})")
         for script, extra in FIRST_ROUND.items():
             if re.search(rf"(^|\s){re.escape(script)}(\s|$)", simple):
                 simple += " " + " ".join(extra)

@@ -50,7 +50,8 @@ def test_rating_regression_reports_mae_and_rmse(tmp_path):
     ev = summary(path)["eval"]
     for key in ("mae", "rmse", "mae_no_adapt", "baseline_mae", "baseline_finetune_rmse", "ndcg@5"):
         assert 0.0 < ev[key] < 5.0, key
-    assert "auc" not in ev and "cold-start MAE" in proc.stdout
+    assert "auc" not in ev and "cold-start MAE" in proc.stdout and "per-user AUC" not in proc.stdout
+    assert "  vs non-meta baseline: MAE " in proc.stdout  # MAE first for ratings
 
 
 def test_evaluation_on_validation_users(tmp_path):
@@ -70,6 +71,14 @@ def test_four_state_evaluation_reports_every_state(tmp_path):
     assert ev["states"]["user_cold"]["auc"] == ev["auc"]  # eval.auc is the user-cold state
     for state in ev["states"].values():
         assert state["tasks"] > 0 and "baseline_auc" in state and "auc_no_adapt" in state
+        # every state reports the fine-tuned baseline's per-user AUC, and its paired difference is that one's
+        assert "baseline_finetune_auc_per_task" in state
+        if state["baseline_finetune_auc_per_task"] is not None and state["auc_per_task"] is not None:
+            d = state["intervals"]["differences"]["baseline_finetune"]["auc_per_task"]
+            assert d["diff"] == pytest.approx(state["auc_per_task"] - state["baseline_finetune_auc_per_task"],
+                                              abs=1e-9)
+    user_cold = ev["states"]["user_cold"]
+    assert user_cold["baseline_finetune_auc_per_task"] == ev["baseline_finetune_auc_per_task"]
 
 
 SHARDED = {"sharding": "sharded", "plan": "row_wise", "tables": {"gender": {"plan": "replicated"}}}

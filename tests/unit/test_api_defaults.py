@@ -45,7 +45,8 @@ WALKED = {
 }
 _ALGORITHM = {"kind": "data.label", "split_body": "meta.split_body", "inner_lr_scale": "meta.inner_lr_scale",
               "inner_loss_prior": "meta.inner_loss_prior", "offset_first": "meta.offset_first",
-              "support_level": "meta.support_level"}
+              "support_level": "meta.support_level", "rank_weight": "meta.rank_weight",
+              "warmup_steps": "meta.warmup_steps", "init_weight": "meta.init_weight"}
 _TABLE = {"init_std": "embedding.init_std", "optimizer": "embedding.optimizer", "lr": "embedding.lr",
           "kind": "embedding.tables.*.kind", "capacity": "embedding.tables.*.capacity",
           "admit_after": "embedding.tables.*.admit_after", "eviction": "embedding.tables.*.eviction",
@@ -62,7 +63,8 @@ SAME = {
     "initialize": {"config": "deepspeed", "lr": "train.lr", "seed": "seed", "resume": "train.resume",
                    "nonfinite": "train.nonfinite", "collective_timeout_s": "train.collective_timeout_s"},
     "MetaEngine": {"nonfinite": "train.nonfinite"},
-    "MetaEngine.batches": {"bucket_by_length": "data.bucket_by_length", "resample": "data.resample"},
+    "MetaEngine.batches": {"bucket_by_length": "data.bucket_by_length", "resample": "data.resample",
+                           "resample_support": "data.resample_support"},
     "MetaEngine.evaluate": {"tasks_per_batch": "eval.tasks_per_batch", "baseline_epochs": "eval.baseline_epochs",
                             "baseline_lr": "eval.baseline_lr", "baseline_batch_size": "eval.baseline_batch_size",
                             "bootstrap_resamples": "eval.bootstrap_resamples"},

@@ -259,6 +259,45 @@ def test_the_run_report_prints_a_null_metric():
     assert "warning: auc: AUC undefined: x" in lines
 
 
+def test_the_run_report_leads_with_per_user_auc_and_keeps_mae_first_for_ratings():
+    """The printed cold-start lines: per-user AUC (every model that has one, the fine-tuned
+    baselines included), then the global AUC; each interval line per-user AUC first, then AUC,
+    then logloss. Ratings: MAE, then RMSE, and no per-user AUC line."""
+    from gmeta_ds.workloads.ctr import CTRWorkload
+
+    def d(x):
+        return {"diff": x, "low": x - 0.01, "high": x + 0.01}
+
+    ev = {"tasks": 9, "auc": 0.7, "auc_per_task": 0.65, "logloss": 0.6, "auc_no_adapt": 0.6,
+          "auc_per_task_no_adapt": 0.62, "baseline_auc": 0.61, "baseline_auc_per_task": 0.6,
+          "baseline_finetune_auc": 0.66, "baseline_finetune_auc_per_task": 0.63, "baseline_finetune_tuned_auc": 0.67,
+          "baseline_finetune_tuned_auc_per_task": 0.64, "baseline_finetune_lr": 0.1, "baseline_finetune_steps": 5,
+          "baseline_popularity_auc": 0.55, "baseline_popularity_auc_per_task": None,
+          "intervals": {"level": 0.95, "users": 9, "resamples": 100, "differences": {
+              "baseline_finetune": {"auc": d(0.04), "auc_per_task": d(0.02), "logloss": d(-0.01)}}}}
+    summary = {"meta_steps": 2, "tasks_seen": 4, "world_size": 1, "elapsed_s": 1.0, "final_query_loss": 0.5,
+               "eval": ev}
+    lines = CTRWorkload().report(summary, "out")
+    models = ("meta-learned + adaptation {} | without adaptation {} | non-meta baseline {} | baseline + "
+              "fine-tune {} | baseline + tuned fine-tune (lr 0.1, 5 steps) {} | popularity + user offset {}")
+    assert lines[1:5] == [
+        "cold-start per-user AUC: " + models.format("0.6500", "0.6200", "0.6000", "0.6300", "0.6400", "nan"),
+        "cold-start AUC: " + models.format("0.7000", "0.6000", "0.6100", "0.6600", "0.6700", "0.5500"),
+        "meta-learned minus baseline, 95% paired bootstrap interval over 9 held-out users (100 resamples):",
+        ("  vs baseline + fine-tune: per-user AUC +0.0200 [+0.0100, +0.0300] | AUC +0.0400 [+0.0300, +0.0500] | "
+         "logloss -0.0100 [-0.0200, +0.0000]")]
+    summary["eval"] = {"tasks": 9, "mae": 0.7, "rmse": 0.9, "mae_no_adapt": 0.8, "rmse_no_adapt": 1.0,
+                       "baseline_mae": 0.75, "baseline_finetune_mae": 0.72, "intervals": {
+                           "level": 0.95, "users": 9, "resamples": 100,
+                           "differences": {"baseline_finetune": {"rmse": d(-0.01), "mae": d(-0.02)}}}}
+    lines = CTRWorkload().report(summary, "out")
+    assert lines[1:4] == [
+        ("cold-start MAE: meta-learned + adaptation 0.7000 | without adaptation 0.8000 | non-meta baseline 0.7500 | "
+         "baseline + fine-tune 0.7200"),
+        "meta-learned minus baseline, 95% paired bootstrap interval over 9 held-out users (100 resamples):",
+        "  vs baseline + fine-tune: MAE -0.0200 [-0.0300, -0.0100] | RMSE -0.0100 [-0.0200, +0.0000]"]
+
+
 # ------------------------------------------------------------------ 5. the model contract
 @pytest.mark.parametrize("loss", ["binary", "regression"])
 @pytest.mark.parametrize("vectorize", [True, False])
@@ -438,6 +477,8 @@ def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_
     same = engine.evaluate(data.test, baselines=["non_meta"], train=data.train, baseline_epochs=0)
     assert same["baseline_auc"] == same["auc_no_adapt"] and same["baseline_logloss"] == same["logloss_no_adapt"]
     assert same["baseline_finetune_logloss"] == same["logloss"]  # the learner's own inner loop
+    assert same["baseline_auc_per_task"] == same["auc_per_task_no_adapt"]
+    assert same["baseline_finetune_auc_per_task"] == same["auc_per_task"] is not None
     # Now move the learner away from its initial weights: the baseline still starts from them.
     with torch.no_grad():
         for p in learner.parameters():
@@ -452,6 +493,9 @@ def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_
     expected = evaluate(reference, fixed, data.test, 2)
     assert trained["baseline_logloss"] == pytest.approx(expected["logloss_no_adapt"], abs=1e-6)
     assert trained["baseline_finetune_logloss"] == pytest.approx(expected["logloss"], abs=1e-6)
+    # The fine-tuned baseline's mean per-user AUC: that of its fine-tuned predictions.
+    assert trained["baseline_finetune_auc_per_task"] == pytest.approx(expected["auc_per_task"], abs=1e-9)
+    assert trained["baseline_auc_per_task"] == pytest.approx(expected["auc_per_task_no_adapt"], abs=1e-9)
     assert trained["baseline_logloss"] != same["baseline_logloss"]  # it did train
     popularity = popularity_scores(fit_popularity(data.train, 1, "binary", oov_id=0), data.test)
     assert {k: trained[k] for k in popularity} == popularity
@@ -459,6 +503,10 @@ def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_
     # Paired bootstrap intervals of each difference, meta-learned minus each baseline.
     differences = trained["intervals"]["differences"]
     assert set(differences) == {"baseline", "baseline_finetune", "baseline_popularity"}
+    for metric in ("auc", "auc_per_task", "logloss"):  # every difference is that of the reported scores
+        for name in differences:
+            assert differences[name][metric]["diff"] == pytest.approx(
+                trained[metric] - trained[f"{name}_{metric}"], abs=1e-9), (name, metric)
     pop = differences["baseline_popularity"]["logloss"]
     assert pop["diff"] == pytest.approx(trained["logloss"] - trained["baseline_popularity_logloss"], abs=1e-9)
     assert pop["low"] <= pop["high"] and trained["intervals"]["users"] == len(data.test)

@@ -112,7 +112,7 @@ TINY = {"data": {"synthetic": {"num_users": 60, "num_items": 30, "max_interactio
 
 
 def test_finetune_search_picks_the_best_validation_point_and_scores_test_once(monkeypatch):
-    from gmeta_ds.workloads.ctr import build_data, build_learner, run_evaluation
+    from gmeta_ds.workloads.ctr import CTRWorkload, build_data, build_learner, run_evaluation
 
     cfg = config_from_dict(TINY)
     data = build_data(cfg)
@@ -139,7 +139,21 @@ def test_finetune_search_picks_the_best_validation_point_and_scores_test_once(mo
     grid = ev["baseline_finetune_grid"]
     assert len(grid) == 20 and grid["lr=0.3,steps=2"] == 1.0 == max(grid.values())
     assert ev["baseline_finetune_tuned_auc"] == 1.0
-    assert {"baseline_finetune_tuned_auc_per_task", "baseline_finetune_tuned_logloss"} <= set(ev)
+    assert ev["baseline_finetune_tuned_auc_per_task"] == 1.0  # the chosen pair ranks every user perfectly
+    assert "baseline_finetune_tuned_logloss" in ev
+    # Every fine-tuned baseline reports its mean per-user AUC, whose paired difference is that of the scores.
+    differences = ev["intervals"]["differences"]
+    for name in ("baseline", "baseline_finetune", "baseline_finetune_tuned", "baseline_popularity"):
+        assert differences[name]["auc_per_task"]["diff"] == pytest.approx(
+            ev["auc_per_task"] - ev[f"{name}_auc_per_task"], abs=1e-9), name
+    summary = {"meta_steps": 1, "tasks_seen": 1, "world_size": 1, "elapsed_s": 1.0, "final_query_loss": 0.5,
+               "eval": ev}
+    printed = CTRWorkload().report(summary, "out")
+    assert printed[1].startswith("cold-start per-user AUC: meta-learned + adaptation ")
+    assert (f"| baseline + fine-tune {ev['baseline_finetune_auc_per_task']:.4f} | baseline + tuned fine-tune "
+            "(lr 0.3, 2 steps) 1.0000 | popularity + user offset ") in printed[1]
+    assert printed[2].startswith("cold-start AUC: ")
+    assert printed[4].startswith("  vs non-meta baseline: per-user AUC ")
     on_valid = [(lr, n) for tasks, lr, n in calls if tasks is data.valid]
     on_test = [(lr, n) for tasks, lr, n in calls if tasks is data.test]
     assert len(on_valid) == 20 and len(set(on_valid)) == 20
@@ -175,3 +189,33 @@ def test_synthetic_validation_users_leave_the_default_data_unchanged():
     assert len(split.train) + len(split.valid) == len(plain.train)
     assert not set(split.valid.task_keys) & set(split.train.task_keys)
     np.testing.assert_array_equal(split.test.ids, plain.test.ids)
+
+
+def test_finetune_search_tunes_for_the_per_user_auc_not_the_global_one(monkeypatch):
+    """Clicks: the grid point is chosen by the mean per-user AUC (the metric the meta-learned
+    model is compared on first). Here one point gets each user's level right (global AUC high,
+    every user's own order random) and the other each user's order (per-user AUC 1, levels
+    wrong): the second is chosen."""
+    # user 0 clicks 3 of 4 query rows, user 1 clicks 1 of 4
+    valid = _tasks([[(1, 1), (1, 1), (2, 1), (1, 1), (2, 0)], [(1, 1), (2, 0), (2, 0), (1, 1), (2, 0)]], [1, 1])
+    labels = np.array([1, 1, 1, 0, 0, 0, 1, 0], dtype=np.float32)
+    task = np.repeat([0, 1], 4)
+    level = np.where(task == 0, 0.9, 0.1) + np.array([0, 1, 2, 3, 0, 1, 2, 3]) * 1e-3  # order: no signal
+    order = np.where(task == 0, 0.2, 0.8) + labels * 0.1  # each user's clicks first, levels reversed
+
+    def fake_predict(learner, lrs, tasks, inner_steps, tasks_per_batch=64, which=None):
+        (lr,) = set(lrs.values())
+        return {"labels": labels, "adapted": level if lr == 0.1 else order, "plain": level, "task": task}
+
+    class Learner:
+        algorithm = type("A", (), {"kind": "binary"})()
+
+        def adapted_names(self):
+            return ["mlp.0.weight"]
+
+    monkeypatch.setattr(baselines, "predict", fake_predict)
+    lr, steps, grid = baselines.finetune_search(Learner(), valid, lrs=(0.1, 0.3), steps=(1,))
+    assert (lr, steps) == (0.3, 1) and grid == {"lr=0.1,steps=1": pytest.approx(1 / 3), "lr=0.3,steps=1": 1.0}
+    score = baselines.score
+    assert score({"labels": labels, "adapted": level, "plain": level, "task": task}, "binary", warn=False)["auc"] > \
+        score({"labels": labels, "adapted": order, "plain": level, "task": task}, "binary", warn=False)["auc"]

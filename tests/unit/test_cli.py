@@ -1,6 +1,7 @@
 """The CLI contract: validate's dry run, documented errors, --local_rank, train -> eval."""
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -65,11 +66,13 @@ def test_train_then_eval_in_one_plain_process(tmp_path):
                 "embedding_checksum", "eval", "elapsed_s"):
         assert key in summary, key
     assert summary["tasks_seen"] == 24 and summary["world_size"] == 1
-    for key in ("auc", "logloss", "auc_no_adapt", "baseline_auc", "baseline_finetune_auc"):
+    for key in ("auc", "logloss", "auc_no_adapt", "baseline_auc", "baseline_finetune_auc", "auc_per_task",
+                "baseline_auc_per_task", "baseline_finetune_auc_per_task", "baseline_popularity_auc_per_task"):
         assert 0.0 < summary["eval"][key] < 1.5, key
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3] and records[0]["tasks"] == 24
     _check_intervals(summary["eval"], proc.stdout)
+    _check_per_user_auc(summary["eval"], proc.stdout, out / "per_user.csv")
     proc = subprocess.run([sys.executable, "-m", "gmeta_ds.cli", "eval", "--config", config],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,13 +93,19 @@ def _check_intervals(ev: dict, printed: str) -> None:
     assert set(intervals["differences"]) == {"baseline", "baseline_finetune", "baseline_popularity"}
     for name, metrics in intervals["differences"].items():
         assert set(metrics) == {"auc", "auc_per_task", "logloss"}
-        for metric, d in metrics.items():
-            if f"{name}_{metric}" in ev:  # baseline_finetune_auc_per_task is not reported on its own
-                assert d["diff"] == pytest.approx(ev[metric] - ev[f"{name}_{metric}"], abs=1e-9), (name, metric)
+        for metric, d in metrics.items():  # every baseline reports every metric on its own
+            assert d["diff"] == pytest.approx(ev[metric] - ev[f"{name}_{metric}"], abs=1e-9), (name, metric)
             assert d["low"] <= d["high"]
     assert (f"meta-learned minus baseline, 95% paired bootstrap interval over {ev['tasks']} held-out users "
             "(1000 resamples):") in printed
-    assert "  vs popularity + user offset: AUC " in printed and "| per-user AUC " in printed
+    # per-user AUC first (the metric a cold-start user decides on), then the global AUC, then logloss
+    for name, label in (("baseline", "non-meta baseline"), ("baseline_finetune", "baseline + fine-tune"),
+                        ("baseline_popularity", "popularity + user offset")):
+        d = intervals["differences"][name]
+        line = (f"  vs {label}: per-user AUC {d['auc_per_task']['diff']:+.4f} [{d['auc_per_task']['low']:+.4f}, "
+                f"{d['auc_per_task']['high']:+.4f}] | AUC {d['auc']['diff']:+.4f} [{d['auc']['low']:+.4f}, "
+                f"{d['auc']['high']:+.4f}] | logloss {d['logloss']['diff']:+.4f}")
+        assert line in printed, line
     # The few-shot curve: every model at 1, 2, 5, 10, 20 support rows per user and all of them.
     curve = ev["few_shot"]
     assert curve["support"] == [1, 2, 5, 10, 20, "all"] and curve["support_rows"][0] == 1.0
@@ -117,6 +126,28 @@ def _check_intervals(ev: dict, printed: str) -> None:
     assert len(steps["intervals"]) == 5 and set(steps["intervals"][0]) == {"baseline_finetune"}
     assert "per-user AUC after 0, 1, 2, 5, 10 inner steps on the full support:" in printed
     assert "\n  meta-learned + adaptation: " in printed
+
+
+def _check_per_user_auc(ev: dict, printed: str, per_user: Path) -> None:
+    """Every model's mean per-user AUC is reported (the fine-tuned baseline's too: the mean of
+    the per-user AUCs of its fine-tuned predictions in per_user.csv) and printed on its own
+    line before the global AUC's."""
+    with open(per_user, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for key, column in (("auc_per_task", "meta_auc"), ("auc_per_task_no_adapt", "meta_no_adapt_auc"),
+                        ("baseline_auc_per_task", "baseline_auc"),
+                        ("baseline_finetune_auc_per_task", "baseline_finetune_auc"),
+                        ("baseline_popularity_auc_per_task", "baseline_popularity_auc")):
+        mean = sum(float(r[column]) for r in rows if r[column]) / sum(1 for r in rows if r[column])
+        assert ev[key] == pytest.approx(mean, abs=1e-5), key
+    per_user_line = (f"cold-start per-user AUC: meta-learned + adaptation {ev['auc_per_task']:.4f} | without adaptation "
+                     f"{ev['auc_per_task_no_adapt']:.4f} | non-meta baseline {ev['baseline_auc_per_task']:.4f} | "
+                     f"baseline + fine-tune {ev['baseline_finetune_auc_per_task']:.4f} | popularity + user offset "
+                     f"{ev['baseline_popularity_auc_per_task']:.4f}\n")
+    auc_line = (f"cold-start AUC: meta-learned + adaptation {ev['auc']:.4f} | without adaptation "
+                f"{ev['auc_no_adapt']:.4f} | non-meta baseline {ev['baseline_auc']:.4f} | baseline + fine-tune "
+                f"{ev['baseline_finetune_auc']:.4f} | popularity + user offset {ev['baseline_popularity_auc']:.4f}\n")
+    assert per_user_line + auc_line in printed, printed
 
 
 def test_eval_without_weights_names_the_missing_file(tmp_path):
@@ -151,3 +182,18 @@ def test_export_of_a_run_without_checkpoints_says_how_to_write_them(tmp_path, ca
         assert (f"the run in {str(run_dir)!r} wrote no checkpoints "
                 "(train.checkpoint_every is 0 by default)") in err
         assert "--set train.checkpoint_every=N" in err and "model.safetensors" in err
+
+
+def test_warmup_steps_are_the_first_meta_steps_and_then_meta_training_runs(tmp_path, monkeypatch):
+    """meta.warmup_steps: 2 of 4 meta-steps: every micro-batch of steps 1-2 goes through the
+    supervised loss and none after (the engine counts the steps; 2 micro-batches per step)."""
+    from gmeta_ds.algorithms.base import MetaAlgorithm
+
+    seen = []
+    real = MetaAlgorithm.supervised_loss, MetaAlgorithm.anchored_loss
+    monkeypatch.setattr(MetaAlgorithm, "supervised_loss", lambda self, *a: seen.append("warm") or real[0](self, *a))
+    monkeypatch.setattr(MetaAlgorithm, "anchored_loss", lambda self, *a: seen.append("meta") or real[1](self, *a))
+    cfg = {**TINY, "meta": {**TINY["meta"], "warmup_steps": 2}, "train": {"meta_steps": 4, "progress": False},
+           "eval": {"enabled": False}}
+    assert main(["train", "--config", write(tmp_path, cfg)]) == 0
+    assert seen == ["warm"] * 4 + ["meta"] * 4

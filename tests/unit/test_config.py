@@ -22,7 +22,7 @@ def test_every_problem_is_reported_at_once_with_dotted_keys():
     text = str(err.value)
     assert len(err.value.problems) == 5, text
     assert "meta.algorithm: 'protonet' is not one of maml, fomaml, reptile, metasgd" in text
-    assert "meta.inner_stepz: unknown key; valid keys here: adapt, algorithm, inner_loss_prior, inner_lr" in text
+    assert "meta.inner_stepz: unknown key; valid keys here: adapt, algorithm, init_weight, inner_loss_prior, inner_lr" in text
     assert "trian: unknown key; valid keys here: data, deepspeed, embedding, eval, meta" in text
     assert "train.lr: expected float, got 'fast'" in text
     assert "train.meta_steps: 0 is not a positive number" in text
@@ -121,8 +121,10 @@ def test_repo_ds_configs_resolve_relative_to_checkout(tmp_path, monkeypatch):
 
 
 def test_valid_split_needs_valid_users():
-    with pytest.raises(ConfigError, match="eval.split: 'valid' needs a log source with data.valid_fraction > 0"):
+    with pytest.raises(ConfigError, match=r"eval.split: 'valid' scores the validation users; set data.valid_fraction > 0"):
         config_from_dict({"eval": {"split": "valid"}})
+    # synthetic data holds validation users too (taken from its training users)
+    assert config_from_dict({"eval": {"split": "valid"}, "data": {"valid_fraction": 0.1}}).eval.split == "valid"
     with pytest.raises(ConfigError, match="data.valid_fraction: 0.9 must be in"):
         config_from_dict({"data": {"valid_fraction": 0.9}})
 

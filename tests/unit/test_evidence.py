@@ -76,11 +76,13 @@ def test_splits_refuse_weights_and_fewer_than_two(tmp_path, capsys):
 
 
 class Page(HTMLParser):
-    """A report's headings, table cells, image sources and every other link."""
+    """A report's headings, table header and body cells, paragraphs, image sources and every
+    other link."""
 
     def __init__(self, text: str):
         super().__init__()
         self.headings, self.cells, self.images, self.links, self._tag = [], [], [], [], None
+        self.header_cells, self.paragraphs = [], []
         self.feed(text)
 
     def handle_starttag(self, tag, attrs):
@@ -89,14 +91,18 @@ class Page(HTMLParser):
         if tag == "img":
             self.images.append(attrs["src"])
         self.links += [v for k, v in attrs.items() if k in ("href", "src") and tag != "img"]
-        if tag in ("h1", "h2", "h3", "td"):
-            (self.headings if tag != "td" else self.cells).append("")
+        if tag in ("h1", "h2", "h3", "td", "th", "p"):
+            {"td": self.cells, "th": self.header_cells, "p": self.paragraphs}.get(tag, self.headings).append("")
 
     def handle_data(self, data):
         if self._tag in ("h1", "h2", "h3"):
             self.headings[-1] += data
         elif self._tag in ("td", "span"):
             self.cells[-1] += data
+        elif self._tag == "th":
+            self.header_cells[-1] += data
+        elif self._tag == "p":
+            self.paragraphs[-1] += data
 
     def handle_endtag(self, tag):
         self._tag = None if tag != "span" else "td"
@@ -119,15 +125,48 @@ def test_the_report_of_a_run_holds_every_section_its_numbers_and_only_inline_ima
                  f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] undecided",
                  f"{ev['few_shot']['metrics']['baseline_finetune']['auc_per_task'][0]:.4f}"):
         assert text in page.cells, text
+    # per-user AUC first, then the global AUC, then logloss: in the comparison table (every model
+    # with its per-user AUC, the fine-tuned baseline's too) and in each baseline's verdict row.
+    assert page.header_cells[2:6] == ["model", "per-user AUC", "AUC", "logloss"]
+    assert page.header_cells[6:10] == ["vs baseline", "per-user AUC", "AUC", "logloss"]
+    at = page.cells.index("baseline + fine-tune")
+    assert page.cells[at + 1:at + 4] == [f"{ev['baseline_finetune_auc_per_task']:.4f}",
+                                         f"{ev['baseline_finetune_auc']:.4f}", f"{ev['baseline_finetune_logloss']:.4f}"]
+    at = page.cells.index("baseline + fine-tune", at + 1)
+    verdict = page.cells[at + 1:at + 4]
+    for cell, metric in zip(verdict, ("auc_per_task", "auc", "logloss")):
+        d = ev["intervals"]["differences"]["baseline_finetune"][metric]
+        assert cell.startswith(f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] "), (cell, metric)
+        assert d["diff"] == pytest.approx(ev[metric] - ev[f"baseline_finetune_{metric}"], abs=1e-9), metric
+    assert any(p.startswith("Meta-learned minus each baseline") and "the verdict: per-user AUC first" in p
+               for p in page.paragraphs)
     with open(run / "per_user.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == ev["tasks"] and float(rows[0]["meta_auc"]) >= 0.0
+    finetuned = [float(r["baseline_finetune_auc"]) for r in rows if r["baseline_finetune_auc"]]
+    assert ev["baseline_finetune_auc_per_task"] == pytest.approx(np.mean(finetuned), abs=1e-5)
     median = np.median([float(r["meta_auc"]) for r in rows if r["meta_auc"]])
     assert f"{median:.4f}" in page.cells
     assert len(page.images) == 5 and not page.links  # cold-start, few-shot, inner steps, per-user, loss
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_of_a_ratings_run_keeps_mae_first(tmp_path):
+    """No per-user AUC for ratings: MAE, then RMSE, in the comparison table and the verdicts."""
+    d = {"diff": -0.02, "low": -0.03, "high": -0.01}
+    ev = {"tasks": 9, "query_rows": 45, "mae": 0.7, "rmse": 0.9, "mae_no_adapt": 0.8, "rmse_no_adapt": 1.0,
+          "baseline_finetune_mae": 0.72, "baseline_finetune_rmse": 0.95,
+          "intervals": {"level": 0.95, "users": 9, "resamples": 100,
+                        "differences": {"baseline_finetune": {"rmse": d, "mae": d}}}}
+    (tmp_path / "summary.json").write_text(json.dumps({"task": "ctr", "meta_steps": 1, "eval": ev}))
+    page = Page(write_report(tmp_path).read_text())
+    assert page.header_cells[2:5] == ["model", "MAE", "RMSE"]
+    assert page.header_cells[5:8] == ["vs baseline", "MAE", "RMSE"]
+    at = page.cells.index("baseline + fine-tune")
+    assert page.cells[at + 1:at + 3] == ["0.7200", "0.9500"]
+    assert page.cells[-2] == "-0.0200 [-0.0300, -0.0100] better"
 
 
 def test_the_report_of_a_splits_run_and_of_a_folder_without_one(two_splits, tmp_path, capsys):

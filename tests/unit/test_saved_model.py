@@ -177,3 +177,24 @@ def test_the_task_store_keeps_the_vocabularies_of_the_in_memory_build(data, tmp_
     path.write_bytes(bytes(blob))
     with pytest.raises(gm.DataError, match=r"vocab.1.data.bin: its content does not match the checksum"):
         gm.build_tasks(tmp_path / "log.parquet", cache_dir=str(tmp_path / "cache"), **KEYS)
+
+
+def test_the_objective_settings_round_trip_and_an_older_export_without_them_loads(data, tmp_path):
+    """meta.rank_weight / init_weight / warmup_steps are saved with the algorithm and read back;
+    a model.json written before they existed (no such keys) loads with the values it was
+    trained with (0: training-only terms that adapting and scoring never read)."""
+    engine = _engine(Tower(), data, rank_weight=0.5, init_weight=0.25, warmup_steps=3)
+    engine.save_model(tmp_path / "m", data)
+    saved = gm.load_model(tmp_path / "m", Tower())
+    algorithm = saved.learner.algorithm
+    assert (algorithm.rank_weight, algorithm.init_weight, algorithm.warmup_steps) == (0.5, 0.25, 3)
+    meta = json.loads((tmp_path / "m" / "model.json").read_text())
+    for key in ("rank_weight", "init_weight", "warmup_steps"):
+        del meta["algorithm"][key]
+    (tmp_path / "m" / "model.json").write_text(json.dumps(meta))
+    older = gm.load_model(tmp_path / "m", Tower()).learner.algorithm
+    assert (older.rank_weight, older.init_weight, older.warmup_steps) == (0.0, 0.0, 0)
+    del meta["algorithm"]["inner_steps"]  # a key every export has is still required
+    (tmp_path / "m" / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(gm.ConfigError, match="'algorithm' is"):
+        gm.load_model(tmp_path / "m", Tower())

@@ -12,6 +12,7 @@ from gmeta_ds.algorithms.base import embed_batch
 from gmeta_ds.functional.rows import compose_rows, select_task
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import masked_bce
+from gmeta_ds.functional.inner import masked_pairwise
 
 
 def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0, kind="binary"):
@@ -313,3 +314,104 @@ def test_inner_loss_prior_shrinks_each_tasks_steps_by_its_support_size():
         torch.testing.assert_close(grads[f"net.{n}"], expected[n], rtol=1e-9, atol=1e-12, msg=n)
     with pytest.raises(ConfigError, match="meta.inner_loss_prior: -1.0 must be a number >= 0"):
         Reptile(1, 0.1, ["mlp.*"], True, inner_loss_prior=-1.0)
+
+
+def pairwise_reference(logits, labels, mask) -> float:
+    """meta.rank_weight's term by its definition: the mean of softplus(s_j - s_i) over the
+    real pairs with y_i > y_j (a plain double loop)."""
+    terms = [torch.nn.functional.softplus(logits[j] - logits[i]).item()
+             for i in range(len(logits)) for j in range(len(logits))
+             if mask[i] and mask[j] and labels[i] > labels[j]]
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def test_pairwise_loss_counts_only_real_ordered_pairs():
+    torch.manual_seed(0)
+    logits = torch.randn(7, dtype=torch.float64)
+    ratings = torch.tensor([5., 3., 3., 1., 4., 2., 5.], dtype=torch.float64)  # ties are no pair
+    mask = torch.tensor([1., 1., 1., 1., 1., 0., 0.], dtype=torch.float64)  # padding is no pair
+    assert masked_pairwise(logits, ratings, mask).item() == pytest.approx(pairwise_reference(logits, ratings, mask))
+    clicks = (ratings >= 4).double()
+    assert masked_pairwise(logits, clicks, mask).item() == pytest.approx(pairwise_reference(logits, clicks, mask))
+    # one class only, or no real row: no pair, loss 0 (not NaN)
+    assert masked_pairwise(logits, torch.ones(7, dtype=torch.float64), mask).item() == 0.0
+    assert masked_pairwise(logits, clicks, torch.zeros(7, dtype=torch.float64)).item() == 0.0
+    # a task ordered right costs less than the same task ordered wrong
+    right, wrong = torch.tensor([3., -3.]), torch.tensor([-3., 3.])
+    y, m = torch.tensor([1., 0.]), torch.ones(2)
+    assert masked_pairwise(right, y, m) < 0.05 < 3.0 < masked_pairwise(wrong, y, m)
+
+
+@pytest.mark.parametrize("cls", [MAML, FOMAML, Reptile])
+def test_rank_weight_adds_the_pairwise_term_of_the_adapted_query_logits(cls):
+    """meta.rank_weight w: each task's query loss is BCE + w x the pairwise loss of the
+    adapted model's query logits (an independent inner loop on a copy of the net)."""
+    w = 0.7
+    plain, ranked = make_learner(cls), make_learner(cls)
+    ranked.algorithm = cls(2, 0.3, ["mlp.*"], True, "binary", rank_weight=w)
+    batch = as_double(tiny_batch())
+    out = ranked(batch)
+    base = plain(batch).task_query_loss
+    for t in range(batch.num_tasks):
+        net = manual_adapt(plain, batch, t, 2, 0.3)
+        logits = net(net.embed(batch.query_ids[t]))
+        term = pairwise_reference(logits, batch.query_y[t], batch.query_mask[t])
+        assert out.task_query_loss[t].item() == pytest.approx(base[t].item() + w * term, rel=1e-9)
+    # the gradient goes through it (Reptile: the query loss reaches what does not adapt)
+    name = "net.embedding.weights.item_id"
+    assert not torch.allclose(meta_grads(ranked, batch)[0][name], meta_grads(plain, batch)[0][name])
+    with pytest.raises(ConfigError, match="meta.rank_weight: -1 must be a number >= 0"):
+        cls(1, 0.1, ["mlp.*"], True, rank_weight=-1)
+    with pytest.raises(ConfigError, match="meta.rank_weight: orders a task's rows by their labels"):
+        cls(1, 0.1, ["mlp.*"], True, kind="multiclass", rank_weight=1.0)
+
+
+def supervised_reference(learner, batch) -> torch.Tensor:
+    """The warm-up loss by its definition: per task, the mean BCE of the unadapted net over
+    every real row (support and query alike); the mean over tasks."""
+    net, losses = learner.net, []
+    for t in range(batch.num_tasks):
+        ids = torch.cat([batch.support_ids[t], batch.query_ids[t]])
+        y = torch.cat([batch.support_y[t], batch.query_y[t]])
+        mask = torch.cat([batch.support_mask[t], batch.query_mask[t]])
+        losses.append(masked_bce(net(net.embed(ids)), y, mask))
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_warmup_steps_train_the_unadapted_model_on_every_row(vectorize):
+    """A warm-up meta-step (meta.warmup_steps) is plain supervised training: its loss and its
+    gradient are those of the unadapted net's BCE over each task's support and query rows."""
+    learner = make_learner(MAML, vectorize=vectorize)
+    learner.algorithm = MAML(2, 0.3, ["mlp.*"], vectorize, "binary", warmup_steps=3)
+    batch = as_double(tiny_batch())
+    learner.algorithm.warming_up = True
+    grads, out = meta_grads(learner, batch)
+    learner.zero_grad()
+    reference = supervised_reference(learner, batch)
+    reference.backward()
+    assert out.loss.item() == pytest.approx(reference.item(), rel=1e-12)
+    for name, p in learner.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    learner.algorithm.warming_up = False  # after the warm-up: MAML's own loss again
+    assert learner(batch).loss.item() == pytest.approx(make_learner(MAML)(batch).loss.item(), rel=1e-12)
+    with pytest.raises(ConfigError, match="meta.warmup_steps: 1.5 must be an integer >= 0"):
+        MAML(1, 0.1, ["mlp.*"], True, warmup_steps=1.5)
+
+
+@pytest.mark.parametrize("cls", [MAML, Reptile])
+def test_init_weight_adds_the_unadapted_models_loss_on_every_row(cls):
+    """meta.init_weight a: the outer loss is the algorithm's + a x the warm-up (supervised) loss;
+    so is its gradient."""
+    a = 0.4
+    plain, anchored = make_learner(cls), make_learner(cls)
+    anchored.algorithm = cls(2, 0.3, ["mlp.*"], True, "binary", init_weight=a)
+    batch = as_double(tiny_batch())
+    grads, out = meta_grads(anchored, batch)
+    plain.zero_grad()
+    (plain(batch).loss + a * supervised_reference(plain, batch)).backward()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert out.query_loss.item() == pytest.approx(plain(batch).query_loss.item(), rel=1e-12)
+    with pytest.raises(ConfigError, match="meta.init_weight: -0.5 must be a number >= 0"):
+        cls(1, 0.1, ["mlp.*"], True, init_weight=-0.5)

@@ -121,3 +121,33 @@ def test_resample_refuses_a_time_split():
         config_from_dict({"data": {"resample": True, "split": "time"}})
     with pytest.raises(ConfigError, match="data.long_tasks: 'keep' is not one of skip, train"):
         config_from_dict({"data": {"long_tasks": "keep"}})
+
+
+def test_random_support_sizes_keep_a_prefix_of_the_full_episode_and_its_query(tasks):
+    """data.resample_support: random: each redrawn support keeps its first k rows, k in
+    [1, the task's support size], spread from 1 to the full size (log-uniform); the query is
+    the full-size episode's, and the sizes are the same at every world size."""
+    def make(support, world=1, rank=0, gas=4):
+        return TaskLoader(tasks, MetaBatchSampler(len(tasks), 8, gas, world, rank, 3, task_lengths(tasks)),
+                          False, resample=True, support=support)
+
+    full, sized = make("full").next(), make("random").next()
+    kept, sizes = {}, []
+    for a, b in zip(full, sized):
+        assert a.task_ids.tolist() == b.task_ids.tolist()
+        for slot, task in enumerate(a.task_ids.tolist()):
+            s_full, s = _rows_of(a, slot, "s"), _rows_of(b, slot, "s")
+            assert 1 <= len(s) <= len(s_full) and set(s) <= set(s_full)
+            assert _rows_of(b, slot, "q") == _rows_of(a, slot, "q")
+            kept[task] = s
+            sizes.append((len(s), len(s_full)))
+    assert min(k for k, _ in sizes) <= 2 and sum(k == n for k, n in sizes) >= 1
+    assert sum(k < n for k, n in sizes) > len(sizes) // 2
+    for batch in (b for r in range(2) for b in make("random", world=2, rank=r, gas=2).next()):
+        for slot, task in enumerate(batch.task_ids.tolist()):
+            assert _rows_of(batch, slot, "s") == kept[task]
+    from gmeta_ds.config import config_from_dict
+    with pytest.raises(ConfigError, match="data.resample_support: random sizes the support"):
+        config_from_dict({"data": {"resample_support": "random"}})
+    with pytest.raises(ConfigError, match="data.resample_support: 'some' is not one of full, random"):
+        config_from_dict({"data": {"resample": True, "resample_support": "some"}})
