@@ -62,7 +62,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     body = [f"<h1>gmeta-ds report: {_e(run_dir.resolve().name)}</h1>"]
     if summary:
         evaluation = summary.get("eval") or {}
-        body += [_run_section(summary), *_comparison_section(evaluation)]
+        body += [_run_section(summary), *_comparison_section(evaluation), *_budget_section(evaluation, run_dir)]
         if evaluation.get("tasks"):
             body += [*_states_section(plt, evaluation), *_few_shot_section(plt, evaluation.get("few_shot")),
                      *_few_shot_section(plt, evaluation.get("inner_steps_curve"), along="inner_steps"),
@@ -159,6 +159,25 @@ def _comparison_section(evaluation: dict) -> list[str]:
                    "for ratings). For the AUCs higher is better, for logloss, MAE and RMSE lower is.</p>")
         out.append(_differences_table(intervals["differences"]))
     return out
+
+
+def _budget_section(evaluation: dict, run_dir: Path) -> list[str]:
+    """How much each side was tuned (issue 47: a tuned model against an untuned one is no
+    comparison): the fine-tune search's grid, and ``gmeta-ds tune``'s trials when its
+    tune.json sits in the run's folder (the config's own output_dir)."""
+    grid = evaluation.get("baseline_finetune_grid")
+    lines = []
+    if grid:
+        lines.append(f"baseline + tuned fine-tune: lr {_e(evaluation.get('baseline_finetune_lr'))}, "
+                     f"{_e(evaluation.get('baseline_finetune_steps'))} steps, the best of {len(grid)} settings on the "
+                     "validation users (eval.finetune_search)")
+    try:
+        tuned = json.loads((run_dir / "tune.json").read_text())
+        lines.append(f"meta-learned model: gmeta-ds tune, {_e(tuned['budget']['trials'])} trials on the validation "
+                     f"users (best {_e(tuned['objective'])} {_num((tuned.get('best') or {}).get('value'))})")
+    except (OSError, ValueError, KeyError, TypeError):
+        lines.append("meta-learned model: no gmeta-ds tune search in this folder; its settings are the configuration's")
+    return ["<h2>Tuning budgets</h2><ul>" + "".join(f"<li>{line}</li>" for line in lines) + "</ul>"]
 
 
 def _verdict(metric: str, d: dict) -> str:

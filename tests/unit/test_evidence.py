@@ -116,7 +116,7 @@ def test_the_report_of_a_run_holds_every_section_its_numbers_and_only_inline_ima
     ev["states"] = {"user_cold": {k: v for k, v in ev.items() if k not in ("few_shot", "inner_steps_curve", "split")}}
     (run / "summary.json").write_text(json.dumps(summary))  # as a four-state run would have it
     page = Page(write_report(run).read_text())
-    assert page.headings == ["gmeta-ds report: run", "Run", "Comparison with the baselines", "Cold-start states",
+    assert page.headings == ["gmeta-ds report: run", "Run", "Comparison with the baselines", "Tuning budgets", "Cold-start states",
                              "user cold (new users, existing items)", "Few-shot curve", "Inner-steps curve",
                              "Per-user AUC distribution",
                              "Training curves", "Configuration"]
@@ -196,3 +196,22 @@ def test_the_report_opens_in_headless_chromium(two_splits, tmp_path):
     assert pixels.shape[:2] == (2400, 1200)
     colours = np.unique(pixels.reshape(-1, pixels.shape[2])[:, :3], axis=0)
     assert len(colours) > 50 and pixels[..., :3].std() > 0.05, (len(colours), pixels.std())
+
+
+def test_the_report_states_both_sides_tuning_budgets(tmp_path):
+    """The fine-tune search's grid and, when gmeta-ds tune's tune.json is in the folder, the
+    meta-learned model's trials; without one the page says the configuration's settings ran."""
+    ev = {"tasks": 9, "query_rows": 45, "auc": 0.7, "auc_per_task": 0.6, "logloss": 0.6,
+          "baseline_finetune_grid": {f"lr={lr},steps={n}": 0.5 for lr in (0.1, 0.3) for n in (1, 2, 5)},
+          "baseline_finetune_lr": 0.3, "baseline_finetune_steps": 5}
+    (tmp_path / "summary.json").write_text(json.dumps({"task": "ctr", "meta_steps": 1, "eval": ev}))
+    text = write_report(tmp_path).read_text()
+    assert "<h2>Tuning budgets</h2>" in text
+    assert "lr 0.3, 5 steps, the best of 6 settings on the validation users" in text
+    assert "no gmeta-ds tune search in this folder" in text
+    (tmp_path / "tune.json").write_text(json.dumps({"budget": {"trials": 20, "seconds": 9.0},
+                                                    "objective": "eval.auc_per_task", "best": {"value": 0.75}}))
+    text = write_report(tmp_path).read_text()
+    assert "meta-learned model: gmeta-ds tune, 20 trials on the validation users (best eval.auc_per_task 0.7500)" in text
+    (tmp_path / "tune.json").write_text("{not json")
+    assert "no gmeta-ds tune search in this folder" in write_report(tmp_path).read_text()
