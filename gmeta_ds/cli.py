@@ -384,6 +384,7 @@ def _cmd_export(checkpoint_path: str, out: str, overwrite: bool = False) -> int:
 
 def _cmd_export_serving(args: argparse.Namespace) -> int:
     """``export --config``: the serving export folder (gmeta_ds/serving/recipe.py)."""
+    from gmeta_ds.saved import target_problems
     from gmeta_ds.serving.recipe import export_run
 
     cfg = load_config(args.config, args.overrides)
@@ -394,6 +395,10 @@ def _cmd_export_serving(args: argparse.Namespace) -> int:
         _check_export_target(source, out, args.overwrite)
     elif out.exists() and not args.overwrite:
         raise ConfigError([f"OUT {str(out)!r} exists; pass --overwrite to replace it, or another path"])
+    # --overwrite replaces an earlier export only: never a folder holding anything we did not write
+    problems = target_problems(out)
+    if problems:
+        raise ConfigError([p.replace("path: ", "OUT: ", 1) for p in problems])
     check_output_dir(out.parent, key="OUT's folder")
     path = export_run(cfg, source, out)
     print(f"wrote {path} (weights {source}); serve it with: gmeta-ds serve {path}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import stat
@@ -61,14 +62,39 @@ def algorithm_settings(algorithm) -> dict | None:
     return {"name": name, **dataclasses.asdict(algorithm.settings())}
 
 
+# The most model.json a saved model writes (fields, tables, vocabulary sizes: kilobytes); a
+# larger one is not ours, and is not read to find out.
+META_MAX_BYTES = 16 * 2**20
+
+
+def is_saved_model(meta: Path) -> bool:
+    """Whether ``meta`` is the model.json of a saved model: a JSON object with our ``format``."""
+    try:
+        if not meta.is_file() or meta.stat().st_size > META_MAX_BYTES:
+            return False
+        found = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and found.get("format") == FORMAT
+
+
 def target_problems(folder: Path) -> list[str]:
-    """Why ``folder`` cannot take a saved model: a file, or a folder holding other files and no
-    model.json (new, empty and earlier saved models are fine)."""
+    """Why ``folder`` cannot take a saved model: a file, a folder holding anything but an
+    earlier saved model (a model.json of ours and the files a save writes, nothing else: the
+    folder is replaced whole, so a file of someone else's would be lost). New and empty
+    folders are fine."""
     if folder.exists() and not folder.is_dir():
         return [f"path: {folder} is a file, expected a folder for the saved model"]
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / META).is_file():
-        return [f"path: {folder} is a folder that holds other files and no {META}; save into a new "
-                "or empty folder, or over an earlier saved model"]
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return []
+    if not is_saved_model(folder / META):
+        return [f"path: {folder} is a folder that holds other files and no {META} of a saved model "
+                f"(format {FORMAT!r}); save into a new or empty folder, or over an earlier saved model"]
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in (META, WEIGHTS, VOCAB))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        return [f"path: {folder} is a saved model with files a save does not write ({shown}); replacing "
+                "it would delete them: move them away, or save into a new folder"]
     return []
 
 
@@ -234,8 +260,28 @@ def _learner(model: nn.Module, settings, where: Path):
             or not set(ALGORITHM_KEYS) <= set(settings):
         raise _refuse(where, f"'algorithm' is {settings!r}: expected a registered algorithm's name and "
                              f"{', '.join(ALGORITHM_KEYS)}")
-    algorithm = ALGORITHMS[settings["name"]].from_settings(AlgorithmSettings(**{k: settings[k] for k in ALGORITHM_KEYS}))
+    problems = _settings_problems(settings)
+    if problems:
+        raise _refuse(where, f"'algorithm' holds {'; '.join(problems)}")
+    try:
+        algorithm = ALGORITHMS[settings["name"]].from_settings(AlgorithmSettings(**{k: settings[k] for k in ALGORITHM_KEYS}))
+    except ConfigError as exc:
+        raise _refuse(where, f"'algorithm' is refused: {'; '.join(exc.problems)}") from None
     return MetaLearner(model, algorithm)
+
+
+def _settings_problems(settings: dict) -> list[str]:
+    """The saved algorithm's numbers, bounded as the config bounds them (a model.json edited to
+    adapt with 1e9 steps, or a NaN rate, would hang or poison every request)."""
+    from gmeta_ds.config.bounds import BOUNDS
+
+    problems, limit = [], BOUNDS["meta.inner_steps"][0]
+    steps, lr = settings.get("inner_steps"), settings.get("inner_lr")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= limit:
+        problems.append(f"inner_steps {steps!r:.60}, expected an integer in [0, {limit}]")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+        problems.append(f"inner_lr {lr!r:.60}, expected a finite number")
+    return problems
 
 
 def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]], nn.Module]) -> SavedModel:

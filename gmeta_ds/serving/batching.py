@@ -112,7 +112,10 @@ class Batcher:
 
 
 def _predict(model: ServedModel, users: list[UserRequest], observe) -> list:
-    """Each user's `Scored`, or the `RequestError` of a user whose values do not encode."""
+    """Each user's `Scored`, or the `RequestError` of a user whose values do not encode. A user
+    is encoded apart from its batch: whatever its values raise (a `RequestError` naming the
+    field, or anything the encoder did not foresee) is that user's 400, and the batch runs the
+    others."""
     encoded, good = [], []
     outcomes: list = [None] * len(users)
     for i, user in enumerate(users):
@@ -121,6 +124,8 @@ def _predict(model: ServedModel, users: list[UserRequest], observe) -> list:
             good.append(i)
         except RequestError as exc:
             outcomes[i] = exc
+        except Exception as exc:  # noqa: BLE001 - one request's values never fail its batch-mates
+            outcomes[i] = RequestError("request", f"its values cannot be encoded ({type(exc).__name__}: {exc})")
     if good:
         results, done = model.predict_encoded([users[i] for i in good], encoded)
         observe(len(good), done)

@@ -123,7 +123,7 @@ class Encoder:
         if ids.dtype.kind not in "iu":
             try:
                 ids = np.asarray([int(v) for v in values], np.int64)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: past int64, or +-Infinity
                 raise RequestError(where, f"expected integer ids in [0, {f.num_ids})") from None
         ids = ids.astype(np.int64, copy=False).reshape(len(values))
         bad = (ids < 0) | (ids >= f.num_ids)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gmeta_ds.config.bounds import BOUNDS
 from gmeta_ds.data.vocab import Vocabulary
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.saved import META, VOCAB, WEIGHTS, checked_files, read_meta
@@ -34,6 +35,13 @@ from gmeta_ds.sparse import FieldSpec
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+MAX_INNER_STEPS = BOUNDS["eval.inner_steps"][0]  # a request adapts with at most as many as a run evaluates with
+
+
+def _short(value, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a hostile model.json may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def serving_section(name: str, inner_steps: int, recipe: dict | None = None) -> dict:
@@ -103,9 +111,11 @@ def open_export(folder: str | Path) -> Export:
     meta = read_meta(folder)
     serving = meta.get("serving")
     if not isinstance(serving, dict) or not isinstance(serving.get("name"), str) \
-            or not isinstance(serving.get("inner_steps"), int) or serving["inner_steps"] < 0:
-        raise _refuse(folder / META, f"'serving' is {serving!r}: expected the model's name and its inner_steps "
-                                     "(re-export it with this gmeta_ds: engine.save_model or gmeta-ds export --config)")
+            or not isinstance(serving.get("inner_steps"), int) or isinstance(serving["inner_steps"], bool) \
+            or not 0 <= serving["inner_steps"] <= MAX_INNER_STEPS:
+        raise _refuse(folder / META, f"'serving' is {_short(serving)}: expected the model's name and its "
+                                     f"inner_steps (an integer in [0, {MAX_INNER_STEPS}]; re-export it with this "
+                                     "gmeta_ds: engine.save_model or gmeta-ds export --config)")
     if meta.get("algorithm") is None:
         raise _refuse(folder / META, "'algorithm' is null: a user's own algorithm class cannot adapt at serving "
                                      "time; save with a registered algorithm (maml, fomaml, reptile, metasgd)")

@@ -6,6 +6,7 @@ sharded, 2-rank save runs in tests/launch/test_api_doc.py (the documented exampl
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -198,3 +199,57 @@ def test_the_objective_settings_round_trip_and_an_older_export_without_them_load
     (tmp_path / "m" / "model.json").write_text(json.dumps(meta))
     with pytest.raises(gm.ConfigError, match="'algorithm' is"):
         gm.load_model(tmp_path / "m", Tower())
+
+
+def test_overwrite_replaces_only_a_saved_model_of_ours(data, tmp_path, capsys):
+    """Issue 49: a folder is replaced only when it is an earlier saved model (a model.json of
+    ours and the files a save writes, nothing else); a model.json of someone else's, or a file
+    beside ours, is refused naming it, and nothing is touched (save_model, and gmeta-ds export
+    --config ... --overwrite before it builds anything)."""
+    from gmeta_ds.cli import main
+
+    engine = _engine(Tower(), data)
+    foreign = tmp_path / "theirs"
+    foreign.mkdir()
+    (foreign / "model.json").write_text('{"format": "someone else", "weights": 1}')
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(gm.ConfigError, match=r"theirs is a folder that holds other files and no model.json of a "
+                                             r"saved model \(format 'gmeta_ds model'\)"):
+        engine.save_model(foreign, data)
+    ours = engine.save_model(tmp_path / "ours", data)
+    (ours / "notes.txt").write_text("mine too")
+    with pytest.raises(gm.ConfigError, match=r"ours is a saved model with files a save does not write \(notes.txt\)"):
+        engine.save_model(ours, data)
+    config, weights = tmp_path / "c.yaml", tmp_path / "w.safetensors"
+    config.write_text("data: {synthetic: {num_users: 30}}\n")
+    weights.write_bytes(b"refused before it is read")
+    for folder, why in ((foreign, "is a folder that holds other files and no model.json of a saved model"),
+                        (ours, r"is a saved model with files a save does not write \(notes.txt\)")):
+        capsys.readouterr()
+        assert main(["export", str(weights), str(folder), "--config", str(config), "--overwrite"]) == 2
+        assert re.search(rf"OUT: .*{folder.name} {why}", capsys.readouterr().err)
+    assert (foreign / "notes.txt").read_text() == "mine" and (ours / "notes.txt").read_text() == "mine too"
+    assert sorted(p.name for p in foreign.iterdir()) == ["model.json", "notes.txt"]
+    (ours / "notes.txt").unlink()
+    assert engine.save_model(ours, data) == ours  # an earlier saved model alone is replaced whole
+
+
+@pytest.mark.parametrize("where,key,value,message", [
+    ("algorithm", "inner_steps", 10**9, r"'algorithm' holds inner_steps 1000000000, expected an integer in \[0, 10000\]"),
+    ("algorithm", "inner_steps", True, r"'algorithm' holds inner_steps True, expected an integer"),
+    ("algorithm", "inner_lr", float("nan"), r"'algorithm' holds inner_lr nan, expected a finite number"),
+    ("algorithm", "inner_lr", "0.1", r"'algorithm' holds inner_lr '0.1', expected a finite number"),
+    ("algorithm", "rank_weight", -1, r"'algorithm' is refused: meta.rank_weight: -1 must be a number >= 0"),
+    ("serving", "inner_steps", 10**9, r"'serving' is .*: expected the model's name and its inner_steps \(an integer in \[0, 10000\]"),
+])
+def test_an_exports_numbers_are_bounded_at_load(data, tmp_path, where, key, value, message):
+    """Issue 49: model.json has no hash of its own; a number edited into it (1e9 inner steps, a
+    NaN rate) is refused at load naming the file and the value, instead of a request that never
+    returns or scores null."""
+    engine = _engine(Tower(), data)
+    folder = engine.save_model(tmp_path / "m", data)
+    meta = json.loads((folder / "model.json").read_text())
+    meta[where][key] = value
+    (folder / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(gm.ConfigError, match=r"model.json: " + message):
+        gm.load_adapter(folder, Tower())

@@ -74,3 +74,11 @@ def test_the_plain_id_block_encodes_as_field_by_field(columns):
 def test_a_bad_column_is_still_named_in_field_order():
     with pytest.raises(RequestError, match=r"^support\.age: expected integer ids"):
         _encoder().encode({"age": ["x", 1], "item": [1]}, [1.0, 0.0], "support")
+
+
+@pytest.mark.parametrize("poison", [10**30, -(10**30), float("inf"), float("-inf"), float("nan"), "9" * 5000])
+def test_an_id_past_int64_or_not_finite_is_a_request_error_naming_the_field(poison):
+    """Issue 49: values that overflow int64 (or are +-Infinity / NaN) raised OverflowError inside
+    the encoder; they are a `RequestError` naming the field, like any non-integer id."""
+    with pytest.raises(RequestError, match=r"^support\.item: expected integer ids in \[0, 50\)"):
+        _encoder().encode({"age": [1, 2], "item": [3, poison]}, [1.0, 0.0], "support")
