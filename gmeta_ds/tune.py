@@ -218,8 +218,14 @@ def prepare(config: str, space_path: str, overrides: list[str], study: str, tria
     if problems:
         raise ConfigError(problems, f"--space {space_path}")
     metric, direction = METRICS[cfg.data.label]
-    flat = {k: v for k, v in _flatten(config_to_dict(base)).items() if k != "output_dir"}
+    flat = {k: v for k, v in _flatten(config_to_dict(base)).items() if k not in NOT_COMPARED}
     return Setup(config, list(overrides), flat, space, metric, direction, out_dir, study, trials, timeout_s)
+
+
+# Settings that change where a run keeps things or how it reports, never its scores: a study
+# continued from another place (a moved folder, another cache) stays the same study.
+NOT_COMPARED = {"output_dir", "data.cache_dir", "data.memory_limit", "data.prefetch", "train.threads",
+                "train.progress", "train.tensorboard", "train.log_every", "train.collective_timeout_s"}
 
 
 def _space_config_problems(config: str, overrides: list[str], space: dict) -> list[str]:

@@ -132,6 +132,22 @@ def test_another_space_for_the_same_study_is_refused(search, capsys, tmp_path):
     assert len(optuna.load_study(study_name="tune", storage=f"sqlite:///{out / 'tune.db'}").trials) == before
 
 
+def test_another_cache_or_thread_count_continues_the_study_but_another_setting_is_refused(search, capsys, tmp_path):
+    """Where the task store is kept or how many threads run changes no score: the same study
+    continues (no trial rerun: it already holds its trials); a setting that changes scores
+    (a config key outside the space) is refused, naming it."""
+    config, space, out = search
+    storage = f"sqlite:///{out / 'tune.db'}"
+    before = len(optuna.load_study(study_name="tune", storage=storage).trials)
+    finished = sum(t.state.name in ("COMPLETE", "FAIL") and not t.user_attrs.get("interrupted")
+                   for t in optuna.load_study(study_name="tune", storage=storage).trials)
+    assert tune(config, space, finished, "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "train.threads=1") == 0
+    assert len(optuna.load_study(study_name="tune", storage=storage).trials) == before
+    capsys.readouterr()
+    assert tune(config, space, finished, "--set", "meta.tasks_per_meta_step=4") == 2
+    assert "was made with another config (meta.tasks_per_meta_step: 8 -> 4)" in capsys.readouterr().err
+
+
 def test_a_missing_optuna_names_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises ImportError
     config = write(tmp_path, "c.yaml", {"output_dir": str(tmp_path / "out"), **TINY})
