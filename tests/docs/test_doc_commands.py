@@ -84,9 +84,12 @@ SHELL_LANGS = {"bash", "sh", "shell", "console"}
 COMMAND_TIMEOUT_S = 600
 
 # Appended to `train` / `eval` commands (later --set wins): enough to build, train, save, evaluate.
+# eval.finetune_search=false: the demo config's 20-point fine-tune search adds ~4 s to every small
+# run (tests/unit/test_baselines.py checks the search itself).
 SMALL = {
     "ctr": ["train.meta_steps=2", "train.log_every=1", "train.progress=false",
-            "data.synthetic.num_users=200", "eval.baseline_epochs=1", "data.cache_dir={work}/.cache"],
+            "data.synthetic.num_users=200", "eval.baseline_epochs=1", "eval.finetune_search=false",
+            "data.cache_dir={work}/.cache"],
     "text": ["train.meta_steps=2", "train.log_every=1", "train.progress=false", "text.eval_episodes=4",
              "text.baseline_steps=2"],
 }
@@ -606,7 +609,8 @@ def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
     planned = [plan(c, work, fx) for c in cmds]
     assert planned[0].run.endswith("--set train.meta_steps=2 --set train.log_every=1 "
                                    "--set train.progress=false --set data.synthetic.num_users=200 "
-                                   f"--set eval.baseline_epochs=1 --set data.cache_dir={work}/.cache")
+                                   "--set eval.baseline_epochs=1 --set eval.finetune_search=false "
+                                   f"--set data.cache_dir={work}/.cache")
     assert planned[1].run.startswith("deepspeed --master_port ")
     assert "--set seed=$s --set train.meta_steps=2" in planned[2].run and planned[2].run.endswith("\ndone")
     assert planned[2].run.startswith("for s in 0; do\ngmeta-ds train --config a.yaml --set seed=$s")
