@@ -48,7 +48,7 @@ from gmeta_ds.data.synthesize import synthesize_log
 from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic
-from gmeta_ds.data.tasks import _pad, _pad_multi
+from gmeta_ds.data.tasks import pad_rows, pad_multi
 
 RESULTS = ROOT / "benchmarks" / "results" / "meta_io.json"
 DEMO = ROOT / "examples" / "synthetic" / "config.yaml"
@@ -182,8 +182,8 @@ def collate_breakdown(tasks, steps: int) -> dict:
         parts["sampler"].append(dt / len(mbs))
         for mb in mbs:  # the steps of `collate`, timed one by one
             splits, dt_split = timed(lambda m=mb: [tasks.split(int(i)) for i in m])
-            (sup, dt_sup), (qry, dt_qry) = (timed(_pad, tasks, [x[j] for x in splits]) for j in (0, 1))
-            dt_multi = sum(timed(_pad_multi, tasks, [x[j] for x in splits], w[0].shape[1])[1]
+            (sup, dt_sup), (qry, dt_qry) = (timed(pad_rows, tasks, [x[j] for x in splits]) for j in (0, 1))
+            dt_multi = sum(timed(pad_multi, tasks, [x[j] for x in splits], w[0].shape[1])[1]
                            for j, w in ((0, sup), (1, qry)))
             for k, dt in zip(list(parts)[1:], (dt_split, dt_sup, dt_qry, dt_multi)):
                 parts[k].append(dt)

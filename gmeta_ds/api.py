@@ -365,7 +365,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     if sharding == "dense" and tables and model_hooks(net).embedding is None:
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
     if not ds_engine.is_partitioned(learner):  # local: before any collective
-        probe_model(learner, *_probe_shape(net, tables), "gmeta_ds.initialize")
+        probe_model(learner, *probe_shape(net, tables), "gmeta_ds.initialize")
     if not dist.is_initialized():
         init_process_group(collective_timeout_s)
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
@@ -388,7 +388,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     return meta
 
 
-def _probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], int]:
+def probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], int]:
     """The fields (single-hot first, in ``row_fields`` order) and dim of the rows ``net`` will
     get: from ``tables``, else from the net's own `EmbeddingCollection`; ([], 0) for a net fed
     otherwise (the text workload)."""

@@ -314,7 +314,7 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
 
 
 def _cmd_eval(cfg: RunConfig, weights: str | None, splits: int | None = None) -> int:
-    from gmeta_ds.trainer import write_json
+    from gmeta_ds.files import write_json
     from gmeta_ds.workloads import get_workload
 
     if splits:  # train and evaluate each split (gmeta_ds/splits.py)

@@ -30,7 +30,8 @@ from gmeta_ds.config import DEFAULTS
 from gmeta_ds.config.sites import DELTA_DTYPES
 from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
-from gmeta_ds.data.tasks import SUPPORT_SIZES, TaskBatch, TaskData, TaskSet, collate
+from gmeta_ds.config.data import SUPPORT_SIZES
+from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
 from gmeta_ds.sparse import single_fields
 from gmeta_ds.ds_config import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection

@@ -21,13 +21,14 @@ are what to read.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from gmeta_ds.files import write_json
 
 PREFIX = "gmeta_ds/"
 PHASES = ("data", "lookup", "inner_loop", "nonfinite_check", "outer_backward", "optimizer_step",
@@ -166,10 +167,7 @@ def write_profile(profiler: PhaseProfiler, output_dir: Path, rank: int, world: i
     if rank != 0:
         return None
     report = {**context, "ranks": everyone}
-    path = Path(output_dir) / "profile.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json(Path(output_dir) / "profile.json", report)
     return report
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, NET_PREFIX, AlgorithmSettings, MetaLearner
-from gmeta_ds.checkpoint.manifest import _sha256 as sha256
+from gmeta_ds.checkpoint.manifest import sha256
 from gmeta_ds.data.vocab import Vocabulary, value_text
 from gmeta_ds.embedding.tables import DynamicRows, EmbeddingCollection, TableConfig
 from gmeta_ds.errors import ConfigError
@@ -250,7 +250,7 @@ def read_meta(folder: str | Path) -> dict:
     return meta
 
 
-def _learner(model: nn.Module, settings, where: Path):
+def saved_learner(model: nn.Module, settings, where: Path):
     """The meta-learner of the saved algorithm settings around ``model``."""
     from gmeta_ds.registry import ALGORITHMS
 
@@ -294,17 +294,17 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
     tensors = _read_files(folder, meta)
     fields, tables = meta["fields"], meta["tables"]
     vocab = _vocabularies(folder, fields, tensors[VOCAB])
-    model = _built(model, fields)
+    model = built_model(model, fields)
     state = tensors[WEIGHTS]
     if tables and model_hooks(model).embedding is None and any(k.startswith(EMBEDDING_PREFIX) for k in state):
         model.embedding = EmbeddingCollection(tables)
     settings = meta.get("algorithm")
-    learner = _learner(model, settings, folder / META) if settings is not None else None
+    learner = saved_learner(model, settings, folder / META) if settings is not None else None
     if learner is None:  # a user's own algorithm class: the model's weights alone
         state = {k[len(NET_PREFIX):]: v for k, v in state.items() if k.startswith(NET_PREFIX)}
     target = learner if learner is not None else model
     fit_dynamic_tables(target, state)
-    _check_architecture(target, state, model, folder, meta.get("model"))
+    check_architecture(target, state, model, folder, meta.get("model"))
     own = target.state_dict()
     target.load_state_dict({k: v.to(own[k].dtype) if v.is_floating_point() else v for k, v in state.items()})
     return SavedModel(model, learner, fields, tables, vocab, settings, folder)
@@ -348,7 +348,7 @@ def _vocabularies(folder: Path, fields: list[FieldSpec], arrays: dict[str, Tenso
     return vocab
 
 
-def _built(model, fields: list[FieldSpec]) -> nn.Module:
+def built_model(model, fields: list[FieldSpec]) -> nn.Module:
     """``model``, or what the function ``model`` builds from the saved fields."""
     if isinstance(model, nn.Module):
         return model
@@ -371,7 +371,7 @@ def fit_dynamic_tables(learner: nn.Module, state: dict[str, Tensor]) -> None:
             module.load_state_dict(own, strict=False)
 
 
-def _check_architecture(target: nn.Module, state: dict, model: nn.Module, folder: Path, saved_as) -> None:
+def check_architecture(target: nn.Module, state: dict, model: nn.Module, folder: Path, saved_as) -> None:
     """Every weight of ``target`` in ``state`` and the other way round, with equal shapes;
     else a `ConfigError` listing the differences (at most 8 of each kind)."""
     own = target.state_dict()

@@ -28,7 +28,8 @@ from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.intervals import LEVEL, split_interval
 from gmeta_ds.outputs import check_earlier_run
-from gmeta_ds.trainer import train, write_json
+from gmeta_ds.files import write_json
+from gmeta_ds.trainer import train
 from gmeta_ds.workloads.ctr import BASELINE_NAMES, METRIC_NAMES, difference_lines, difference_text
 
 SPLITS_DIR = "splits"

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 from tqdm import tqdm
 
+from gmeta_ds.files import write_json
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables (workloads.ctr reads it here)
 from gmeta_ds.config import RunConfig, config_to_dict
@@ -114,13 +114,6 @@ def _profile_summary(cfg: RunConfig, profiler: PhaseProfiler, rank: int, plan: B
         print(f"gmeta-ds: per-phase time of {profiler.recorded} profiled meta-steps (ms per "
               f"meta-step; collectives in brackets), {cfg.output_dir}/profile.json:\n"
               f"{table(report)}", flush=True)
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON atomically: readers never see a half-written file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def start_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: int,

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gmeta_ds.files import write_json
+from gmeta_ds.processes import kill_group
 from gmeta_ds.config import config_to_dict, load_config, load_yaml
 from gmeta_ds.errors import ConfigError
 
@@ -423,10 +425,10 @@ def _launch(command: list[str], out_log: Path, err_log: Path, timeout_s: int) ->
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            kill_group(proc)
             code = None
         except BaseException:
-            _kill(proc)
+            kill_group(proc)
             raise
     return code, time.perf_counter() - start
 
@@ -453,14 +455,6 @@ def _terminate_as_exit():
     finally:
         signal.signal(signal.SIGTERM, previous)
 
-
-def _kill(proc: subprocess.Popen) -> None:
-    """The trial's whole process group (it may have started compile jobs), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _tail(path: Path, lines: int = ERROR_LINES) -> str:
@@ -515,14 +509,6 @@ def results(optuna, setup: Setup, study) -> dict:
 
 def _ordered(params: dict, space: dict) -> dict:
     return {k: params[k] for k in space if k in params}
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON atomically (a temporary file, then os.replace): a reader, or a search killed
-    mid-write, never leaves a half-written tune.json."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _value_text(value: Any) -> str:

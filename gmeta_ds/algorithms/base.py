@@ -245,10 +245,10 @@ class MetaAlgorithm:
         """Default (MAML family): the mean query loss after adaptation. ``theta``: the
         meta-parameters that adapt (dense parameters and deduplicated rows)."""
         out = self.run(inner, lrs, theta, support, query)
-        return _output(out.query_loss.mean(), out)
+        return meta_output(out.query_loss.mean(), out)
 
 
-def _output(loss: Tensor, out: TaskOutputs) -> MetaOutput:
+def meta_output(loss: Tensor, out: TaskOutputs) -> MetaOutput:
     return MetaOutput(loss, out.query_loss.detach().mean(), out.support_loss.mean(),
                       out.query_loss.detach())
 

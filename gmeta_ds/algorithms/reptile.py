@@ -11,7 +11,7 @@ query loss at phi, as in FOMAML, so they still learn; the query loss is also wha
 """
 from __future__ import annotations
 
-from gmeta_ds.algorithms.base import MetaAlgorithm, MetaOutput, _output
+from gmeta_ds.algorithms.base import MetaAlgorithm, MetaOutput, meta_output
 
 
 class Reptile(MetaAlgorithm):
@@ -23,4 +23,4 @@ class Reptile(MetaAlgorithm):
         detach = lambda fast: {n: p.detach() for n, p in fast.items()}  # noqa: E731
         out = self.run(inner, lrs, theta, support, query, query_fast=detach)
         surrogate = sum((theta[n] * (theta[n] - out.fast[n].mean(dim=0)).detach()).sum() for n in theta)
-        return _output(out.query_loss.mean() + surrogate, out)
+        return meta_output(out.query_loss.mean() + surrogate, out)

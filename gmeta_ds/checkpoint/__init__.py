@@ -38,12 +38,12 @@ from gmeta_ds.checkpoint.layout import (
     FAULT_ENV, FAULT_FILL_ENV, FORMAT_VERSION, LATEST, MANIFEST, MANIFEST_MAX_BYTES, TAG, checkpoint_root, find,
     tag_of)
 from gmeta_ds.checkpoint.loading import load, rank_files
-from gmeta_ds.checkpoint.manifest import _sha256, check_compatible, check_pickles, read_manifest, verify
+from gmeta_ds.checkpoint.manifest import sha256, check_compatible, check_pickles, read_manifest, verify
 from gmeta_ds.checkpoint.rows import load_shard_state, shard_state, table_meta
 from gmeta_ds.checkpoint.saving import save
-from gmeta_ds.checkpoint.universal import _convert, to_universal
+from gmeta_ds.checkpoint.universal import convert_to_universal, to_universal
 
 __all__ = ["FAULT_ENV", "FAULT_FILL_ENV", "FORMAT_VERSION", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "TAG",
-           "_convert", "_sha256", "check_compatible", "check_pickles", "checkpoint_root", "export", "find", "load",
+           "convert_to_universal", "sha256", "check_compatible", "check_pickles", "checkpoint_root", "export", "find", "load",
            "load_shard_state", "rank_files", "read_manifest", "save", "shard_state", "table_meta", "tag_of", "to_universal",
            "verify"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from gmeta_ds.checkpoint.rows import _set_rng_state, load_shard_state
+from gmeta_ds.checkpoint.rows import set_rng_state, load_shard_state
 from gmeta_ds.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def load(ckpt: Path, manifest: dict, engine, sharded, universal: Path | None = N
         load_shard_state(sharded, files)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if same_world:
-        _set_rng_state(files[rank])
+        set_rng_state(files[rank])
     manifest["optimizer_restored"] = load_optimizer
     return manifest
 

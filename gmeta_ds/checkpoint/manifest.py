@@ -17,7 +17,7 @@ from gmeta_ds.engine import ds_internals
 from gmeta_ds.errors import ConfigError
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     """The SHA-256 of ``path``'s bytes, read in 1 MiB blocks; a symbolic link is refused."""
     digest = hashlib.sha256()
     with open(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
@@ -34,12 +34,12 @@ _HASHED: dict[tuple, str] = {}
 
 
 def _verified_sha256(path: Path) -> str:
-    """`_sha256` of ``path``, hashed once per unchanged file in this process (`_HASHED`)."""
+    """`sha256` of ``path``, hashed once per unchanged file in this process (`_HASHED`)."""
     info = os.stat(path, follow_symlinks=False)
     key = (os.path.realpath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns,
            info.st_ctime_ns)
     if key not in _HASHED:
-        _HASHED[key] = _sha256(path)
+        _HASHED[key] = sha256(path)
     return _HASHED[key]
 
 

@@ -8,7 +8,7 @@ import torch
 from gmeta_ds.errors import ConfigError
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def rng_state() -> dict[str, torch.Tensor]:
     """This process's torch and NumPy RNG states as tensors (``rng.*``), to save with its rows."""
     state = {"rng.torch": torch.get_rng_state()}
     np_state = np.random.get_state()
@@ -17,8 +17,8 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore the RNG states `_rng_state` saved."""
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore the RNG states `rng_state` saved."""
     torch.set_rng_state(state["rng.torch"])
     np.random.set_state(("MT19937", state["rng.numpy.keys"].numpy().astype(np.uint32),
                          int(state["rng.numpy.pos"][0]), 0, 0.0))

@@ -3,7 +3,6 @@ rank abandons the checkpoint on every rank with one report."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -12,10 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gmeta_ds.files import write_json
 from gmeta_ds.checkpoint.layout import (
     FAULT_ENV, FAULT_FILL_ENV, FORMAT_VERSION, LATEST, MANIFEST, checkpoint_root, tag_of)
 from gmeta_ds.checkpoint import manifest as manifest_module
-from gmeta_ds.checkpoint.rows import _rng_state, shard_state
+from gmeta_ds.checkpoint.rows import rng_state, shard_state
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.dist import is_collective_timeout, on_wire
 from gmeta_ds.errors import CheckpointWriteError
@@ -26,12 +26,6 @@ def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
-
-def _write_json(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` as indented JSON, atomically (a temporary file renamed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 _LOW_SPACE = 1 << 20  # bytes: below this after a failed write, the cause is a full disk
 
@@ -191,7 +185,7 @@ def _save_own_files(engine, sharded, writes: _Writes, rank: int, extra: dict) ->
     and, on rank 0, ``dense.safetensors`` (collective under ZeRO-3)."""
     from safetensors.torch import save_file
 
-    own = {**shard_state(sharded), **_rng_state(), **extra}
+    own = {**shard_state(sharded), **rng_state(), **extra}
     own_file = writes.ckpt / f"rank{rank:05d}.safetensors"
     writes.attempt(str(own_file), lambda: save_file({k: v.contiguous() for k, v in own.items()}, str(own_file)))
     dense = ds_engine.full_state_dict(engine.module, rank0_only=True)  # collective under ZeRO-3
@@ -204,12 +198,12 @@ def _save_own_files(engine, sharded, writes: _Writes, rank: int, extra: dict) ->
 def _commit(root: Path, ckpt: Path, head: dict) -> None:
     """Rank 0, last: the manifest (``head`` with the SHA-256 and size of every file written),
     then ``latest`` moved to this checkpoint (atomic rename)."""
-    sha256 = manifest_module._sha256  # looked up per call: tests count the files hashed
+    sha256 = manifest_module.sha256  # looked up per call: tests count the files hashed
     files = sorted(p for p in ckpt.rglob("*") if p.is_file())
     manifest = {**head,
                 "files": {p.relative_to(ckpt).as_posix(): sha256(p) for p in files},
                 "sizes": {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in files}}
-    _write_json(ckpt / MANIFEST, manifest)
+    write_json(ckpt / MANIFEST, manifest)
     tmp = root / (LATEST + ".tmp")
     tmp.write_text(ckpt.name + "\n")
     os.replace(tmp, root / LATEST)

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from gmeta_ds.checkpoint.layout import checkpoint_root
 from gmeta_ds.checkpoint.manifest import check_pickles
 from gmeta_ds.engine import ds_internals
+from gmeta_ds.processes import kill_group
 from gmeta_ds.engine.dist import group_timeouts, is_collective_timeout, on_wire
 from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
@@ -31,7 +31,7 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
     another run in the same output directory, or planted) would be trusted without any check.
     It is written under a name tied to the source manifest's SHA-256, into a temporary folder
     renamed into place, and its pickles pass `check_pickles` on every rank before DeepSpeed
-    opens them. The converter runs isolated from the working directory (`_convert`); the
+    opens them. The converter runs isolated from the working directory (`convert_to_universal`); the
     other ranks wait for it in one all-reduce, so rank 0 gives the converter less than the
     process group's timeout and every rank's error says what it waited for."""
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
@@ -46,7 +46,7 @@ def to_universal(ckpt: Path, output_dir: str | Path, manifest: dict) -> Path:
         tmp = root / (target.name + ".tmp")
         # Leave the waiting ranks time to hear of a failure before their all-reduce gives up.
         limit = 3600.0 if timeout_s is None else max(1.0, timeout_s - min(30.0, timeout_s / 5))
-        failure = _convert(ckpt, tmp, limit, timeout_s)
+        failure = convert_to_universal(ckpt, tmp, limit, timeout_s)
         if failure:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -80,7 +80,7 @@ def _group_timeout_s() -> float | None:
     return min(timeouts) if timeouts else dist.distributed_c10d.default_pg_timeout.total_seconds()
 
 
-def _convert(ckpt: Path, out: Path, limit_s: float, timeout_s: float | None) -> str:
+def convert_to_universal(ckpt: Path, out: Path, limit_s: float, timeout_s: float | None) -> str:
     """Run DeepSpeed's ``ds_to_universal`` on ``ckpt`` into ``out``; '' when it succeeded,
     else why not. It runs from an empty directory of its own with ``python -P``
     (`ds_internals.universal_conversion_command`): nothing in the directory the run was started
@@ -93,23 +93,15 @@ def _convert(ckpt: Path, out: Path, limit_s: float, timeout_s: float | None) -> 
         try:
             output, _ = proc.communicate(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             bound = ("" if timeout_s is None else
                      f", what train.collective_timeout_s={timeout_s:g} s leaves while the other ranks wait;"
                      " raise it")
             return f"DeepSpeed's universal checkpoint converter did not finish within {limit_s:g} s{bound}"
         finally:
             if proc.poll() is None:
-                _kill_group(proc)
+                kill_group(proc)
     if proc.returncode != 0:
         return (output.strip().splitlines()[-1:] or ["(no output)"])[0][:500]
     return ""
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s session (the converter and its worker processes) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone
-        pass
-    proc.communicate()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from gmeta_ds.config.bounds import (BOUNDS, MAX_COUNT, MAX_FLOAT, MAX_LAYERS, MAX_SYNTHETIC_INTERACTIONS,
                                     MAX_WIDTH)
 from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGES, ROW_OWNERS, SHARDINGS, SPLITS,
-                                    SUPPORTED_ZERO_STAGES, TABLE_DEVICES, TEXT_FORMATS, _one_of, _positive)
+                                    SUPPORTED_ZERO_STAGES, TABLE_DEVICES, TEXT_FORMATS, one_of, check_positive)
 from gmeta_ds.config.data import DataConfig, SchemaConfig, SyntheticConfig, parse_memory
 from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride
 from gmeta_ds.config.eval import EvalConfig
@@ -32,7 +32,7 @@ __all__ = [
     "MODEL_DEFAULT_ADAPT", "ROW_OWNERS", "SHARDINGS", "SOURCE_ONLY_KEYS", "SPLITS", "SUPPORTED_ZERO_STAGES",
     "TABLE_DEVICES", "TEXT_FORMATS", "DataConfig", "EmbeddingConfig", "EvalConfig", "MetaConfig",
     "ModelConfig", "RunConfig", "SchemaConfig", "SitesConfig", "SyntheticConfig", "TableOverride", "TextConfig",
-    "TextDataConfig", "TextModelConfig", "TextSyntheticConfig", "TrainConfig", "YAMLLoader", "_one_of",
-    "_positive", "apply_overrides", "config_from_dict", "config_to_dict", "load_config", "load_yaml",
+    "TextDataConfig", "TextModelConfig", "TextSyntheticConfig", "TrainConfig", "YAMLLoader", "one_of",
+    "check_positive", "apply_overrides", "config_from_dict", "config_to_dict", "load_config", "load_yaml",
     "parse_memory", "parse_override", "task_activation_bytes",
 ]

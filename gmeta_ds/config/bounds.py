@@ -37,7 +37,7 @@ BOUNDS: dict[str, tuple[int, str]] = {
 MAX_SYNTHETIC_INTERACTIONS = 2**31
 
 
-def _short(value: Any) -> str:
+def short_value(value: Any) -> str:
     """A number for a message: a huge integer as ``~10**90``, not 91 digits (Python refuses to
     print more than 4300)."""
     if isinstance(value, int) and abs(value) > 10**15:
@@ -57,7 +57,7 @@ def _bound(schema_key: str, value: Any) -> tuple[float, str]:
     return MAX_COUNT, "2**31 - 1 (int32)"
 
 
-def _check_bounds(node: Any, dotted: str, schema_key: str, problems: list[str]) -> None:
+def check_bounds(node: Any, dotted: str, schema_key: str, problems: list[str]) -> None:
     """Every number under ``node`` (a config dataclass, one of its dicts of tables or globs, a
     list of widths) against its `BOUNDS` entry; free-form dicts (``deepspeed``,
     ``text.model.config``) are checked by their owners."""
@@ -65,19 +65,19 @@ def _check_bounds(node: Any, dotted: str, schema_key: str, problems: list[str]) 
         for f in dataclasses.fields(node):
             if not f.metadata.get("internal"):
                 join = f"{dotted}.{f.name}" if dotted else f.name
-                _check_bounds(getattr(node, f.name), join, f"{schema_key}.{f.name}" if schema_key else f.name,
+                check_bounds(getattr(node, f.name), join, f"{schema_key}.{f.name}" if schema_key else f.name,
                               problems)
     elif isinstance(node, dict) and schema_key in ("embedding.tables", "meta.inner_lr_scale"):
         for name, value in node.items():
-            _check_bounds(value, f"{dotted}.{name}", f"{schema_key}.*", problems)
+            check_bounds(value, f"{dotted}.{name}", f"{schema_key}.*", problems)
     elif isinstance(node, list) and node and all(isinstance(v, (int, float)) for v in node):
         if len(node) > MAX_LAYERS:
             problems.append(f"{dotted}: {len(node)} entries; at most {MAX_LAYERS}")
         too_big = [v for v in node if not isinstance(v, bool) and abs(v) > _bound(schema_key, v)[0]]
         if too_big:
             limit = _bound(schema_key, too_big[0])[1]
-            problems.append(f"{dotted}: {_short(too_big[0])} is too large; at most {limit}")
+            problems.append(f"{dotted}: {short_value(too_big[0])} is too large; at most {limit}")
     elif isinstance(node, (int, float)) and not isinstance(node, bool):
         limit, text = _bound(schema_key, node)
         if abs(node) > limit:
-            problems.append(f"{dotted}: {_short(node)} is too large; at most {text}")
+            problems.append(f"{dotted}: {short_value(node)} is too large; at most {text}")

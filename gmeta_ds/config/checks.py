@@ -15,13 +15,13 @@ SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
 
-def _one_of(problems: list[str], key: str, value: Any, allowed: tuple) -> None:
+def one_of(problems: list[str], key: str, value: Any, allowed: tuple) -> None:
     """Report ``key`` unless ``value`` is among ``allowed``."""
     if value not in allowed:
         problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
-def _positive(problems: list[str], key: str, value: Any, allow_auto: bool = False) -> None:
+def check_positive(problems: list[str], key: str, value: Any, allow_auto: bool = False) -> None:
     """Report ``key`` unless ``value`` is a number > 0 (or 'auto' where ``allow_auto``)."""
     if allow_auto and value == AUTO:
         return

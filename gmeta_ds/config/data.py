@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from gmeta_ds.config.checks import SPLITS, _one_of, _positive
+from gmeta_ds.config.checks import SPLITS, one_of, check_positive
 from gmeta_ds.registry import LABEL_KINDS
 
 
@@ -22,6 +22,9 @@ def parse_memory(text: str) -> str:
     if value < 64 * 2**20:
         raise ValueError(f"data.memory_limit: {text!r} is below 64MB; DuckDB needs more to sort")
     return f"{int(value // 2**20)}MB"
+
+
+SUPPORT_SIZES = ("full", "random")  # data.resample_support
 
 
 @dataclass
@@ -83,7 +86,7 @@ class DataConfig:
     # With resample: the support's size too. full: the task's own; random: each drawn episode
     # keeps the first k of its redrawn support rows, k log-uniform in [1, its support size], so
     # meta-training also sees the 1-20 row supports a new user brings (the query is unchanged).
-    resample_support: str = "full"
+    resample_support: str = "full"  # one of SUPPORT_SIZES
     min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
     max_interactions: int = 100
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
@@ -108,32 +111,32 @@ class DataConfig:
     memory_limit: str = "1GB"
 
 
-def _validate_log(data: DataConfig, problems: list[str]) -> None:
+def validate_log(data: DataConfig, problems: list[str]) -> None:
     """``data.*`` for an interaction log on disk: where it is, how it is split and labelled."""
     if not data.path:
         problems.append(f"data.path: required for data.source {data.source!r} (the folder or file "
                         "holding the log)")
     if data.source == "recbole" and not data.dataset_name:
         problems.append("data.dataset_name: required for data.source 'recbole' (<name>.inter)")
-    _one_of(problems, "data.split", data.split, SPLITS)
+    one_of(problems, "data.split", data.split, SPLITS)
     if data.source == "table" and data.split == "time" and not data.schema.timestamp:
         problems.append("data.split: 'time' orders each task by its timestamp, but "
                         "data.schema.timestamp names no column; name it, or use 'random'")
-    _one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
-    _one_of(problems, "data.label", data.label, LABEL_KINDS)
-    _one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
+    one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
+    one_of(problems, "data.label", data.label, LABEL_KINDS)
+    one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
     try:
         parse_memory(data.memory_limit)
     except ValueError as exc:
         problems.append(str(exc))
-    _positive(problems, "data.min_count", data.min_count)
+    check_positive(problems, "data.min_count", data.min_count)
     _check_task_sizes(data, "data.", problems)
 
 
 def _check_task_sizes(section, p: str, problems: list[str]) -> None:
     """Task-size keys shared by data and data.synthetic (``p`` is the dotted prefix)."""
     for name in ("min_interactions", "query_size"):
-        _positive(problems, p + name, getattr(section, name))
+        check_positive(problems, p + name, getattr(section, name))
     if section.min_interactions <= section.query_size:
         problems.append(f"{p}min_interactions: {section.min_interactions} must exceed "
                         f"{p}query_size ({section.query_size}) so every task keeps a support set")
@@ -144,10 +147,10 @@ def _check_task_sizes(section, p: str, problems: list[str]) -> None:
         problems.append(f"{p}test_fraction: {section.test_fraction!r} must be in (0, 1)")
 
 
-def _validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
+def validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
     """``data.synthetic.*``: sizes of the generated users, items and tasks."""
     for name in ("num_users", "num_items", "latent_dim"):
-        _positive(problems, "data.synthetic." + name, getattr(syn, name))
+        check_positive(problems, "data.synthetic." + name, getattr(syn, name))
     if syn.num_users == 1:
         problems.append(f"data.synthetic.num_users: {syn.num_users} must be >= 2 (train and test "
                         "each need a user)")

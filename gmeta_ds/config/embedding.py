@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGE_TOPOLOGIES, EXCHANGES, ROW_OWNERS,
-                                    TABLE_DEVICES, _one_of, _positive)
+                                    TABLE_DEVICES, one_of, check_positive)
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 
 
@@ -67,17 +67,17 @@ class EmbeddingConfig:
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
-def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
+def validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     """``embedding.*``: choices, rates, every table, and what applies only when sharded."""
-    _one_of(problems, "embedding.plan", emb.plan, (AUTO, *PLANS.names()))
-    _one_of(problems, "embedding.row_owner", emb.row_owner, ROW_OWNERS)
-    _one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS.names())
-    _one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
-    _positive(problems, "embedding.lr", emb.lr)
-    _positive(problems, "embedding.init_std", emb.init_std)
-    _one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
-    _one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
-    _one_of(problems, "embedding.exchange_topology", emb.exchange_topology, EXCHANGE_TOPOLOGIES)
+    one_of(problems, "embedding.plan", emb.plan, (AUTO, *PLANS.names()))
+    one_of(problems, "embedding.row_owner", emb.row_owner, ROW_OWNERS)
+    one_of(problems, "embedding.optimizer", emb.optimizer, SPARSE_OPTIMIZERS.names())
+    one_of(problems, "embedding.bad_ids", emb.bad_ids, BAD_ID_POLICIES)
+    check_positive(problems, "embedding.lr", emb.lr)
+    check_positive(problems, "embedding.init_std", emb.init_std)
+    one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
+    one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
+    one_of(problems, "embedding.exchange_topology", emb.exchange_topology, EXCHANGE_TOPOLOGIES)
     if isinstance(emb.hosts, bool) or not isinstance(emb.hosts, int) or emb.hosts < 0:
         problems.append(f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {emb.hosts!r}")
     for name, table in emb.tables.items():
@@ -104,11 +104,11 @@ def _validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
 def _validate_table(name: str, table: TableOverride, problems: list[str]) -> None:
     """``embedding.tables.<name>``: a static or dynamic table's own settings."""
     key = f"embedding.tables.{name}"
-    _one_of(problems, f"{key}.kind", table.kind, ("static", "dynamic"))
+    one_of(problems, f"{key}.kind", table.kind, ("static", "dynamic"))
     if table.device is not None:
-        _one_of(problems, f"{key}.device", table.device, TABLE_DEVICES)
+        one_of(problems, f"{key}.device", table.device, TABLE_DEVICES)
     if table.exchange is not None:
-        _one_of(problems, f"{key}.exchange", table.exchange, EXCHANGES)
+        one_of(problems, f"{key}.exchange", table.exchange, EXCHANGES)
     if table.kind == "dynamic":
         if not isinstance(table.capacity, int) or isinstance(table.capacity, bool) or table.capacity < 1:
             problems.append(f"{key}.capacity: a dynamic table needs its rows per rank as an integer "
@@ -116,7 +116,7 @@ def _validate_table(name: str, table: TableOverride, problems: list[str]) -> Non
         if not isinstance(table.admit_after, int) or table.admit_after < 1:
             problems.append(f"{key}.admit_after: expected an integer >= 1 (lookups before an id gets "
                             f"its own row), got {table.admit_after!r}")
-        _one_of(problems, f"{key}.eviction", table.eviction, ("lru", "lfu"))
+        one_of(problems, f"{key}.eviction", table.eviction, ("lru", "lfu"))
         if table.plan not in (AUTO, "dynamic"):
             problems.append(f"{key}.plan: {table.plan!r}, but a dynamic table's rows are placed by a "
                             "hash of the id; leave plan at auto")
@@ -124,8 +124,8 @@ def _validate_table(name: str, table: TableOverride, problems: list[str]) -> Non
         problems.append(f"{key}.capacity applies to kind: dynamic (a static table has one row per "
                         "vocabulary id)")
     if table.kind != "dynamic":
-        _one_of(problems, f"{key}.plan", table.plan, (AUTO, *PLANS.names()))
+        one_of(problems, f"{key}.plan", table.plan, (AUTO, *PLANS.names()))
     if table.optimizer is not None:
-        _one_of(problems, f"{key}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
+        one_of(problems, f"{key}.optimizer", table.optimizer, SPARSE_OPTIMIZERS.names())
     if table.lr is not None:
-        _positive(problems, f"{key}.lr", table.lr)
+        check_positive(problems, f"{key}.lr", table.lr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from gmeta_ds.config.checks import AUTO, _positive
+from gmeta_ds.config.checks import AUTO, check_positive
 
 # Tasks per micro-batch when neither meta.tasks_per_micro_batch nor the DeepSpeed config sets
 # one ("auto" on both sides), and the run config's own default.
@@ -76,4 +76,4 @@ def validate_meta_options(meta: MetaConfig, problems: list[str]) -> None:
         problems.append(f"meta.vectorize: {meta.vectorize!r} is not one of true, false, auto")
     if meta.split_body not in (True, False, AUTO):
         problems.append(f"meta.split_body: {meta.split_body!r} is not one of true, false, auto")
-    _positive(problems, "meta.vectorize_budget_mb", meta.vectorize_budget_mb, allow_auto=True)
+    check_positive(problems, "meta.vectorize_budget_mb", meta.vectorize_budget_mb, allow_auto=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gmeta_ds.config.checks import _one_of, _positive
+from gmeta_ds.config.checks import one_of, check_positive
 from gmeta_ds.registry import MODELS
 
 # model.name -> its default meta.adapt where that is not MetaConfig's ["mlp.*"] (the class's
@@ -39,12 +39,12 @@ class ModelConfig:
 
 def validate_model(m: ModelConfig, problems: list[str]) -> None:
     """``model.*`` on its own: a registered name, positive widths, layers and prior."""
-    _one_of(problems, "model.name", m.name, MODELS.names())
+    one_of(problems, "model.name", m.name, MODELS.names())
     for key in ("hidden", "bottom_hidden", "tower_hidden"):
         widths = getattr(m, key)
         if any(h <= 0 for h in widths):
             problems.append(f"model.{key}: {widths!r} must be positive layer widths")
     if not m.tower_hidden:
         problems.append("model.tower_hidden: empty; the last width is the two towers' dot-product dimension")
-    _positive(problems, "model.cross_layers", m.cross_layers)
-    _positive(problems, "model.popularity_prior", m.popularity_prior)
+    check_positive(problems, "model.cross_layers", m.cross_layers)
+    check_positive(problems, "model.popularity_prior", m.popularity_prior)

@@ -12,15 +12,15 @@ from typing import Any, Union
 
 import yaml
 
-from gmeta_ds.config.bounds import MAX_FLOAT, MAX_SYNTHETIC_INTERACTIONS, _check_bounds, _short
-from gmeta_ds.config.checks import SHARDINGS, _one_of, _positive
-from gmeta_ds.config.data import DataConfig, _validate_log, _validate_synthetic
-from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, _validate_embedding
+from gmeta_ds.config.bounds import MAX_FLOAT, MAX_SYNTHETIC_INTERACTIONS, check_bounds, short_value
+from gmeta_ds.config.checks import SHARDINGS, one_of, check_positive
+from gmeta_ds.config.data import SUPPORT_SIZES, DataConfig, validate_log, validate_synthetic
+from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, validate_embedding
 from gmeta_ds.config.eval import EvalConfig
 from gmeta_ds.config.meta import MetaConfig, validate_meta_options
 from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig, validate_model
 from gmeta_ds.config.sites import SitesConfig, validate_sites, validate_sites_run
-from gmeta_ds.config.text import TextConfig, _validate_text
+from gmeta_ds.config.text import TextConfig, validate_text
 from gmeta_ds.config.train import TrainConfig, validate_train
 from gmeta_ds.config.yaml_io import load_yaml
 from gmeta_ds.errors import ConfigError
@@ -111,7 +111,7 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
         elif isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{dotted}: {value!r} is not a finite number")
         elif tp is float and isinstance(value, int) and abs(value) > MAX_FLOAT:  # float() may overflow
-            problems.append(f"{dotted}: {_short(value)} is too large; at most {MAX_FLOAT:g}")
+            problems.append(f"{dotted}: {short_value(value)} is too large; at most {MAX_FLOAT:g}")
         elif _type_ok(value, tp):
             kwargs[key] = float(value) if tp is float else value
         else:
@@ -188,21 +188,21 @@ def _validate_applies(cfg: RunConfig, data: dict, problems: list[str]) -> None:
 
 def _validate(cfg: RunConfig, problems: list[str]) -> None:
     """Every value check, section by section, in the order their lines are reported."""
-    _check_bounds(cfg, "", "", problems)
+    check_bounds(cfg, "", "", problems)
     _validate_run(cfg, problems)
     validate_meta_options(cfg.meta, problems)
     _validate_popularity(cfg, problems)
     _validate_objective(cfg, problems)
     if cfg.task == "text":
-        _validate_text(cfg.text, problems)
-    _one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
-    _one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
-    _one_of(problems, "data.source", cfg.data.source, DATA_SOURCES.names())
-    _validate_embedding(cfg.embedding, problems)
+        validate_text(cfg.text, problems)
+    one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
+    one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
+    one_of(problems, "data.source", cfg.data.source, DATA_SOURCES.names())
+    validate_embedding(cfg.embedding, problems)
     _validate_positives(cfg, problems)
     _validate_held_out(cfg, problems)
-    _one_of(problems, "data.long_tasks", cfg.data.long_tasks, ("skip", "train"))
-    _one_of(problems, "data.resample_support", cfg.data.resample_support, ("full", "random"))
+    one_of(problems, "data.long_tasks", cfg.data.long_tasks, ("skip", "train"))
+    one_of(problems, "data.resample_support", cfg.data.resample_support, SUPPORT_SIZES)
     if cfg.data.resample_support == "random" and not cfg.data.resample:
         problems.append("data.resample_support: random sizes the support of redrawn episodes; set "
                         "data.resample: true")
@@ -223,9 +223,9 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
         problems.append("meta.adapt: empty; give at least one glob pattern, e.g. ['mlp.*']")
     validate_model(cfg.model, problems)
     if cfg.data.source == "synthetic":
-        _validate_synthetic(cfg.data.synthetic, problems)
+        validate_synthetic(cfg.data.synthetic, problems)
     else:
-        _validate_log(cfg.data, problems)
+        validate_log(cfg.data, problems)
 
 
 def _validate_run(cfg: RunConfig, problems: list[str]) -> None:
@@ -237,7 +237,7 @@ def _validate_run(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"data.synthetic.num_users x max_interactions: {syn.num_users} x "
                         f"{syn.max_interactions} interactions are too many; at most 2**31 (generated "
                         "in memory, ~36 bytes each)")
-    _one_of(problems, "task", cfg.task, WORKLOADS.names())
+    one_of(problems, "task", cfg.task, WORKLOADS.names())
     if not cfg.output_dir.strip():
         problems.append("output_dir: empty; expected the directory the run writes its files to")
     if cfg.seed < 0:
@@ -264,20 +264,18 @@ def _validate_popularity(cfg: RunConfig, problems: list[str]) -> None:
     if not isinstance(meta.inner_loss_prior, (int, float)) or meta.inner_loss_prior < 0:
         problems.append(f"meta.inner_loss_prior: {meta.inner_loss_prior!r} must be a number >= 0")
     for pattern, scale in meta.inner_lr_scale.items():
-        _positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
+        check_positive(problems, f"meta.inner_lr_scale.{pattern}", scale)
 
 
 def _validate_objective(cfg: RunConfig, problems: list[str]) -> None:
     """``meta.rank_weight``, ``meta.init_weight``, ``meta.warmup_steps``: what the outer loss asks for."""
     meta = cfg.meta
-    if isinstance(meta.rank_weight, bool) or not isinstance(meta.rank_weight, (int, float)) \
-            or not meta.rank_weight >= 0 or meta.rank_weight == float("inf"):
+    if isinstance(meta.rank_weight, bool) or not isinstance(meta.rank_weight, (int, float)) or not meta.rank_weight >= 0:
         problems.append(f"meta.rank_weight: {meta.rank_weight!r} must be a finite number >= 0")
     elif meta.rank_weight and cfg.task != "ctr":
         problems.append(f"meta.rank_weight: orders a task's rows by their labels; task {cfg.task!r} "
                         "has class labels (ctr only)")
-    if isinstance(meta.init_weight, bool) or not isinstance(meta.init_weight, (int, float)) \
-            or not 0 <= meta.init_weight < float("inf"):
+    if isinstance(meta.init_weight, bool) or not isinstance(meta.init_weight, (int, float)) or not meta.init_weight >= 0:
         problems.append(f"meta.init_weight: {meta.init_weight!r} must be a finite number >= 0")
     if isinstance(meta.warmup_steps, bool) or not isinstance(meta.warmup_steps, int) or meta.warmup_steps < 0:
         problems.append(f"meta.warmup_steps: {meta.warmup_steps!r} must be an integer >= 0")
@@ -292,16 +290,16 @@ def _validate_positives(cfg: RunConfig, problems: list[str]) -> None:
                 "train.log_every", "train.collective_timeout_s", "model.embed_dim",
                 "eval.tasks_per_batch", "eval.baseline_batch_size", "eval.baseline_lr"):
         section, name = key.split(".")
-        _positive(problems, key, getattr(getattr(cfg, section), name))
+        check_positive(problems, key, getattr(getattr(cfg, section), name))
     for key in ("meta.tasks_per_micro_batch", "meta.tasks_per_meta_step"):
-        _positive(problems, key, getattr(cfg.meta, key.split(".")[1]), allow_auto=True)
-    _positive(problems, "train.threads", cfg.train.threads, allow_auto=True)
-    _positive(problems, "eval.inner_steps", cfg.eval.inner_steps, allow_auto=True)
+        check_positive(problems, key, getattr(cfg.meta, key.split(".")[1]), allow_auto=True)
+    check_positive(problems, "train.threads", cfg.train.threads, allow_auto=True)
+    check_positive(problems, "eval.inner_steps", cfg.eval.inner_steps, allow_auto=True)
 
 
 def _validate_held_out(cfg: RunConfig, problems: list[str]) -> None:
     """Which held-out users eval scores (eval.split) against the fractions data holds out."""
-    _one_of(problems, "eval.split", cfg.eval.split, ("test", "valid"))
+    one_of(problems, "eval.split", cfg.eval.split, ("test", "valid"))
     if cfg.eval.split == "valid" and cfg.data.valid_fraction <= 0:
         problems.append("eval.split: 'valid' scores the validation users; set data.valid_fraction > 0 (e.g. 0.1)")
     if not 0.0 <= cfg.data.valid_fraction < 1.0 or cfg.data.valid_fraction + cfg.data.test_fraction >= 1.0:

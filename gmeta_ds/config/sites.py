@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gmeta_ds.config.checks import _one_of
+from gmeta_ds.config.checks import one_of
 
 DELTA_DTYPES = ("fp32", "bf16", "int8")
 
@@ -44,7 +44,7 @@ def validate_sites(sites: SitesConfig, problems: list[str]) -> None:
     if sites.nesterov and sites.outer_momentum == 0 and sites.count > 1:
         problems.append("sites.nesterov: true needs sites.outer_momentum > 0 (set nesterov: false for "
                         "plain averaging with outer_lr 1, outer_momentum 0)")
-    _one_of(problems, "sites.delta_dtype", sites.delta_dtype, DELTA_DTYPES)
+    one_of(problems, "sites.delta_dtype", sites.delta_dtype, DELTA_DTYPES)
 
 
 def validate_sites_run(cfg, stage: int | None, problems: list[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from gmeta_ds.config.checks import TEXT_FORMATS, _one_of, _positive
+from gmeta_ds.config.checks import TEXT_FORMATS, one_of, check_positive
 
 
 @dataclass
@@ -63,19 +63,19 @@ class TextConfig:
     baseline_lr: float = 3e-3
 
 
-def _validate_text(text: TextConfig, problems: list[str]) -> None:
+def validate_text(text: TextConfig, problems: list[str]) -> None:
     """``text.*`` (task: text): episode shapes, generated data and the model's options."""
     d = text.data
-    _one_of(problems, "text.data.format", d.format, TEXT_FORMATS)
+    one_of(problems, "text.data.format", d.format, TEXT_FORMATS)
     for name in ("ways", "shots", "queries", "max_length"):
-        _positive(problems, f"text.data.{name}", getattr(d, name))
+        check_positive(problems, f"text.data.{name}", getattr(d, name))
     if d.ways < 2 and not isinstance(d.ways, str):
         problems.append(f"text.data.ways: {d.ways} must be >= 2 (a classification episode)")
     if not 0.0 < d.test_classes < 1.0:
         problems.append(f"text.data.test_classes: {d.test_classes!r} must be in (0, 1)")
     syn = d.synthetic
     for name in ("num_classes", "examples_per_class", "topic_words", "filler_words", "words_per_text"):
-        _positive(problems, f"text.data.synthetic.{name}", getattr(syn, name))
+        check_positive(problems, f"text.data.synthetic.{name}", getattr(syn, name))
     if d.path is None and syn.topic_words * (syn.topic_words - 1) // 2 < syn.num_classes:
         problems.append(f"text.data.synthetic.topic_words: {syn.topic_words} words make "
                         f"{syn.topic_words * (syn.topic_words - 1) // 2} pairs, fewer than "
@@ -84,7 +84,7 @@ def _validate_text(text: TextConfig, problems: list[str]) -> None:
         problems.append(f"text.data.synthetic.words_per_text: {syn.words_per_text} must be >= 2 "
                         "(a text holds its class's two topic words)")
     for name in ("eval_episodes", "baseline_steps", "baseline_lr"):
-        _positive(problems, f"text.{name}", getattr(text, name))
-    _positive(problems, "text.model.vocab_size", text.model.vocab_size)
-    _one_of(problems, "text.model.attn_implementation", text.model.attn_implementation,
+        check_positive(problems, f"text.{name}", getattr(text, name))
+    check_positive(problems, "text.model.vocab_size", text.model.vocab_size)
+    one_of(problems, "text.model.attn_implementation", text.model.attn_implementation,
             ("eager", "sdpa"))

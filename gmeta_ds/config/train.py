@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from gmeta_ds.config.checks import AUTO, _one_of
+from gmeta_ds.config.checks import AUTO, one_of
 
 
 @dataclass
@@ -36,7 +36,7 @@ class TrainConfig:
 
 def validate_train(train: TrainConfig, problems: list[str]) -> None:
     """``train.*`` on its own: the failure policy, counters >= 0, a resume target."""
-    _one_of(problems, "train.nonfinite", train.nonfinite, ("abort", "skip"))
+    one_of(problems, "train.nonfinite", train.nonfinite, ("abort", "skip"))
     for key in ("checkpoint_every", "keep_last", "profile_steps", "profile_warmup"):
         value = getattr(train, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -13,7 +13,7 @@ from gmeta_ds.data.store_check import HASH, file_digest
 STORE_VERSION = 3  # 3: the vocabularies; 2: a checksum per file and the label kind (older stores are rebuilt)
 
 
-class _Writer:
+class ArrayWriter:
     """A raw array file of known shape, filled by row ranges with ``pwrite`` (not a memory
     map: written pages then stay in the page cache without counting in this process's
     resident memory)."""
@@ -41,7 +41,7 @@ class _Writer:
                 HASH: file_digest(self.path)}
 
 
-class _Appender:
+class Appender:
     """A raw 1-D array file of unknown length, appended to."""
 
     def __init__(self, folder: Path, name: str, dtype) -> None:
@@ -59,15 +59,15 @@ class _Appender:
         return {"file": self.path.name, "dtype": self.dtype.str, "shape": [self.n], HASH: file_digest(self.path)}
 
 
-def _write_array(folder: Path, name: str, values: np.ndarray) -> dict:
+def write_array(folder: Path, name: str, values: np.ndarray) -> dict:
     """Write ``values`` as the array file ``name``; returns its manifest entry."""
-    w = _Writer(folder, name, values.dtype, values.shape)
+    w = ArrayWriter(folder, name, values.dtype, values.shape)
     w.put(0, values)
     return w.close()
 
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """Sync every file of ``folder`` to disk before the folder is renamed into place."""
     for f in folder.iterdir():
         if f.is_file():

@@ -116,9 +116,9 @@ def open_store(store: Path):
     parts = {}
     for name, entries in manifest["splits"].items():  # per-task arrays in memory, per-row ones read on demand
         a = verify_split(store, name, entries, fields, manifest["label"])
-        multi = {f.name: (_rows(a[f"multi.{f.name}.values"]), _rows(a[f"multi.{f.name}.offsets"]))
+        multi = {f.name: (task_rows(a[f"multi.{f.name}.values"]), task_rows(a[f"multi.{f.name}.offsets"]))
                  for f in fields if f.multi_hot}
-        parts[name] = TaskSet(fields, _rows(a["ids"]), _rows(a["labels"]), a["offsets"], a["support_len"],
+        parts[name] = TaskSet(fields, task_rows(a["ids"]), task_rows(a["labels"]), a["offsets"], a["support_len"],
                               a["task_keys"], multi)
     states = {k: v for k, v in parts.items() if k in STATES}
     vocab = verify_vocab(store, manifest.get("vocab"), fields)
@@ -126,7 +126,7 @@ def open_store(store: Path):
                     states, parts.get("valid"), vocab)
 
 
-def _rows(layout: tuple) -> StoreArray | np.ndarray:
+def task_rows(layout: tuple) -> StoreArray | np.ndarray:
     """A verified per-row file (path, dtype, shape), read on demand."""
     path, dtype, shape = layout
     return StoreArray(path, dtype, shape) if int(np.prod(shape)) else np.zeros(shape, dtype)

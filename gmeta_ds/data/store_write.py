@@ -1,4 +1,4 @@
-"""Building a task store (`stream`): the `stream_build._Build` steps run under DuckDB in a
+"""Building a task store (`stream`): the `stream_build.StoreBuild` steps run under DuckDB in a
 temporary sibling folder, the manifest written, the folder renamed into place.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from gmeta_ds.config import parse_memory
 from gmeta_ds.data.readers import DataError, LogSchema
-from gmeta_ds.data.store_files import STORE_VERSION, _fsync_tree, _write_array
-from gmeta_ds.data.stream_build import _Build
-from gmeta_ds.data.stream_sources import Source, _check_parquet, _stage_csv
+from gmeta_ds.data.store_files import STORE_VERSION, fsync_tree, write_array
+from gmeta_ds.data.stream_build import StoreBuild
+from gmeta_ds.data.stream_sources import Source, check_parquet, stage_csv
 
 def estimate_bytes(rows: int, n_fields: int, n_multi: int) -> int:
     """Disk a build needs at most: the store (ids, labels, bags at ~3 tokens) plus DuckDB's
@@ -60,10 +60,10 @@ def _prepared_source(source: Source, schema: LogSchema, cfg, work: Path, store: 
     """``source`` ready for DuckDB: CSV staged to Parquet under ``work``, every Parquet footer
     checked (readable, one schema), and enough free disk beside ``store`` for the build."""
     if source.files is not None and source.fmt == "csv":
-        source = Source(source.what, _stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"),
+        source = Source(source.what, stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"),
                         origins=source.files)
     if source.files is not None:
-        _check_parquet(source.files, schema.columns())  # footers first: readable, one schema
+        check_parquet(source.files, schema.columns())  # footers first: readable, one schema
     need = estimate_bytes(source.rows(), len(schema.columns()), len(schema.multi_hot))
     free = shutil.disk_usage(store.parent).free
     if need > free:
@@ -73,9 +73,9 @@ def _prepared_source(source: Source, schema: LogSchema, cfg, work: Path, store: 
     return source
 
 
-def _run_build(source: Source, schema: LogSchema, cfg, seed: int, work: Path) -> tuple[_Build, dict]:
+def _run_build(source: Source, schema: LogSchema, cfg, seed: int, work: Path) -> tuple[StoreBuild, dict]:
     """The build's steps on a DuckDB connection under ``data.memory_limit``, spilling into
-    ``work``; returns the finished `_Build` and each split's files. A DuckDB error (e.g. a
+    ``work``; returns the finished `StoreBuild` and each split's files. A DuckDB error (e.g. a
     damaged data page behind an intact footer) becomes a `DataError` naming the source."""
     import duckdb
 
@@ -84,11 +84,11 @@ def _run_build(source: Source, schema: LogSchema, cfg, seed: int, work: Path) ->
     except ValueError as exc:
         raise DataError(str(exc)) from None
     con = duckdb.connect(config={"memory_limit": memory,
-                                 "temp_directory": str(work / "spill"), "threads": _threads(),
+                                 "temp_directory": str(work / "spill"), "threads": build_threads(),
                                  "preserve_insertion_order": False})
     try:
         started = time.perf_counter()
-        b = _Build(source, schema, cfg, seed, work, con)
+        b = StoreBuild(source, schema, cfg, seed, work, con)
         splits = _run_phases(b, work)
         _label_stats(b)
         b.stats["build_s"] = round(time.perf_counter() - started, 3)
@@ -100,7 +100,7 @@ def _run_build(source: Source, schema: LogSchema, cfg, seed: int, work: Path) ->
         con.close()
 
 
-def _run_phases(b: _Build, work: Path) -> dict:
+def _run_phases(b: StoreBuild, work: Path) -> dict:
     """Run the build's steps in order, timing each into ``stats["build_phases_s"]``; returns
     each split's files. A train or test split left without tasks is an error."""
     phases = b.stats["build_phases_s"] = {}
@@ -127,7 +127,7 @@ def _run_phases(b: _Build, work: Path) -> dict:
     return splits
 
 
-def _label_stats(b: _Build) -> None:
+def _label_stats(b: StoreBuild) -> None:
     """The mean label (regression) or click rate of the kept rows, into the build's stats;
     ``b.cfg`` carries the threshold that applies (`click_threshold`)."""
     label, cfg = b.schema.label, b.cfg
@@ -139,17 +139,17 @@ def _label_stats(b: _Build) -> None:
         b.stats["click_rate"] = float(rate[0])
 
 
-def _write_manifest(work: Path, b: _Build, splits: dict) -> None:
+def _write_manifest(work: Path, b: StoreBuild, splits: dict) -> None:
     """The vocabularies' files and ``manifest.json`` (format, version, label kind, fields,
     stats, every array file), then every file of ``work`` synced to disk."""
-    vocab = {c: {"data": _write_array(work, f"vocab.{n}.data", v.data),
-                 "offsets": _write_array(work, f"vocab.{n}.offsets", v.offsets)}
+    vocab = {c: {"data": write_array(work, f"vocab.{n}.data", v.data),
+                 "offsets": write_array(work, f"vocab.{n}.offsets", v.offsets)}
              for n, (c, v) in enumerate(b.vocab.items())}
     manifest = {"format": "gmeta_ds task store", "version": STORE_VERSION, "label": b.cfg.label,
                 "fields": [asdict(f) for f in b.fields], "stats": b.stats, "splits": splits,
                 "vocab": vocab}
     (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    _fsync_tree(work)
+    fsync_tree(work)
 
 
 def _move_into_place(work: Path, store: Path) -> None:
@@ -162,6 +162,6 @@ def _move_into_place(work: Path, store: Path) -> None:
             raise
 
 
-def _threads() -> int:
+def build_threads() -> int:
     """The CPUs this process may run on: DuckDB's thread count."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

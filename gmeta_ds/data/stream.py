@@ -31,14 +31,14 @@ order key, column types as SQL), `stream_build` (the build's steps), `store_file
 array files), `store_write` (`build_store`) and `store_read` (`open_store`, `StoreArray`);
 this module keeps their names importable from one place.
 """
-from gmeta_ds.data.store_files import STORE_VERSION, _Appender, _fsync_tree, _write_array, _Writer  # noqa: F401
+from gmeta_ds.data.store_files import STORE_VERSION, Appender, fsync_tree, write_array, ArrayWriter  # noqa: F401
 from gmeta_ds.data.store_lock import LOCK_WAIT_S, build_lock  # noqa: F401  (build_lock: API of this module)
-from gmeta_ds.data.store_read import (STATES, StoreArray, _rows, in_memory_mib, mapped_store_mib,  # noqa: F401
+from gmeta_ds.data.store_read import (STATES, StoreArray, task_rows, in_memory_mib, mapped_store_mib,  # noqa: F401
                                       open_store, store_version)
-from gmeta_ds.data.store_write import _threads, build_store, estimate_bytes  # noqa: F401
-from gmeta_ds.data.stream_build import BATCH_ROWS, _Build, _split_bags  # noqa: F401
-from gmeta_ds.data.stream_sources import (Source, _check_parquet, _files, _kind, _plain, _short,  # noqa: F401
-                                          _stage_csv, file_source, log_source)
-from gmeta_ds.data.stream_sql import (_M32, _MIX1, _MIX2, _batches, _categorical_sql, _multi_sql,  # noqa: F401
-                                      _number_sql, _order_key_sql, _table, check_raw_ids, long_task_chunks,
+from gmeta_ds.data.store_write import build_threads, build_store, estimate_bytes  # noqa: F401
+from gmeta_ds.data.stream_build import BATCH_ROWS, StoreBuild, split_bags  # noqa: F401
+from gmeta_ds.data.stream_sources import (Source, check_parquet, source_files, source_kind, plain_path, short_path,  # noqa: F401
+                                          stage_csv, file_source, log_source)
+from gmeta_ds.data.stream_sql import (M32, MIX1, MIX2, arrow_batches, categorical_sql, multi_sql,  # noqa: F401
+                                      number_sql, order_key_sql, sql_table, check_raw_ids, long_task_chunks,
                                       order_seed, raw_id_sql, row_order_key)

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 
 from gmeta_ds.data.readers import MISSING, DataError, LogSchema, check_two_classes, click_threshold
 from gmeta_ds.data.split import TEST, TRAIN, VALID, split_users
-from gmeta_ds.data.store_files import _Appender, _write_array, _Writer
-from gmeta_ds.data.stream_sources import Source, _check_parquet, _plain, _short
-from gmeta_ds.data.stream_sql import (_batches, _categorical_sql, _multi_sql, _number_sql, _order_key_sql, _table,
+from gmeta_ds.data.store_files import Appender, write_array, ArrayWriter
+from gmeta_ds.data.stream_sources import Source, check_parquet, plain_path, short_path
+from gmeta_ds.data.stream_sql import (arrow_batches, categorical_sql, multi_sql, number_sql, order_key_sql, sql_table,
                                       check_raw_ids, long_task_chunks, raw_id_sql)
 from gmeta_ds.data.vocab import Vocabulary
 from gmeta_ds.sparse import FieldSpec
@@ -23,7 +23,7 @@ from gmeta_ds.sparse import FieldSpec
 BATCH_ROWS = 1 << 19
 
 
-class _Build:
+class StoreBuild:
     def __init__(self, source: Source, schema: LogSchema, cfg, seed: int, work: Path, con) -> None:
         self.source, self.schema, self.cfg, self.seed, self.work, self.con = source, schema, cfg, seed, work, con
         self.stats: dict = {"source": source.what}
@@ -53,12 +53,12 @@ class _Build:
                 exprs[c] = f'"{c}"'             # their string form (vocabulary order) is taken where needed
                 self.int_cols.add(c)
             else:
-                exprs[c] = _categorical_sql(c, types[c], c in integral)
-        v, bad = _number_sql(s.label, types[s.label])
+                exprs[c] = categorical_sql(c, types[c], c in integral)
+        v, bad = number_sql(s.label, types[s.label])
         exprs[s.label] = f"CAST({v} AS FLOAT)"
         checks.append((bad, f"column {s.label!r} must be a number", s.label))
         if s.timestamp:
-            v, bad = _number_sql(s.timestamp, types[s.timestamp])
+            v, bad = number_sql(s.timestamp, types[s.timestamp])
             exprs[s.timestamp] = f"CAST(floor({v}) AS BIGINT)"
             checks.append((bad, f"column {s.timestamp!r} must be an integer timestamp (e.g. Unix seconds)",
                            s.timestamp))
@@ -68,7 +68,7 @@ class _Build:
                 exprs[c] = f'"{c}"'
                 self.raw_multi[c] = sep
             else:
-                exprs[c] = _multi_sql(c, types[c], sep)
+                exprs[c] = multi_sql(c, types[c], sep)
         self._check(src, checks)
         select = ", ".join(f'{e} AS "{c}"' for c, e in exprs.items())
         self.con.execute(f"CREATE TEMP VIEW n AS SELECT {select}, _row FROM {src}")
@@ -82,10 +82,10 @@ class _Build:
             table = self.source.table.select(cols)
             table = table.append_column("_row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
             self.con.register("src_table", table)
-            types = {c: _plain(table.schema.field(c).type) for c in cols}
+            types = {c: plain_path(table.schema.field(c).type) for c in cols}
             src = "src_table"
         else:
-            types = _check_parquet(self.source.files, cols)
+            types = check_parquet(self.source.files, cols)
             offsets = np.concatenate([[0], np.cumsum([pq.ParquetFile(f).metadata.num_rows
                                                       for f in self.source.files])])
             self.con.register("src_files", pa.table({
@@ -123,7 +123,7 @@ class _Build:
                 got = ""
                 if column is not None:
                     value = self.con.sql(f'SELECT "{column}" FROM {src} WHERE _row = {int(row)}').fetchall()[0][0]
-                    got = f", got {_short(repr(value), 60) if value is not None else 'an empty cell'}"
+                    got = f", got {short_path(repr(value), 60) if value is not None else 'an empty cell'}"
                 raise DataError(f"{self.where(int(row))}: {problem}{got} ({count} such row(s) in all)")
 
     def where(self, row: int) -> str:
@@ -158,7 +158,7 @@ class _Build:
             raise DataError(f"{self.source.what}: the log holds no interactions")
         self.stats["interactions_read"] = int(total)
         order_by = "CAST(t AS VARCHAR)" if s.task_key in self.int_cols else "t"  # tasks in string order
-        groups = _table(self.con, f'SELECT "{s.task_key}" AS t, count(*) AS c FROM n GROUP BY 1 '
+        groups = sql_table(self.con, f'SELECT "{s.task_key}" AS t, count(*) AS c FROM n GROUP BY 1 '
                                   f"ORDER BY {order_by}")
         return groups.column("t"), groups.column("c").to_numpy().astype(np.int64)
 
@@ -229,7 +229,7 @@ class _Build:
         new-item flag."""
         s = self.schema
         if chunked:  # a long task's rows go to chunk (row order key mod chunks), as `long_task_chunks`
-            key, steps = _order_key_sql(self.seed)
+            key, steps = order_key_sql(self.seed)
             keyed = f"SELECT *, {', '.join(steps)}, {key} AS _chunk_key FROM n"
             self.con.execute(
                 f'CREATE TEMP VIEW j AS SELECT n.* EXCLUDE (z0, z1, z2, z3, z4, _chunk_key), '
@@ -282,11 +282,11 @@ class _Build:
         if coded:  # one scan for every single-hot field with a vocabulary: GROUPING SETS
             cols = ", ".join(f'"{c}"' for c in coded)
             sets = ", ".join(f'("{c}")' for c in coded)
-            counts = _table(self.con, f"SELECT {cols}, GROUPING({cols}) AS g, count(*) AS cnt FROM j "
+            counts = sql_table(self.con, f"SELECT {cols}, GROUPING({cols}) AS g, count(*) AS cnt FROM j "
                                       f"WHERE {train} GROUP BY GROUPING SETS ({sets})")
         for n, (c, side) in enumerate(self.single):
             if c in cfg.raw_ids:  # no vocabulary: the column's own values (`raw_id_sql`)
-                distinct = _table(self.con, f"SELECT count(DISTINCT {self.raw_id_sql(c)}) AS n FROM j AS r "
+                distinct = sql_table(self.con, f"SELECT count(DISTINCT {self.raw_id_sql(c)}) AS n FROM j AS r "
                                             f"WHERE {train}").column("n")[0].as_py()
                 self.fields.append(FieldSpec(c, int(distinct), side, raw=True))
                 continue
@@ -306,7 +306,7 @@ class _Build:
             self.fields.append(FieldSpec(c, len(values) + 1, side))
             self.vocab[c] = Vocabulary.from_arrow(text.take(order))
         for c, side in self.multi:
-            vocab = _table(self.con, (
+            vocab = sql_table(self.con, (
                 f'SELECT v FROM (SELECT unnest({self._bags(c)}) AS v FROM j WHERE {train}) GROUP BY 1 '
                 f'HAVING count(*) >= {int(cfg.min_count)} ORDER BY count(*) DESC, v')).column("v")
             self.multi_vocab[c] = vocab.combine_chunks() if vocab.num_chunks else pa.array([], pa.string())
@@ -320,7 +320,7 @@ class _Build:
 
     def _bags(self, c: str) -> str:
         """SQL for the bags (lists of strings) of multi-hot column ``c`` of view ``j``."""
-        return _multi_sql(c, pa.string(), self.raw_multi[c]) if c in self.raw_multi else f'"{c}"'
+        return multi_sql(c, pa.string(), self.raw_multi[c]) if c in self.raw_multi else f'"{c}"'
 
     # -- one split: tasks long enough, rows ordered, written to the store
     def write_split(self, name: str, out: Path) -> dict:
@@ -331,13 +331,13 @@ class _Build:
         n_rows = int(counts.sum())
         arrays = {"offsets": np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
                   "support_len": (counts - self.cfg.query_size).astype(np.int64), "task_keys": tasks}
-        files = {k: _write_array(out, f"{name}.{k}", v) for k, v in arrays.items()}
+        files = {k: write_array(out, f"{name}.{k}", v) for k, v in arrays.items()}
         raw = [c for c, _ in self.single if c in self.cfg.raw_ids]
-        ids = _Writer(out, f"{name}.ids", np.int64 if raw else np.int32, (n_rows, len(self.single)))
-        labels = _Writer(out, f"{name}.labels", np.float32, (n_rows,))
-        multi = {c: (_Appender(out, f"{name}.multi.{c}.values", np.int32),
-                     _Writer(out, f"{name}.multi.{c}.offsets", np.int64, (n_rows + 1,))) for c, _ in self.multi}
-        reader = _batches(self.con, self._rows_query(name, raw), BATCH_ROWS)
+        ids = ArrayWriter(out, f"{name}.ids", np.int64 if raw else np.int32, (n_rows, len(self.single)))
+        labels = ArrayWriter(out, f"{name}.labels", np.float32, (n_rows,))
+        multi = {c: (Appender(out, f"{name}.multi.{c}.values", np.int32),
+                     ArrayWriter(out, f"{name}.multi.{c}.offsets", np.int64, (n_rows + 1,))) for c, _ in self.multi}
+        reader = arrow_batches(self.con, self._rows_query(name, raw), BATCH_ROWS)
         pos, label_sum = self._write_rows(reader, ids, labels, multi)
         if pos != n_rows:
             raise DataError(f"{self.source.what}: the task build wrote {pos} rows of split {name}, "
@@ -353,7 +353,7 @@ class _Build:
     def _split_tasks(self, name: str) -> tuple[np.ndarray, np.ndarray, int]:
         """(task numbers, rows per task, tasks dropped) of split ``name``: its tasks with more
         than data.query_size rows, in order, registered as table ``keep_<name>``."""
-        lengths = _table(self.con, (f"SELECT task, count(*) AS c FROM j WHERE {self.masks[name]} GROUP BY 1 "
+        lengths = sql_table(self.con, (f"SELECT task, count(*) AS c FROM j WHERE {self.masks[name]} GROUP BY 1 "
                                    "ORDER BY 1"))
         tasks = lengths.column("task").to_numpy().astype(np.int64)
         counts = lengths.column("c").to_numpy().astype(np.int64)
@@ -372,7 +372,7 @@ class _Build:
         if bool(s.timestamp) and cfg.split == "time":
             extra, order = f', "{s.timestamp}" AS k', "r.k, r._row"
         else:
-            key, steps = _order_key_sql(self.seed)
+            key, steps = order_key_sql(self.seed)
             extra, order = "".join(f", {x}" for x in steps) + f", {key} AS k", "r.k, r._row"
         inner = (f'SELECT task, _row, "{s.label}" AS label{picked}{extra} FROM j '
                  f"SEMI JOIN keep_{name} USING (task) WHERE {self.masks[name]}")
@@ -385,7 +385,7 @@ class _Build:
         mcols = "".join(f', r."{c}"' for c, _ in self.multi)
         return f"SELECT r.label{idcols}{mcols} FROM ({inner}) r {joins} ORDER BY r.task, {order}"
 
-    def _write_rows(self, reader, ids: _Writer, labels: _Writer, multi: dict) -> tuple[int, float]:
+    def _write_rows(self, reader, ids: ArrayWriter, labels: ArrayWriter, multi: dict) -> tuple[int, float]:
         """Write the batches of ``reader`` (`_rows_query`) into the split's files: ids, labels
         (clicks at the threshold, or the ratings under regression), bag tokens and offsets.
         Returns (rows written, sum of labels)."""
@@ -402,7 +402,7 @@ class _Build:
             label_sum += float(y.sum(dtype=np.float64))
             for c, _ in self.multi:
                 values, offsets = multi[c]
-                tokens, lens = _split_bags(batch.column(c), self.raw_multi.get(c))
+                tokens, lens = split_bags(batch.column(c), self.raw_multi.get(c))
                 found = pc.index_in(tokens, value_set=self.multi_vocab[c])
                 values.append(pc.fill_null(pc.add(found, 1), 0).to_numpy(zero_copy_only=False))
                 start = 1 if pos > 0 else 0
@@ -413,10 +413,10 @@ class _Build:
         return pos, label_sum
 
 
-def _split_bags(col, sep: str | None) -> tuple[pa.Array, np.ndarray]:
+def split_bags(col, sep: str | None) -> tuple[pa.Array, np.ndarray]:
     """(tokens, bag length per row) of a batch's multi-hot column: a list column as it is, a
     string column split on ``sep`` with empty pieces dropped and a missing cell an empty bag
-    (what `_multi_sql` does in SQL and the in-memory reader in pandas)."""
+    (what `multi_sql` does in SQL and the in-memory reader in pandas)."""
     if sep is None:
         lens = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
         return pc.list_flatten(col), lens

@@ -32,7 +32,7 @@ class Source:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
 
 
-def _files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
+def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
     """The files behind ``data.path``: a file, a folder of shards (every ``*.parquet`` /
     ``*.pq`` or ``*.csv`` / ``*.tsv`` / ``*.txt`` file in it, recursively, hidden and ``_``
     files skipped as Spark writes ``_SUCCESS``), or a glob; sorted by path."""
@@ -65,7 +65,7 @@ def _files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
     return files, fmt
 
 
-def _check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataType]:
+def check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataType]:
     """Every file's schema (footer only): readable, has ``columns``, same types as the first
     file; returns the types."""
     first: dict[str, pa.DataType] | None = None
@@ -78,30 +78,30 @@ def _check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataTy
         if missing:
             raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: "
                             f"{', '.join(schema.names)}")
-        types = {c: _plain(schema.field(c).type) for c in columns}
+        types = {c: plain_path(schema.field(c).type) for c in columns}
         if first is None:
             first, first_file = types, f
         else:
             for c in columns:
-                if _kind(types[c]) != _kind(first[c]):
+                if source_kind(types[c]) != source_kind(first[c]):
                     raise DataError(f"{f}: column {c!r} is {types[c]}, but {first[c]} in "
                                     f"{first_file}; every file of the log must have one schema")
     return first
 
 
-def _short(exc: Exception, limit: int = 160) -> str:
+def short_path(exc: Exception, limit: int = 160) -> str:
     """An exception's message for a user: one line, printable characters, at most ``limit``."""
     text = " ".join(str(exc).split())
     text = "".join(ch if ch.isprintable() else "?" for ch in text)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _plain(t: pa.DataType) -> pa.DataType:
+def plain_path(t: pa.DataType) -> pa.DataType:
     """The value type of a dictionary-encoded column, any other type as it is."""
     return t.value_type if pa.types.is_dictionary(t) else t
 
 
-def _kind(t: pa.DataType) -> str:
+def source_kind(t: pa.DataType) -> str:
     """What a column holds, for comparing files: widths and string flavours may differ
     between shards (DuckDB casts them to the first file's type), kinds may not."""
     for kind in ("string", "large_string", "integer", "floating", "boolean", "list", "large_list",
@@ -111,7 +111,7 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> list[Path]:
+def stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> list[Path]:
     """CSV files -> Parquet shards of string columns under ``out`` (bounded memory: one
     block at a time). Rows whose every cell is empty are dropped, as the in-memory reader
     does; blank lines are skipped."""
@@ -122,7 +122,7 @@ def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> li
             header = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
                                     read_options=pacsv.ReadOptions(block_size=1 << 16)).schema.names
         except (pa.ArrowInvalid, OSError) as exc:
-            raise DataError(f"{f}: cannot read as CSV ({_short(exc)}); expected UTF-8 text with a header "
+            raise DataError(f"{f}: cannot read as CSV ({short_path(exc)}); expected UTF-8 text with a header "
                             "line") from None
         if len(header) < 2:
             raise DataError(f"{f}: expected columns separated by {'tabs' if sep == chr(9) else repr(sep)}, "
@@ -146,7 +146,7 @@ def _stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> li
                     table = pa.Table.from_batches([batch]).filter(pc.invert(empty))
                     writer.write_table(table.select(columns))
         except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
-            raise DataError(f"{f}: cannot read as CSV ({_short(exc)}); check the separator, "
+            raise DataError(f"{f}: cannot read as CSV ({short_path(exc)}); check the separator, "
                             "quoting and encoding (UTF-8)") from None
         staged.append(target)
     return staged
@@ -160,6 +160,6 @@ def log_source(log: InteractionLog) -> Source:
 
 
 def file_source(path, fmt: str) -> Source:
-    """The files behind ``data.path`` (`_files`) as a `Source`."""
-    files, fmt = _files(path, fmt)
+    """The files behind ``data.path`` (`source_files`) as a `Source`."""
+    files, fmt = source_files(path, fmt)
     return Source(f"{fmt} table at {path}", files=files, fmt=fmt)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from gmeta_ds.config import DataConfig
 
 # lowbias32 (Chris Wellons' 32-bit integer hash): the within-task order of data.split: random
-_MIX1, _MIX2, _M32 = 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
+MIX1, MIX2, M32 = 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
 
 
 def order_seed(seed: int) -> int:
@@ -27,14 +27,14 @@ def row_order_key(rows: np.ndarray, seed: int) -> np.ndarray:
     """lowbias32((row mod 2^32) xor offset(seed)): the pseudo-random key that orders the rows
     of a task under ``data.split: random``, ties (rows 2^32 apart) broken by row number. A
     function of the row's position in the log only, so any chunking of the log, any reader
-    and any number of ranks give the same order; `_order_key_sql` is the same function in
+    and any number of ranks give the same order; `order_key_sql` is the same function in
     SQL (32-bit steps: DuckDB's 128-bit integer arithmetic is ~500x slower)."""
-    x = (rows.astype(np.uint64) & np.uint64(_M32)) ^ np.uint64(order_seed(seed))
-    m = np.uint64(_M32)
+    x = (rows.astype(np.uint64) & np.uint64(M32)) ^ np.uint64(order_seed(seed))
+    m = np.uint64(M32)
     x ^= x >> np.uint64(16)
-    x = (x * np.uint64(_MIX1)) & m
+    x = (x * np.uint64(MIX1)) & m
     x ^= x >> np.uint64(15)
-    x = (x * np.uint64(_MIX2)) & m
+    x = (x * np.uint64(MIX2)) & m
     return x ^ (x >> np.uint64(16))
 
 
@@ -45,13 +45,13 @@ def long_task_chunks(lengths: np.ndarray, long: np.ndarray, max_interactions: in
     return np.where(long, -(-lengths // max_interactions), 1).astype(np.int64)
 
 
-def _order_key_sql(seed: int) -> tuple[str, list[str]]:
+def order_key_sql(seed: int) -> tuple[str, list[str]]:
     """(final expression, helper columns) of `row_order_key` over the column ``_row``."""
-    m = _M32
+    m = M32
     return "xor(z4, z4 >> 16)", [
         f"xor(CAST(_row & {m} AS UBIGINT), CAST({order_seed(seed)} AS UBIGINT)) AS z0",
-        "xor(z0, z0 >> 16) AS z1", f"((z1 * {_MIX1}) & {m}) AS z2",
-        "xor(z2, z2 >> 15) AS z3", f"((z3 * {_MIX2}) & {m}) AS z4"]
+        "xor(z0, z0 >> 16) AS z1", f"((z1 * {MIX1}) & {m}) AS z2",
+        "xor(z2, z2 >> 15) AS z3", f"((z3 * {MIX2}) & {m}) AS z4"]
 
 
 def check_raw_ids(cfg: DataConfig, multi: dict | list, single: list[str], what: str) -> None:
@@ -76,7 +76,7 @@ def raw_id_sql(v: str, integer: bool) -> str:
             f"THEN CAST({v} AS BIGINT) ELSE CAST(md5_number({v}) & {(1 << 63) - 1}::UHUGEINT AS BIGINT) END")
 
 
-def _categorical_sql(c: str, t: pa.DataType, integral: bool) -> str:
+def categorical_sql(c: str, t: pa.DataType, integral: bool) -> str:
     """A categorical column as the in-memory reader types it: strings, missing/empty ->
     MISSING, integral floats without ".0", booleans "True"/"False"."""
     q = f'"{c}"'
@@ -93,7 +93,7 @@ def _categorical_sql(c: str, t: pa.DataType, integral: bool) -> str:
     raise DataError(f"column {c!r} has type {t}; expected strings, integers or booleans")
 
 
-def _number_sql(c: str, t: pa.DataType) -> tuple[str, str]:
+def number_sql(c: str, t: pa.DataType) -> tuple[str, str]:
     """(value as DOUBLE, condition for a bad value) of a numeric column."""
     q = f'"{c}"'
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
@@ -107,7 +107,7 @@ def _number_sql(c: str, t: pa.DataType) -> tuple[str, str]:
     return v, f"({v} IS NULL OR isnan({v}))"
 
 
-def _multi_sql(c: str, t: pa.DataType, sep: str) -> str:
+def multi_sql(c: str, t: pa.DataType, sep: str) -> str:
     """SQL for the bag (a list of strings) of multi-hot column ``c``: a string split on ``sep``,
     empty pieces dropped, a missing cell an empty bag; a list column as strings."""
     q = f'"{c}"'
@@ -119,13 +119,13 @@ def _multi_sql(c: str, t: pa.DataType, sep: str) -> str:
     raise DataError(f"multi-hot column {c!r} has type {t}; expected strings or lists")
 
 
-def _table(con, query: str) -> pa.Table:
+def sql_table(con, query: str) -> pa.Table:
     """A query's result as an Arrow table (DuckDB 2 names it to_arrow_table, 1.x arrow)."""
     rel = con.sql(query)
     return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
 
 
-def _batches(con, query: str, rows: int):
+def arrow_batches(con, query: str, rows: int):
     """A query's result as Arrow record batches of ``rows`` rows, streamed."""
     rel = con.sql(query)
     if hasattr(rel, "to_arrow_reader"):

@@ -139,7 +139,7 @@ def _rows_len(rows: slice | np.ndarray) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
-def _pad(task_set: TaskSet, parts: list[slice | np.ndarray]) -> tuple[torch.Tensor, ...]:
+def pad_rows(task_set: TaskSet, parts: list[slice | np.ndarray]) -> tuple[torch.Tensor, ...]:
     """Pad each part (a slice of rows, or an array of row indices) to the longest one."""
     width = max(_rows_len(r) for r in parts)
     n_fields = task_set.ids.shape[1]
@@ -156,7 +156,7 @@ def _pad(task_set: TaskSet, parts: list[slice | np.ndarray]) -> tuple[torch.Tens
     return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask)
 
 
-def _pad_multi(task_set: TaskSet, parts: list[slice | np.ndarray], width: int) -> dict:
+def pad_multi(task_set: TaskSet, parts: list[slice | np.ndarray], width: int) -> dict:
     """Multi-hot bags of the padded rows (len(parts) * width rows, row-major) as Jagged."""
     out = {}
     for name, (values, offsets) in task_set.multi.items():
@@ -174,9 +174,6 @@ def _pad_multi(task_set: TaskSet, parts: list[slice | np.ndarray], width: int) -
 
 
 RESAMPLE_TAG = 0x5E5A  # keeps the episode streams apart from the sampler's epoch permutations
-
-
-SUPPORT_SIZES = ("full", "random")  # data.resample_support
 
 
 def resampled_split(task_set: TaskSet, task: int, key: tuple[int, ...], position: int | None = None,
@@ -225,11 +222,11 @@ def collate(task_set: TaskSet, tasks: np.ndarray | list[int],
 
 
 def _collate_parts(task_set: TaskSet, parts: list[tuple], tasks: np.ndarray) -> TaskBatch:
-    s_ids, s_y, s_mask = _pad(task_set, [s for s, _ in parts])
-    q_ids, q_y, q_mask = _pad(task_set, [q for _, q in parts])
+    s_ids, s_y, s_mask = pad_rows(task_set, [s for s, _ in parts])
+    q_ids, q_y, q_mask = pad_rows(task_set, [q for _, q in parts])
     return TaskBatch(s_ids, s_y, s_mask, q_ids, q_y, q_mask, torch.as_tensor(tasks),
-                     _pad_multi(task_set, [s for s, _ in parts], s_ids.shape[1]),
-                     _pad_multi(task_set, [q for _, q in parts], q_ids.shape[1]))
+                     pad_multi(task_set, [s for s, _ in parts], s_ids.shape[1]),
+                     pad_multi(task_set, [q for _, q in parts], q_ids.shape[1]))
 
 
 BAG_SAMPLE = 1 << 20  # values read per multi-hot field to estimate its id frequencies

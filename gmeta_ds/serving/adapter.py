@@ -28,7 +28,7 @@ from gmeta_ds.data.tasks import TaskBatch
 from gmeta_ds.functional.inner import PREDICTIONS
 from gmeta_ds.functional.rows import row_param_name, unique_rows
 from gmeta_ds.models.protocol import model_hooks
-from gmeta_ds.saved import _learner as saved_learner
+from gmeta_ds.saved import saved_learner
 from gmeta_ds.serving.export import Export
 from gmeta_ds.sparse import Jagged
 
@@ -65,14 +65,14 @@ def build_learner(export: Export, model: nn.Module | Callable | None) -> MetaLea
     module, or a function of the saved fields), else rebuilt from the export's recipe. A model
     without tables gets the export's tables as they lie in the file (`mapped_tables`), so a
     large table is never allocated, initialised or copied."""
-    from gmeta_ds.saved import _built, _check_architecture, fit_dynamic_tables
+    from gmeta_ds.saved import built_model, check_architecture, fit_dynamic_tables
 
-    net = _built(model, export.fields) if model is not None else _recipe_model(export)
+    net = built_model(model, export.fields) if model is not None else _recipe_model(export)
     if getattr(net, "embedding", None) is None and any(k.startswith("net.embedding.") for k in export.state):
         net.embedding = mapped_tables(export)
     learner = saved_learner(net, export.meta["algorithm"], export.path / "model.json")
     fit_dynamic_tables(learner, export.state)
-    _check_architecture(learner, export.state, net, export.path, export.meta.get("model"))
+    check_architecture(learner, export.state, net, export.path, export.meta.get("model"))
     learner.load_state_dict(export.state, assign=True)
     return learner.eval()
 

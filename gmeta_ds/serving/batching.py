@@ -104,14 +104,14 @@ class Batcher:
         instead of `_collect`."""
         model = self.holder.model
         try:
-            outcomes = await asyncio.get_running_loop().run_in_executor(self.pool, _predict, model, users,
+            outcomes = await asyncio.get_running_loop().run_in_executor(self.pool, predict_batch, model, users,
                                                                         self.observe)
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
             outcomes = [exc] * len(users)
         return [o if isinstance(o, Exception) else (o, model) for o in outcomes]
 
 
-def _predict(model: ServedModel, users: list[UserRequest], observe) -> list:
+def predict_batch(model: ServedModel, users: list[UserRequest], observe) -> list:
     """Each user's `Scored`, or the `RequestError` of a user whose values do not encode. A user
     is encoded apart from its batch: whatever its values raise (a `RequestError` naming the
     field, or anything the encoder did not foresee) is that user's 400, and the batch runs the

@@ -31,7 +31,7 @@ if rank == 0:
     ds_internals.universal_conversion_command = lambda src, dst: [
         sys.executable, "-c", "import time; time.sleep(120)"]
     if mode == "stuck":
-        checkpoint.universal._convert = lambda *args: time.sleep(120) or ""
+        checkpoint.universal.convert_to_universal = lambda *args: time.sleep(120) or ""
 start = time.monotonic()
 try:
     checkpoint.to_universal(ckpt, out, {{"world_size": 2, "step": 2}})

@@ -434,13 +434,13 @@ def test_the_probe_changes_neither_the_model_nor_the_random_stream(data):
 def test_the_probe_reads_fields_and_dim_from_the_models_own_tables(data):
     """A model owning its tables (sharding='dense' or its own EmbeddingCollection) is probed
     with their fields and dim."""
-    from gmeta_ds.api import _probe_shape
+    from gmeta_ds.api import probe_shape
 
     model = _own_tables(OneField(), data)
-    assert _probe_shape(model, []) == (["age", "item"], 4)
+    assert probe_shape(model, []) == (["age", "item"], 4)
     with pytest.raises(gm.ConfigError, match=r"F = 2 fields \(age, item\), d = 4"):
         gm.initialize(gm.meta_learner(model, adapt="head.*"))
-    assert _probe_shape(Tower(), []) == ([], 0)  # fed otherwise (the text workload): nothing to probe
+    assert probe_shape(Tower(), []) == ([], 0)  # fed otherwise (the text workload): nothing to probe
 
 
 def test_tasks_whose_fields_the_model_does_not_name_are_refused_naming_them(data):

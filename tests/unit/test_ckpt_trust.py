@@ -71,7 +71,7 @@ def _snapshot(root: Path) -> dict:
 def no_hashing(monkeypatch):
     """Fail the test if any file is hashed (the refusal must come first)."""
     hashed = []
-    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda path: hashed.append(path) or "0" * 64)
+    monkeypatch.setattr(checkpoint.manifest, "sha256", lambda path: hashed.append(path) or "0" * 64)
     return hashed
 
 
@@ -264,8 +264,8 @@ def test_hashes_are_reused_only_for_unchanged_files(run_dir, monkeypatch):
     check hashes nothing, unless a file changed (same size, same mtime: the ctime tells)."""
     ckpt = run_dir / "checkpoints" / TAG
     checkpoint.read_manifest(ckpt)
-    real, hashed = checkpoint._sha256, []
-    monkeypatch.setattr(checkpoint.manifest, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    real, hashed = checkpoint.sha256, []
+    monkeypatch.setattr(checkpoint.manifest, "sha256", lambda path: hashed.append(path.name) or real(path))
     checkpoint.read_manifest(ckpt)
     assert hashed == []
     dense = ckpt / "dense.safetensors"
@@ -336,7 +336,7 @@ def test_a_conversion_is_killed_at_its_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(ds_internals, "universal_conversion_command", lambda src, dst: [
         sys.executable, str(script)])
     start = time.perf_counter()
-    why = checkpoint._convert(tmp_path, tmp_path / "out", 3.0, 20)
+    why = checkpoint.convert_to_universal(tmp_path, tmp_path / "out", 3.0, 20)
     assert time.perf_counter() - start < 15
     assert why == ("DeepSpeed's universal checkpoint converter did not finish within 3 s, what "
                    "train.collective_timeout_s=20 s leaves while the other ranks wait; raise it")

@@ -162,10 +162,10 @@ def test_non_finite_numbers_are_rejected_for_every_float_key(tmp_path, text):
 
 
 def test_positive_check_refuses_nan_that_skipped_the_type_check():
-    from gmeta_ds.config import _positive
+    from gmeta_ds.config import check_positive
 
     problems: list[str] = []
-    _positive(problems, "train.lr", float("nan"))
+    check_positive(problems, "train.lr", float("nan"))
     assert problems == ["train.lr: nan is not a positive number"]
 
 

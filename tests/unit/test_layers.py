@@ -7,7 +7,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
     "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.arguments": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
-    "gmeta_ds.plots": 0, "gmeta_ds.report": 0, "gmeta_ds.registry": 0, "gmeta_ds.tune": 0,
+    "gmeta_ds.plots": 0, "gmeta_ds.report": 0, "gmeta_ds.registry": 0, "gmeta_ds.tune": 0, "gmeta_ds.files": 0, "gmeta_ds.processes": 0,
     "gmeta_ds.sparse": 1, "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
     "gmeta_ds.embedding.sharding": 3,

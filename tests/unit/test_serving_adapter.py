@@ -206,19 +206,19 @@ def test_one_request_that_cannot_be_encoded_fails_alone(data, tmp_path):
     """Issue 49: a batch holding poisoned requests (a field given as a number where rows are
     expected, a field missing, an id past int64) scores every valid user exactly as alone; each
     poisoned user gets its own `RequestError` (the server's 400), whatever it raised inside."""
-    from gmeta_ds.serving.batching import _predict
+    from gmeta_ds.serving.batching import predict_batch
     from gmeta_ds.serving.encoding import RequestError
 
     engine = _engine(Tower(), data, "maml", adapt="head.*")
     engine.save_model(tmp_path / "export", data)
     served = gm.load_adapter(tmp_path / "export", Tower())
     users = requests(data, data.test)[:4]
-    alone = _predict(served, users, lambda *a: None)
+    alone = predict_batch(served, users, lambda *a: None)
     poisoned = [UserRequest({**users[0].support, "item": 7}, users[0].labels, users[0].candidates, user_id="p1"),
                 UserRequest(users[1].support, users[1].labels, {"item": [10**30] * 2}, user_id="p2"),
                 UserRequest(users[2].support, [float("inf")] * len(users[2].labels), users[2].candidates, user_id="p3")]
     batch = [poisoned[0], users[0], poisoned[1], users[1], users[2], poisoned[2], users[3]]
-    mixed = _predict(served, batch, lambda *a: None)
+    mixed = predict_batch(served, batch, lambda *a: None)
     for got, want in zip([mixed[i] for i in (1, 3, 4, 6)], alone):
         assert not isinstance(got, Exception) and np.array_equal(got.scores, want.scores)
     for i in (0, 2):

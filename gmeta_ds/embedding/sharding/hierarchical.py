@@ -8,10 +8,10 @@ owners) rank (h, l) talks across hosts only to its gateways (h', l), the same lo
 every other host (`engine.topology.TopologyGroups.inter`), and inside its host to its R peers:
 
 1. inter input_dist — the requests for the owners of host h' (ids as local rows, with each
-   (bag, owner) pair's code and length, `owner_pooled._pack`) go to gateway (h', l) in one
+   (bag, owner) pair's code and length, `owner_pooled.pack_bags`) go to gateway (h', l) in one
    all-to-all over the inter-host group (sizes first: ids and pairs per owner);
 2. intra exchange — each gateway forwards what it received to the owners of its host (the
-   flat exchange of `owner_pooled._exchange` over the intra-host group, the received pairs
+   flat exchange of `owner_pooled.exchange_buffers` over the intra-host group, the received pairs
    put in order of owner), which pool and send back one partial sum per pair;
 3. the gateway adds the partial sums of one requester's bag over its host's owners;
 4. inter output_dist — one vector per (bag, host) goes back to the requester, which adds the
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.comm import Link, all_to_all
-from gmeta_ds.embedding.sharding.owner_pooled import (GroupLayout, OwnerPooled, _exchange, _pack, _segments,
-                                                      _unpack, _wire_dtype)
+from gmeta_ds.embedding.sharding.owner_pooled import (GroupLayout, OwnerPooled, exchange_buffers, pack_bags, bag_segments,
+                                                      unpack_bags, wire_dtype)
 
 
 class HierarchicalPooled(OwnerPooled):
@@ -60,12 +60,12 @@ def _to_gateways(ctx, layout: GroupLayout, inter: Link, local, pair_code, length
     splits = [per_host] * inter.size
     recv_sizes = all_to_all(sizes, splits, splits, ctx.stats, inter.rank, "inter_input_dist", inter.group,
                             inter.remote)
-    send = _pack(local, pair_code, lengths, n_ids, n_pairs, _wire_dtype(layout))
+    send = pack_bags(local, pair_code, lengths, n_ids, n_pairs, wire_dtype(layout))
     send_splits = (n_ids + 2 * n_pairs).view(inter.size, per_host).sum(1).tolist()
     recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).view(inter.size, per_host).sum(1).tolist()
     payload = all_to_all(send, send_splits, recv_splits, ctx.stats, inter.rank, "inter_input_dist", inter.group,
                          inter.remote)
-    return (*_unpack(payload.long(), recv_sizes[:, 0], recv_sizes[:, 1]), recv_sizes)
+    return (*unpack_bags(payload.long(), recv_sizes[:, 0], recv_sizes[:, 1]), recv_sizes)
 
 
 def _pool_in_host(ctx, layout: GroupLayout, tiers, ids: Tensor, codes: Tensor, lengths: Tensor,
@@ -80,11 +80,11 @@ def _pool_in_host(ctx, layout: GroupLayout, tiers, ids: Tensor, codes: Tensor, l
                                    output_size=len(codes))
     order = torch.argsort(slot % per_host, stable=True)  # pairs in order of owner inside the host
     starts = torch.cumsum(lengths, 0) - lengths
-    forwarded = ids.index_select(0, _segments(starts.index_select(0, order), lengths.index_select(0, order)))
+    forwarded = ids.index_select(0, bag_segments(starts.index_select(0, order), lengths.index_select(0, order)))
     intra = Link(tiers.intra, per_host, tiers.local, (False,) * per_host)
     n_ids = recv_sizes[:, 0].view(hosts, per_host).sum(0)
     n_pairs = recv_sizes[:, 1].view(hosts, per_host).sum(0)
-    partial = _exchange(ctx, layout, forwarded, codes.index_select(0, order), lengths.index_select(0, order),
+    partial = exchange_buffers(ctx, layout, forwarded, codes.index_select(0, order), lengths.index_select(0, order),
                         n_ids, n_pairs, intra, "intra_")
     partial = partial.index_select(0, torch.argsort(order).to(partial.device))
     bag = torch.div(codes, len(layout.names), rounding_mode="floor")

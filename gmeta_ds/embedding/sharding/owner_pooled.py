@@ -102,8 +102,8 @@ class OwnerPooled(RowWise):
     def pool(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
         """{feature: (N, d)} for features of this strategy's tables, one exchange per group of
         tables of one dimension, placement and process group (`_pooled_group`): input_dist
-        (`_by_id_owner`, `_by_table_owner`, then `_exchange`), lookup (`_pool`), output_dist
-        (`_exchange`'s last all-to-all, then the sum of each bag's partial sums)."""
+        (`_by_id_owner`, `_by_table_owner`, then `exchange_buffers`), lookup (`_pool`), output_dist
+        (`exchange_buffers`'s last all-to-all, then the sum of each bag's partial sums)."""
         ctx, by_group = self.ctx, defaultdict(list)
         for feature in features:
             name = ctx.by_feature[feature].name
@@ -121,9 +121,9 @@ class OwnerPooled(RowWise):
     def exchange(self, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, n_ids: Tensor,
                  n_pairs: Tensor) -> tuple[Tensor, Tensor]:
         """The partial sums of the requests (`_by_id_owner`) and the code of each (its bag x
-        n_tables + table): one all-to-all over the tables' group (`_exchange`)."""
+        n_tables + table): one all-to-all over the tables' group (`exchange_buffers`)."""
         link = self.ctx.link(layout.names[0])
-        return _exchange(self.ctx, layout, local, pair_code, lengths, n_ids, n_pairs, link), pair_code
+        return exchange_buffers(self.ctx, layout, local, pair_code, lengths, n_ids, n_pairs, link), pair_code
 
 
 def _checked(ctx: ShardContext, layout: GroupLayout, values: Tensor, order: tuple[int, ...],
@@ -212,7 +212,7 @@ def _by_id_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_
     (local rows grouped by owner, each (bag, owner) pair's code and number of ids, ids and
     pairs per owner). No sort: the pairs are the non-zero cells of one count of ids per
     (owner, bag) (owner-major, so in the order the owner's ids are sent), and the ids are put
-    in order of owner by a stable counting partition (`_partition`), which keeps each (bag,
+    in order of owner by a stable counting partition (`partition_bags`), which keeps each (bag,
     owner)'s ids one run, in feature and bag order."""
     n_tables, world, device = len(layout.names), ctx.world, layout.base.device
     order = tuple(range(len(jaggeds)))
@@ -234,11 +234,11 @@ def _by_id_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_
     pair_owner = torch.div(pair, n_bags, rounding_mode="floor")
     pair_bag = pair - pair_owner * n_bags
     n_ids = counts.view(world, n_bags).sum(1)
-    return (_partition(local, owners, world, n_ids), pair_bag * n_tables + bag_table.index_select(0, pair_bag),
+    return (partition_bags(local, owners, world, n_ids), pair_bag * n_tables + bag_table.index_select(0, pair_bag),
             counts.index_select(0, pair), n_ids, torch.bincount(pair_owner, minlength=world))
 
 
-def _partition(values: Tensor, owners: Tensor, world: int, per_owner: Tensor) -> Tensor:
+def partition_bags(values: Tensor, owners: Tensor, world: int, per_owner: Tensor) -> Tensor:
     """``values`` stably grouped by ``owners`` (``per_owner[w]`` of owner w): each value's place
     is its owner's start plus its rank among that owner's values (one cumsum at world 2; a
     nonzero per owner up to 8 owners; else torch's stable sort, ~2x slower on CPU at 25,600 ids)."""
@@ -285,11 +285,11 @@ def _by_table_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, b
     return local, codes, lengths, n_ids, n_pairs
 
 
-def _wire_dtype(layout: GroupLayout) -> torch.dtype:
+def wire_dtype(layout: GroupLayout) -> torch.dtype:
     return torch.int32 if int(layout.num_rows.max()) <= INT32_LIMIT else torch.int64
 
 
-def _exchange(ctx: ShardContext, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor,
+def exchange_buffers(ctx: ShardContext, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor,
               n_ids: Tensor, n_pairs: Tensor, link: Link, stage: str = "") -> Tensor:
     """input_dist of [ids | codes | lengths] per owner (``n_ids`` and ``n_pairs`` per member
     of ``link``), the owners' pooling, output_dist; counted under ``stage`` + input_dist /
@@ -298,18 +298,18 @@ def _exchange(ctx: ShardContext, layout: GroupLayout, local: Tensor, pair_code: 
     sizes = torch.stack([n_ids, n_pairs], dim=1)  # (size, 2)
     recv_sizes = all_to_all(sizes, [1] * size, [1] * size, ctx.stats, link.rank, stage + "input_dist", group,
                             remote)
-    dtype = _wire_dtype(layout)
-    send = _pack(local, pair_code, lengths, n_ids, n_pairs, dtype)
+    dtype = wire_dtype(layout)
+    send = pack_bags(local, pair_code, lengths, n_ids, n_pairs, dtype)
     send_splits = (n_ids + 2 * n_pairs).tolist()
     recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).tolist()
     received = all_to_all(send, send_splits, recv_splits, ctx.stats, link.rank, stage + "input_dist", group, remote)
-    ids, codes, counts = _unpack(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
+    ids, codes, counts = unpack_bags(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
     partial = _pool(ctx, layout, ids, codes, counts)
     return all_to_all(partial, recv_sizes[:, 1].tolist(), n_pairs.tolist(), ctx.stats, link.rank,
                       stage + "output_dist", group, remote)
 
 
-def _segments(starts: Tensor, sizes: Tensor) -> Tensor:
+def bag_segments(starts: Tensor, sizes: Tensor) -> Tensor:
     """Positions ``starts[i] + 0 .. sizes[i] - 1`` for every i, concatenated."""
     total = int(sizes.sum())
     first = torch.cumsum(sizes, 0) - sizes
@@ -317,22 +317,22 @@ def _segments(starts: Tensor, sizes: Tensor) -> Tensor:
                                                                               output_size=total)
 
 
-def _pack(local, pair_code, lengths, n_ids, n_pairs, dtype) -> Tensor:
+def pack_bags(local, pair_code, lengths, n_ids, n_pairs, dtype) -> Tensor:
     """One buffer, per owner: its ids, then its bags' codes, then their lengths."""
     seg = n_ids + 2 * n_pairs
     start = torch.cumsum(seg, 0) - seg
     out = torch.empty(int(seg.sum()), dtype=dtype, device=local.device)
-    out[_segments(start, n_ids)] = local.to(dtype)
-    out[_segments(start + n_ids, n_pairs)] = pair_code.to(dtype)
-    out[_segments(start + n_ids + n_pairs, n_pairs)] = lengths.to(dtype)
+    out[bag_segments(start, n_ids)] = local.to(dtype)
+    out[bag_segments(start + n_ids, n_pairs)] = pair_code.to(dtype)
+    out[bag_segments(start + n_ids + n_pairs, n_pairs)] = lengths.to(dtype)
     return out
 
 
-def _unpack(buffer, n_ids, n_pairs) -> tuple[Tensor, Tensor, Tensor]:
+def unpack_bags(buffer, n_ids, n_pairs) -> tuple[Tensor, Tensor, Tensor]:
     seg = n_ids + 2 * n_pairs
     start = torch.cumsum(seg, 0) - seg
-    return (buffer[_segments(start, n_ids)], buffer[_segments(start + n_ids, n_pairs)],
-            buffer[_segments(start + n_ids + n_pairs, n_pairs)])
+    return (buffer[bag_segments(start, n_ids)], buffer[bag_segments(start + n_ids, n_pairs)],
+            buffer[bag_segments(start + n_ids + n_pairs, n_pairs)])
 
 
 def _pool(ctx: ShardContext, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
@@ -375,7 +375,7 @@ def _pool_per_table(ctx: ShardContext, layout: GroupLayout, ids: Tensor, codes: 
     order = torch.argsort(pair_table, stable=True)
     starts = torch.cumsum(lengths, 0) - lengths
     lengths = lengths.index_select(0, order)
-    ids = ids.index_select(0, _segments(starts.index_select(0, order), lengths))
+    ids = ids.index_select(0, bag_segments(starts.index_select(0, order), lengths))
     per_table = torch.bincount(pair_table, minlength=n_tables).tolist()
     present = tuple(t for t in range(n_tables) if per_table[t])
     out = _TableBags.apply(ids, lengths, present, tuple(per_table[t] for t in present),

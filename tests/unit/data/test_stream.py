@@ -115,7 +115,7 @@ def test_reader_logs_and_four_states_equal_in_memory_builder(tmp_path):
 def test_row_order_key_is_a_bijection_and_sql_computes_the_same(tmp_path):
     import duckdb
 
-    from gmeta_ds.data.stream import _order_key_sql, _table
+    from gmeta_ds.data.stream import order_key_sql, sql_table
 
     rows = np.concatenate([np.arange(10_000), [2**31, 2**32 - 1, 2**32 + 7, 10**12 + 3]]).astype(np.int64)
     keys = row_order_key(rows, seed=5)
@@ -124,8 +124,8 @@ def test_row_order_key_is_a_bijection_and_sql_computes_the_same(tmp_path):
     assert not np.array_equal(keys, row_order_key(rows, seed=6))
     con = duckdb.connect()
     con.register("r", pa.table({"_row": rows}))
-    key, steps = _order_key_sql(5)
-    sql = _table(con, f"SELECT {', '.join(steps)}, {key} AS k FROM r").column("k").to_numpy()
+    key, steps = order_key_sql(5)
+    sql = sql_table(con, f"SELECT {', '.join(steps)}, {key} AS k FROM r").column("k").to_numpy()
     np.testing.assert_array_equal(sql.astype(np.uint64), keys)
 
 
@@ -291,7 +291,7 @@ def test_disk_full_during_the_build_is_a_clear_error_and_leaves_no_store(tmp_pat
 
     def full(self, start, values):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(stream._Writer, "put", full)
+    monkeypatch.setattr(stream.ArrayWriter, "put", full)
     with pytest.raises(DataError, match=r"data.cache_dir: cannot write the task store .*No space left on device"):
         build_tasks(cfg, seed=0)
     assert [p.name for p in store_path(cfg, 0).parent.iterdir()] == [f"{store_path(cfg, 0).name}.lock"]

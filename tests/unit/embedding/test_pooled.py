@@ -84,11 +84,11 @@ def test_a_group_without_ids_still_returns_every_bag():
 
 @pytest.mark.parametrize("world", [2, 3, 8, 9, 12])
 def test_partition_by_owner_is_a_stable_sort(world):
-    from gmeta_ds.embedding.sharding.owner_pooled import _partition
+    from gmeta_ds.embedding.sharding.owner_pooled import partition_bags
 
     owners = torch.randint(0, world, (1000,), generator=torch.Generator().manual_seed(world))
     owners[:5] = 0  # runs of one owner, and owners that hold nothing
     owners[owners == world - 1] = 0
     values = torch.arange(1000) * 7
     expected = values[torch.argsort(owners, stable=True)]
-    assert torch.equal(_partition(values, owners, world, torch.bincount(owners, minlength=world)), expected)
+    assert torch.equal(partition_bags(values, owners, world, torch.bincount(owners, minlength=world)), expected)
