@@ -406,7 +406,11 @@ def _cmd_export_serving(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gmeta_ds.serving.server import ServerOptions, serve
+    try:
+        from gmeta_ds.serving.server import ServerOptions, serve
+    except ModuleNotFoundError as exc:  # the serve extra (FastAPI, uvicorn, orjson...) is optional
+        raise ConfigError([f"gmeta-ds serve needs the serve extra, which is not installed ({exc}); install it "
+                           "with pip install 'gmeta-ds[serve]'"]) from None
 
     options = ServerOptions(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_rows=args.max_rows,
                             max_body_bytes=args.max_body_bytes, cache_size=args.cache_size,

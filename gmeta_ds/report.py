@@ -171,12 +171,16 @@ def _budget_section(evaluation: dict, run_dir: Path) -> list[str]:
         lines.append(f"baseline + tuned fine-tune: lr {_e(evaluation.get('baseline_finetune_lr'))}, "
                      f"{_e(evaluation.get('baseline_finetune_steps'))} steps, the best of {len(grid)} settings on the "
                      "validation users (eval.finetune_search)")
+    path = run_dir / "tune.json"
     try:
-        tuned = json.loads((run_dir / "tune.json").read_text())
+        tuned = json.loads(path.read_text())
         lines.append(f"meta-learned model: gmeta-ds tune, {_e(tuned['budget']['trials'])} trials on the validation "
                      f"users (best {_e(tuned['objective'])} {_num((tuned.get('best') or {}).get('value'))})")
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
         lines.append("meta-learned model: no gmeta-ds tune search in this folder; its settings are the configuration's")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        lines.append(f"meta-learned model: {_e(path.name)} is not a gmeta-ds tune result ({_e(type(exc).__name__)}); "
+                     "its tuning budget is unknown")
     return ["<h2>Tuning budgets</h2><ul>" + "".join(f"<li>{line}</li>" for line in lines) + "</ul>"]
 
 

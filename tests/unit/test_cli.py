@@ -197,3 +197,12 @@ def test_warmup_steps_are_the_first_meta_steps_and_then_meta_training_runs(tmp_p
            "eval": {"enabled": False}}
     assert main(["train", "--config", write(tmp_path, cfg)]) == 0
     assert seen == ["warm"] * 4 + ["meta"] * 4
+
+
+def test_serve_without_its_extra_names_the_extra(tmp_path, capsys, monkeypatch):
+    """A wheel installed without [serve]: one line naming the extra, exit 2, no traceback."""
+    import sys as _sys
+
+    monkeypatch.setitem(_sys.modules, "gmeta_ds.serving.server", None)  # as if orjson were missing
+    assert main(["serve", str(tmp_path)]) == 2
+    assert "gmeta-ds serve needs the serve extra" in capsys.readouterr().err

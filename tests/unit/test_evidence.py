@@ -213,5 +213,6 @@ def test_the_report_states_both_sides_tuning_budgets(tmp_path):
                                                     "objective": "eval.auc_per_task", "best": {"value": 0.75}}))
     text = write_report(tmp_path).read_text()
     assert "meta-learned model: gmeta-ds tune, 20 trials on the validation users (best eval.auc_per_task 0.7500)" in text
-    (tmp_path / "tune.json").write_text("{not json")
-    assert "no gmeta-ds tune search in this folder" in write_report(tmp_path).read_text()
+    for broken in ("{not json", "[1, 2]", '{"budget": 3}'):
+        (tmp_path / "tune.json").write_text(broken)
+        assert "tune.json is not a gmeta-ds tune result" in write_report(tmp_path).read_text()
