@@ -1,4 +1,4 @@
-"""Time of the paired bootstrap of an evaluation (`gmeta_ds.intervals.paired_intervals`).
+"""Time of the paired bootstrap of an evaluation (`gmeta_ds.evaluation.intervals.paired_intervals`).
 
 Synthetic held-out set: ``--users`` users with ``--rows`` query rows each (the default 10 is
 ``data.query_size``), binary labels, the meta-learned model's and one baseline's predictions
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from gmeta_ds.intervals import paired_intervals
+from gmeta_ds.evaluation.intervals import paired_intervals
 
 
 def held_out(users: int, rows: int, seed: int = 0) -> dict[str, np.ndarray]:

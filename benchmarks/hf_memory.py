@@ -21,7 +21,7 @@ training loop), its resident size before any model was built, after the training
 included). The *model-state part* of a run is its tensor storage minus DeepSpeed's gradient
 bucket (``reduce_bucket_size`` fp32 elements, allocated by ZeRO-3) and minus the ``example``
 run's at the same world size and variant (the workload's own tensors); it is compared with the
-analytic ZeRO state per rank for fp32 Adam (`gmeta_ds.ds_config.dense_state_bytes`):
+analytic ZeRO state per rank for fp32 Adam (`gmeta_ds.config.deepspeed.dense_state_bytes`):
 parameters 4 bytes, gradients 4, Adam moments 8 and DeepSpeed's fp32 master copy 4 per
 parameter, partitioned by stage: ZeRO-2 (4 + 16/W) bytes per parameter, ZeRO-3 20/W; between
 meta-steps ZeRO-2 has freed its gradient partition, so what it holds then is (4 + 12/W). The
@@ -30,7 +30,7 @@ allocator's own pages.
 
 ``--throughput``: ZeRO-2 against ZeRO-3 (body split) at world 2 on the ``state`` case, runs
 alternated (``--rounds`` pairs), each profiling ``--profile-steps`` meta-steps after 2 warm-up
-ones (`gmeta_ds.profiling`): the ratio of ZeRO-3's to ZeRO-2's tasks per second per pair
+ones (`gmeta_ds.run.profiling`): the ratio of ZeRO-3's to ZeRO-2's tasks per second per pair
 (median) and the per-phase milliseconds per meta-step of each (where the time goes).
 
     python benchmarks/hf_memory.py [--steps 3] [--worlds 1 2 4] [--cases example state]
@@ -87,7 +87,7 @@ def train_args(case: str, variant: str, world: int, steps: int, out: Path,
 
 def run(case: str, variant: str, world: int, steps: int, out: Path, timeout: float,
         more: tuple[str, ...] = ()) -> dict:
-    from gmeta_ds.ds_config import dense_state_bytes
+    from gmeta_ds.config.deepspeed import dense_state_bytes
 
     hidden, layers, _ = CASES[case]
     stage, _ = VARIANTS[variant]

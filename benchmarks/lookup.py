@@ -64,7 +64,7 @@ def setup():
     from gmeta_ds.data.loader import TaskLoader
     from gmeta_ds.data.sampler import MetaBatchSampler
     from gmeta_ds.sparse import single_fields
-    from gmeta_ds.ds_config import resolve_ds_config
+    from gmeta_ds.config.deepspeed import resolve_ds_config
     from gmeta_ds.engine import ds_engine
     from gmeta_ds.engine.dist import skip_deepspeed_shm_op
     from gmeta_ds.workloads.ctr import build_data, build_learner, build_sharded

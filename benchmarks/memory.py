@@ -11,7 +11,7 @@ gets dim ``--dim``, the others are tiny), for two plans:
 
 Each rank reports its VmHWM (the peak resident size of its own process image; ``ru_maxrss``
 would include the launcher's size at fork, since it survives exec) in ``summary.json``
-(``peak_rss_mib_per_rank``, gathered at the end of `gmeta_ds.trainer.train`): once right
+(``peak_rss_mib_per_rank``, gathered at the end of `gmeta_ds.run.trainer.train`): once right
 after the training loop ("training") and once at the end ("end": after the sharded tables
 are gathered to rank 0 for ``model.safetensors``). Evaluation is off. The "model" column is
 the analytic size of what the plan keeps per rank for the item table (fp32): replicated

@@ -20,7 +20,7 @@ process CPU time of every rank, all threads, over the same windows, from metrics
 ``oversubscribed`` (ranks then time-share cores: a lower bound on what W cores would do).
 
 With ``--profile`` (default on), one extra run per (config, W) in strong mode records the
-per-phase breakdown (``train.profile_steps``, `gmeta_ds.profiling`), per rank;
+per-phase breakdown (``train.profile_steps``, `gmeta_ds.run.profiling`), per rank;
 ``--profile-repeats N`` records N such sets (saved under ``profiles``; ``profile`` is the first,
 the one the tables show), and benchmarks/scaling_model.py calibrates on each set's W = 1 and
 W = 2 profiles (run back to back) and takes the median of each parameter over the sets.
@@ -163,7 +163,7 @@ def profiles(name: str, args, tmp: Path) -> dict:
 
 def markdown(report: dict) -> str:
     """The scaling table and the per-phase breakdowns of a ``scaling.json``, as markdown."""
-    from gmeta_ds.profiling import PHASES
+    from gmeta_ds.run.profiling import PHASES
 
     lines = ["| config | mode | W | tasks/s | speed-up (per cycle) | efficiency | CPU-s per task | vs W=1 |",
              "|---|---|---|---|---|---|---|---|"]

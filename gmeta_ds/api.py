@@ -32,7 +32,7 @@ import numpy as np
 import torch.distributed as dist
 from torch import nn
 
-from gmeta_ds.arguments import check, finite, int_at_least, is_int, one_of
+from gmeta_ds.config.arguments import check, finite, int_at_least, is_int, one_of
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import (
     AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)
@@ -42,7 +42,7 @@ from gmeta_ds.data.builder import TaskData, tasks_from_log
 from gmeta_ds.data.builder import build_tasks as build_task_store
 from gmeta_ds.data.readers import LogSchema, log_from_frame
 from gmeta_ds.sparse import FieldSpec, model_field_order, single_fields
-from gmeta_ds.ds_config import resolve_ds_config
+from gmeta_ds.config.deepspeed import resolve_ds_config
 from gmeta_ds.embedding.plan import plan_tables
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.dynamic import EVICTIONS

@@ -146,8 +146,8 @@ def _serve_parser(sub) -> None:
 
 
 def _tune_parser(sub) -> None:
-    """``gmeta-ds tune``'s arguments (gmeta_ds/tune.py, docs/tuning.md)."""
-    from gmeta_ds.tune import TRIAL_TIMEOUT_S  # no optuna, no torch: cheap
+    """``gmeta-ds tune``'s arguments (gmeta_ds/run/tune.py, docs/tuning.md)."""
+    from gmeta_ds.run.tune import TRIAL_TIMEOUT_S  # no optuna, no torch: cheap
 
     p = sub.add_parser("tune", help="Optuna search over config keys, each trial a train scored on the "
                        "validation users (docs/tuning.md)")
@@ -201,8 +201,8 @@ def _with_hostfile_hosts(cfg: RunConfig, hosts, num_gpus: int | None) -> RunConf
 
 
 def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from gmeta_ds.ds_config import resolve_ds_config
-    from gmeta_ds.launchers import hostfile_world_size, parse_hostfile
+    from gmeta_ds.config.deepspeed import resolve_ds_config
+    from gmeta_ds.run.launchers import hostfile_world_size, parse_hostfile
 
     hosts = parse_hostfile(args.hostfile) if args.hostfile else None
     for flag, value in (("--num_gpus", args.num_gpus), ("--world-size", args.world_size)):
@@ -228,7 +228,7 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     check_device_support(ds_config)  # train refuses fp16 without a GPU: so does validate
     check_ds_config(ds_config)
     check_output_dir(cfg.output_dir, create=False)
-    from gmeta_ds.outputs import check_earlier_run
+    from gmeta_ds.run.outputs import check_earlier_run
 
     replaced = check_earlier_run(cfg)  # what train refuses, validate refuses
     workload = get_workload(cfg.task)
@@ -253,15 +253,15 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
-    from gmeta_ds.ds_config import resolve_ds_config
+    from gmeta_ds.config.deepspeed import resolve_ds_config
     from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
     from gmeta_ds.engine.sites import site_run
-    from gmeta_ds.outputs import check_earlier_run
+    from gmeta_ds.run.outputs import check_earlier_run
     from gmeta_ds.meta_engine import NonFiniteLoss
     from gmeta_ds.engine.memory import rss_mib
-    from gmeta_ds.splits import prepare_splits, train_splits
-    from gmeta_ds.trainer import completed_run, train
+    from gmeta_ds.evaluation.splits import prepare_splits, train_splits
+    from gmeta_ds.run.trainer import completed_run, train
     from gmeta_ds.workloads import get_workload
 
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data
@@ -275,7 +275,7 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     check_device_support(ds_config)
     check_ds_config(ds_config)
     workload = get_workload(cfg.task)
-    if splits:  # eval --splits: every split's checks first (gmeta_ds/splits.py)
+    if splits:  # eval --splits: every split's checks first (gmeta_ds/evaluation/splits.py)
         runs = prepare_splits(cfg, splits, plan.world_size, workload, check_output_dir)
 
         def body(rank: int) -> list[str]:
@@ -317,7 +317,7 @@ def _cmd_eval(cfg: RunConfig, weights: str | None, splits: int | None = None) ->
     from gmeta_ds.files import write_json
     from gmeta_ds.workloads import get_workload
 
-    if splits:  # train and evaluate each split (gmeta_ds/splits.py)
+    if splits:  # train and evaluate each split (gmeta_ds/evaluation/splits.py)
         if weights:
             raise ConfigError([f"--weights {weights} with --splits {splits}: --splits trains a model per "
                                "split; pass one of them"])
@@ -330,13 +330,13 @@ def _cmd_eval(cfg: RunConfig, weights: str | None, splits: int | None = None) ->
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from gmeta_ds.tune import tune
+    from gmeta_ds.run.tune import tune
 
     return tune(args.config, args.space, args.overrides, args.trials, args.study, args.trial_timeout)
 
 
 def _cmd_plot(run_dir: str, out: str | None) -> int:
-    from gmeta_ds.plots import plot_run
+    from gmeta_ds.evaluation.plots import plot_run
 
     for path in plot_run(run_dir, out):
         print(f"wrote {path}")
@@ -486,13 +486,13 @@ def check_output_dir(path: str | Path, create: bool = True, key: str = "output_d
 def _overrides(args: argparse.Namespace) -> list[str]:
     """``--set`` overrides plus ``--overwrite`` and the DeepSpeed config the launcher
     imposes, if any."""
-    from gmeta_ds.launchers import launcher_ds_config
+    from gmeta_ds.run.launchers import launcher_ds_config
 
     overrides = [*args.overrides, *(["train.overwrite=true"] if getattr(args, "overwrite", False) else [])]
     imposed = launcher_ds_config(args.deepspeed_config)
     if imposed is None:
         return overrides
-    from gmeta_ds.ds_config import shipped_ds_config
+    from gmeta_ds.config.deepspeed import shipped_ds_config
 
     def where(name: str) -> Path:  # a shipped name outside a checkout is the package's copy
         path = Path(name)
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
         if args.command == "report":
-            from gmeta_ds.report import write_report
+            from gmeta_ds.evaluation.report import write_report
 
             print(f"wrote {write_report(args.run_dir, args.out)}")
             return 0

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, embed_batch
-from gmeta_ds.arguments import check, int_at_least
+from gmeta_ds.config.arguments import check, int_at_least
 from gmeta_ds.config import DEFAULTS
 from gmeta_ds.config.sites import DELTA_DTYPES
 from gmeta_ds.data.loader import padding_efficiency
@@ -33,7 +33,7 @@ from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.config.data import SUPPORT_SIZES
 from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
 from gmeta_ds.sparse import single_fields
-from gmeta_ds.ds_config import BatchPlan, zero_stage
+from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine, ds_internals
@@ -42,10 +42,10 @@ from gmeta_ds.engine.outer_sync import OuterSync
 from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.engine.sites import active_sites, data_part
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import BASELINES, evaluate_problems, merge, paired, predict, score  # noqa: F401 - BASELINES re-exported (api)
+from gmeta_ds.evaluation.scores import BASELINES, evaluate_problems, merge, paired, predict, score  # noqa: F401 - BASELINES re-exported (api)
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models.protocol import model_hooks
-from gmeta_ds.profiling import phase
+from gmeta_ds.run.profiling import phase
 
 # "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
 # its last micro-batch's backward, so its peers wait in DeepSpeed's gradient all-reduce;
@@ -371,7 +371,7 @@ class MetaEngine:
         the same dict (collective). ``inner_steps=0`` scores without adapting (the adapted
         metrics then equal the ``*_no_adapt`` ones). A metric that is undefined on these tasks
         (AUC when every query label is one class) is None, with the reason under ``warnings``
-        (`gmeta_ds.evaluation.score`).
+        (`gmeta_ds.evaluation.scores.score`).
 
         ``baselines`` (what ``gmeta-ds train`` reports next to the meta-learned model, scored
         on the same tasks; each needs ``train``, the training tasks): ``"non_meta"``, the same
@@ -381,9 +381,9 @@ class MetaEngine:
         (``baseline_<metric>``) and fine-tuned on each support with the learner's inner loop
         (``baseline_finetune_<metric>``, per-user AUC included); ``"popularity"``, each item's
         shrunk training click rate (or mean rating) plus a per-user offset fitted on the
-        support (``baseline_popularity_<metric>``, `gmeta_ds.baselines`). Every rank computes them
+        support (``baseline_popularity_<metric>``, `gmeta_ds.evaluation.baselines`). Every rank computes them
         alone (no collective; deterministic on CPU). ``intervals``: each difference, meta-learned
-        minus baseline, with a paired-bootstrap 95% interval (`gmeta_ds.intervals`; 0 resamples: none)."""
+        minus baseline, with a paired-bootstrap 95% interval (`gmeta_ds.evaluation.intervals`; 0 resamples: none)."""
         problems, wanted = evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines,
                                              train, (baseline_epochs, baseline_lr, baseline_batch_size),
                                              self.initial is not None)
@@ -429,7 +429,7 @@ class MetaEngine:
     def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
                          epochs: int, lr: float, batch_size: int) -> tuple[dict, dict]:
         """``baseline_*`` / ``baseline_finetune_*`` scores and their prediction rows (`paired`)."""
-        from gmeta_ds.evaluation import HEADLINE, train_baseline
+        from gmeta_ds.evaluation.scores import HEADLINE, train_baseline
 
         baseline = self.initial_learner()
         kind = baseline.algorithm.kind
@@ -448,7 +448,7 @@ class MetaEngine:
 
     def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> tuple[dict, tuple]:
         """``baseline_popularity_*`` scores and its prediction rows (`paired`)."""
-        from gmeta_ds.baselines import POPULARITY_METRICS, fit_popularity, popularity_predict, popularity_scores_of
+        from gmeta_ds.evaluation.baselines import POPULARITY_METRICS, fit_popularity, popularity_predict, popularity_scores_of
         from gmeta_ds.data.popularity import item_column
 
         kind = self.learner.algorithm.kind

@@ -10,7 +10,7 @@ from gmeta_ds.algorithms.maml import FOMAML, MAML
 from gmeta_ds.algorithms.metasgd import MetaSGD
 from gmeta_ds.algorithms.reptile import Reptile
 from gmeta_ds.config import MetaConfig
-from gmeta_ds.ds_config import DEFAULT_MICRO_BATCH
+from gmeta_ds.config.deepspeed import DEFAULT_MICRO_BATCH
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import choose_vectorize
 from gmeta_ds.registry import ALGORITHMS

@@ -25,7 +25,7 @@ class EvalConfig:
     # (data.valid_fraction > 0): baseline_finetune_tuned_*, baseline_finetune_lr / _steps.
     finetune_search: bool = False
     # Item popularity (shrunk click rate / mean rating) + a per-user offset fitted on the
-    # support: baseline_popularity_* (gmeta_ds/baselines.py).
+    # support: baseline_popularity_* (gmeta_ds/evaluation/baselines.py).
     popularity_baseline: bool = True
     # Which held-out users to score: test, or valid (log sources with data.valid_fraction > 0).
     split: str = "test"

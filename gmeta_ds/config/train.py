@@ -27,7 +27,7 @@ class TrainConfig:
     # A new (not resumed) run into an output_dir holding an earlier run's outputs: refused unless
     # true (CLI --overwrite); then they are removed once every check passed, before meta-step 1.
     overwrite: bool = False
-    # Per-phase time per rank (gmeta_ds/profiling.py): profile this many meta-steps after
+    # Per-phase time per rank (gmeta_ds/run/profiling.py): profile this many meta-steps after
     # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).
     profile_steps: int = 0
     profile_warmup: int = 5

@@ -1,5 +1,5 @@
 """Item popularity statistics from the training users' interactions, shared by the popularity
-baseline (gmeta_ds/baselines.py) and the models' popularity offset
+baseline (gmeta_ds/evaluation/baselines.py) and the models' popularity offset
 (gmeta_ds/models/popularity.py): per-item counts and the item's score shrunk to the global
 rate with ``prior`` pseudo-interactions. The score works on numpy arrays and torch tensors.
 """

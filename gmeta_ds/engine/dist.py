@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gmeta_ds.ds_config import MAX_WORLD
+from gmeta_ds.config.deepspeed import MAX_WORLD
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.engine.sites import start_sites, stop_sites
 from gmeta_ds.errors import CollectiveTimeout, ConfigError

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gmeta_ds.ds_config import zero_stage
+from gmeta_ds.config.deepspeed import zero_stage
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.engine.parallelize import parallelize, step_parameters
 

@@ -144,7 +144,7 @@ def site_run(cfg, ds_config: dict, plan, env_world: tuple[int, int, int]):
     import dataclasses
 
     from gmeta_ds.config.sites import validate_sites_run
-    from gmeta_ds.ds_config import for_sites, zero_stage
+    from gmeta_ds.config.deepspeed import for_sites, zero_stage
 
     problems: list[str] = []
     validate_sites_run(cfg, zero_stage(ds_config), problems)

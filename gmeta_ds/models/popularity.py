@@ -2,7 +2,7 @@
 
 The model's output becomes ``model(rows) + weight * s(item) + bias``: ``s`` is the item's
 popularity statistic from the **training users only**, the same one the popularity baseline
-ranks by (gmeta_ds/baselines.py, `item_statistics`): binary labels
+ranks by (gmeta_ds/evaluation/baselines.py, `item_statistics`): binary labels
 ``s = logit((clicks + m * p) / (shown + m))`` (p the training click rate, m =
 ``model.popularity_prior``), ratings ``s = (sum of ratings + m * mean) / (count + m)``.
 Items never seen in training and the OOV id (log sources: 0) get the global ``logit(p)``
@@ -45,7 +45,7 @@ NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on re
 
 def map_offset(z: Tensor, y: Tensor, mask: Tensor, prior: float, kind: str = "binary") -> Tensor:
     """The scalar b maximising sum_rows loglik(y | z + b) - prior * b^2 / 2 over the rows
-    where ``mask`` is 1 (the popularity baseline's per-user offset, gmeta_ds/baselines.py):
+    where ``mask`` is 1 (the popularity baseline's per-user offset, gmeta_ds/evaluation/baselines.py):
     binary labels `NEWTON_STEPS` Newton steps from 0, ratings (Gaussian) the closed form
     sum(y - z) / (rows + prior). Differentiable and vmap-compatible."""
     if kind == "regression":
@@ -174,7 +174,7 @@ class PopularityRecipe:
 
     def offset_first(self, inner, fast: Params, x, y: Tensor, mask: Tensor) -> Params:
         """``fast`` with ``popularity.bias`` moved by the per-task offset the popularity baseline
-        fits (gmeta_ds/baselines.py), relative to the model's own logits z at ``fast``: b
+        fits (gmeta_ds/evaluation/baselines.py), relative to the model's own logits z at ``fast``: b
         maximises sum_support loglik(y | z + b) - λ b^2 / 2 (binary: `NEWTON_STEPS` Newton
         steps from 0; regression: sum of residuals / (rows + λ)). So the user's level is
         explained before the inner steps, which then adapt the rest on what is left."""

@@ -6,7 +6,7 @@ Every entry point of the training code that serving calls is in this module (the
 and its inner loop, the fused lookup, the rows adapted per field, the label kind's link), so
 that moving those names means editing this file only.
 
-Adaptation is `gmeta_ds.evaluation.predict`'s, split in two so that its result can be cached
+Adaptation is `gmeta_ds.evaluation.scores.predict`'s, split in two so that its result can be cached
 per user: `Adapter.adapt` runs the first-order inner loop (``serving.inner_steps`` steps, the
 learned or configured rates) vectorised over the users with `torch.func.vmap` and keeps each
 user's adapted parameters (`Adapted`); `Adapter.score` scores candidates with them. The

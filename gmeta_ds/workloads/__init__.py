@@ -1,5 +1,5 @@
 """Workloads: what ``task:`` in a run config names (``ctr``, ``text``), each supplying its data,
-learner, micro-batches and final scoring to the one training loop (`gmeta_ds.trainer.train`).
+learner, micro-batches and final scoring to the one training loop (`gmeta_ds.run.trainer.train`).
 Registered by name in ``gmeta_ds.registry.WORKLOADS``; the protocol is `workloads.base.Workload`."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The workload protocol: what one value of ``task:`` in a run config supplies to the one
-training loop (`gmeta_ds.trainer.train`).
+training loop (`gmeta_ds.run.trainer.train`).
 
 A workload builds its data and learner, hands the loop each meta-step's micro-batches, and
 at the end saves and scores the model. Everything else -- the DeepSpeed engine, resume,
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.config import RunConfig
-from gmeta_ds.ds_config import BatchPlan, size_text, zero_stage
+from gmeta_ds.config.deepspeed import BatchPlan, size_text, zero_stage
 from gmeta_ds.engine.parallelize import body_split, split_wanted
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import probe_model
-from gmeta_ds.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
+from gmeta_ds.evaluation.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
                                 item_column, popularity_predict, popularity_scores_of)
 from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
@@ -28,7 +28,7 @@ from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import SyntheticData, generate_synthetic, split_valid, synthetic_fields
 from gmeta_ds.data.tasks import bag_statistics
 from gmeta_ds.sparse import model_field_order, single_fields
-from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
+from gmeta_ds.config.deepspeed import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.embedding.plan import ShardingPlan, plan_from_config, with_topology
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_placement
 from gmeta_ds.engine import ds_engine
@@ -36,14 +36,14 @@ from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.engine.sites import data_part
 from gmeta_ds.engine.topology import resolve_topology
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
+from gmeta_ds.evaluation.scores import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
                                  train_baseline, write_per_user)
-from gmeta_ds.few_shot import Named, few_shot_curve, steps_curve
+from gmeta_ds.evaluation.few_shot import Named, few_shot_curve, steps_curve
 from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
-from gmeta_ds.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
+from gmeta_ds.run.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 
@@ -280,7 +280,7 @@ def preflight(cfg: RunConfig, world_size: int) -> None:
         fields = build_data(cfg).fields  # cached after the first build
         check_raw_fields(cfg, fields)
     if cfg.embedding.sharding == "sharded":
-        from gmeta_ds.ds_config import resolve_ds_config
+        from gmeta_ds.config.deepspeed import resolve_ds_config
 
         plan = embedding_plan(cfg, fields, world_size)
         check_dynamic_capacity(cfg, plan, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch)
@@ -324,7 +324,7 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
     topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
     stats = None
     if train is not None:
-        from gmeta_ds.ds_config import resolve_ds_config
+        from gmeta_ds.config.deepspeed import resolve_ds_config
 
         stats = bag_statistics(train, resolve_ds_config(cfg, world_size)[1].tasks_per_micro_batch,
                                topology.ranks_per_host if topology is not None else 1)
@@ -360,11 +360,11 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
     """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
     predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
     and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
-    validation users), and item popularity + a per-user offset (gmeta_ds/baselines.py); under
+    validation users), and item popularity + a per-user offset (gmeta_ds/evaluation/baselines.py); under
     ``intervals``, each metric's difference (meta-learned minus each baseline) with a 95%
     interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
     under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
-    rank 0; gmeta_ds/few_shot.py); with the four-state split, the scores and intervals per
+    rank 0; gmeta_ds/evaluation/few_shot.py); with the four-state split, the scores and intervals per
     state under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC
     (MAE) per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
     returns {} on other ranks."""
@@ -390,7 +390,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
 
 def _curves(cfg: RunConfig, learner: MetaLearner, tasks, full: Named, models: list["Baseline"], kind: str) -> dict:
     """The few-shot curve (``few_shot``, ``eval.few_shot``) and the inner-steps curve
-    (``inner_steps_curve``, ``eval.steps_curve``) of the held-out ``tasks`` (gmeta_ds/few_shot.py);
+    (``inner_steps_curve``, ``eval.steps_curve``) of the held-out ``tasks`` (gmeta_ds/evaluation/few_shot.py);
     ``full``: every model's rows on the full support."""
     def meta_at(tasks, steps: int) -> Named:
         return {"meta": (predict(learner, learner.learning_rates(), tasks, steps, cfg.eval.tasks_per_batch),

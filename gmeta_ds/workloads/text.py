@@ -18,14 +18,14 @@ from torch import nn
 
 from gmeta_ds.algorithms import build_algorithm
 from gmeta_ds.config import RunConfig
-from gmeta_ds.ds_config import BatchPlan, dense_state_bytes, size_text
+from gmeta_ds.config.deepspeed import BatchPlan, dense_state_bytes, size_text
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.functional.inner import masked_cross_entropy
 from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
-from gmeta_ds.trainer import run_phase
+from gmeta_ds.run.trainer import run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_same_model, gmeta_ranks, summary, tiny_config
 
-from gmeta_ds.profiling import PHASES
+from gmeta_ds.run.profiling import PHASES
 
 pytestmark = [pytest.mark.launcher]
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import gmeta_ds as gm
 from gmeta_ds.api import MetaEngine
-from gmeta_ds.evaluation import FEW_TASKS, MetricWarning, evaluate, score
+from gmeta_ds.evaluation.scores import FEW_TASKS, MetricWarning, evaluate, score
 
 
 def _log(users: int = 24, click=None) -> pd.DataFrame:
@@ -466,10 +466,10 @@ def _engine_with_initial(learner) -> MetaEngine:
     return engine
 
 
-@pytest.mark.filterwarnings("ignore::gmeta_ds.evaluation.MetricWarning")
+@pytest.mark.filterwarnings("ignore::gmeta_ds.evaluation.scores.MetricWarning")
 def test_evaluate_scores_the_non_meta_and_popularity_baselines_as_train_reports_them(data):
-    from gmeta_ds.baselines import fit_popularity, popularity_scores
-    from gmeta_ds.evaluation import train_baseline
+    from gmeta_ds.evaluation.baselines import fit_popularity, popularity_scores
+    from gmeta_ds.evaluation.scores import train_baseline
 
     learner = gm.meta_learner(_own_tables(Tower(), data), "maml", inner_steps=2, inner_lr=0.3, adapt="head.*")
     engine = _engine_with_initial(learner)

@@ -1,5 +1,5 @@
 """The eval baselines: item popularity + per-user offset, and the fine-tuned baseline whose
-lr and steps are chosen on validation users (gmeta_ds/baselines.py)."""
+lr and steps are chosen on validation users (gmeta_ds/evaluation/baselines.py)."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-import gmeta_ds.baselines as baselines
-from gmeta_ds.baselines import (fit_popularity, item_column, popularity_predict, popularity_scores,
+import gmeta_ds.evaluation.baselines as baselines
+from gmeta_ds.evaluation.baselines import (fit_popularity, item_column, popularity_predict, popularity_scores,
                                 user_offsets)
 from gmeta_ds.config import config_from_dict
 from gmeta_ds.data.tasks import TaskSet

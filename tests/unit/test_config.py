@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gmeta_ds.config import RunConfig, apply_overrides, config_from_dict, load_config
-from gmeta_ds.ds_config import resolve_ds_config
+from gmeta_ds.config.deepspeed import resolve_ds_config
 from gmeta_ds.errors import ConfigError
 
 
@@ -193,7 +193,7 @@ def test_other_scalars_parse_as_before():
 def test_deepspeed_json_configs_are_unaffected():
     from pathlib import Path
 
-    from gmeta_ds.ds_config import load_ds_config
+    from gmeta_ds.config.deepspeed import load_ds_config
 
     files = sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json"))
     assert files

@@ -1,7 +1,7 @@
 """The evidence commands of issue 39 on one tiny synthetic run over two user splits:
-``gmeta-ds eval --splits K`` (gmeta_ds/splits.py: K trained and evaluated splits, the mean
+``gmeta-ds eval --splits K`` (gmeta_ds/evaluation/splits.py: K trained and evaluated splits, the mean
 differences with intervals over splits and users, a finished split reused) and ``gmeta-ds
-report RUN_DIR`` (gmeta_ds/report.py: one self-contained HTML page, parsed here, and opened in
+report RUN_DIR`` (gmeta_ds/evaluation/report.py: one self-contained HTML page, parsed here, and opened in
 headless Chromium when /usr/bin/chromium exists)."""
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 
 from gmeta_ds.cli import main
 from gmeta_ds.config import load_config
-from gmeta_ds.intervals import split_interval
-from gmeta_ds.report import write_report
-from gmeta_ds.splits import finished_summary, split_configs
+from gmeta_ds.evaluation.intervals import split_interval
+from gmeta_ds.evaluation.report import write_report
+from gmeta_ds.evaluation.splits import finished_summary, split_configs
 from test_cli import REPO, TINY, write
 
 SPLIT_TINY = {**TINY, "eval": {**TINY["eval"], "few_shot": [2], "steps_curve": [0, 2],

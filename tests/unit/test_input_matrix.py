@@ -16,7 +16,7 @@ import yaml
 
 from gmeta_ds.cli import main
 from gmeta_ds.config import MODEL_DEFAULT_ADAPT, MetaConfig, config_from_dict, load_config
-from gmeta_ds.ds_config import resolve_ds_config
+from gmeta_ds.config.deepspeed import resolve_ds_config
 from gmeta_ds.errors import ConfigError
 
 TINY = {"model": {"embed_dim": 4, "hidden": [8]},

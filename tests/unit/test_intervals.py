@@ -1,4 +1,4 @@
-"""The paired bootstrap of gmeta_ds/intervals.py: the weighted AUC against brute force, the
+"""The paired bootstrap of gmeta_ds/evaluation/intervals.py: the weighted AUC against brute force, the
 point differences against score_tasks, determinism, and the 95% interval's coverage of a known
 true difference over repeated simulated experiments."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from gmeta_ds.intervals import paired_intervals, resample_counts, split_interval, weighted_auc
-from gmeta_ds.metrics import score_tasks
+from gmeta_ds.evaluation.intervals import paired_intervals, resample_counts, split_interval, weighted_auc
+from gmeta_ds.evaluation.metrics import score_tasks
 
 
 def brute_force_auc(labels, preds, user, counts) -> float:

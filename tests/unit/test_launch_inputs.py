@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from gmeta_ds.cli import main
-from gmeta_ds.ds_config import dense_state_bytes
+from gmeta_ds.config.deepspeed import dense_state_bytes
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.launchers import hostfile_world_size, launcher_ds_config, parse_hostfile
+from gmeta_ds.run.launchers import hostfile_world_size, launcher_ds_config, parse_hostfile
 
 REPO = Path(__file__).resolve().parents[2]
 ZERO1, ZERO2 = str(REPO / "ds_configs" / "zero1.json"), str(REPO / "ds_configs" / "zero2.json")

@@ -6,19 +6,19 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
-    "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.arguments": 0, "gmeta_ds.ds_config": 0, "gmeta_ds.launchers": 0,
-    "gmeta_ds.plots": 0, "gmeta_ds.report": 0, "gmeta_ds.registry": 0, "gmeta_ds.tune": 0, "gmeta_ds.files": 0, "gmeta_ds.processes": 0,
+    "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.evaluation": 0, "gmeta_ds.run": 0, "gmeta_ds.config.arguments": 0, "gmeta_ds.config.deepspeed": 0, "gmeta_ds.run.launchers": 0,
+    "gmeta_ds.evaluation.plots": 0, "gmeta_ds.evaluation.report": 0, "gmeta_ds.registry": 0, "gmeta_ds.run.tune": 0, "gmeta_ds.files": 0, "gmeta_ds.processes": 0,
     "gmeta_ds.sparse": 1, "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
     "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
     "gmeta_ds.embedding.sharding": 3,
     "gmeta_ds.algorithms": 2,
-    "gmeta_ds.engine": 3, "gmeta_ds.profiling": 3,
-    "gmeta_ds.metrics": 1, "gmeta_ds.intervals": 1, "gmeta_ds.few_shot": 5,
+    "gmeta_ds.engine": 3, "gmeta_ds.run.profiling": 3,
+    "gmeta_ds.evaluation.metrics": 1, "gmeta_ds.evaluation.intervals": 1, "gmeta_ds.evaluation.few_shot": 5,
     "gmeta_ds.text": 1, "gmeta_ds.text.model": 2,
-    "gmeta_ds.trainer": 5, "gmeta_ds.evaluation": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.outputs": 5, "gmeta_ds.baselines": 5,
-    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5, "gmeta_ds.run_log": 5,
+    "gmeta_ds.run.trainer": 5, "gmeta_ds.evaluation.scores": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.run.outputs": 5, "gmeta_ds.evaluation.baselines": 5,
+    "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5, "gmeta_ds.run.run_log": 5,
     "gmeta_ds.serving": 5,
-    "gmeta_ds.splits": 5,
+    "gmeta_ds.evaluation.splits": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import log_loss, ndcg_score, roc_auc_score
 
-from gmeta_ds.metrics import score_tasks
+from gmeta_ds.evaluation.metrics import score_tasks
 
 
 def _binary(seed=0, n_tasks=40, max_len=25, ties=False):

@@ -16,8 +16,8 @@ from torch import nn
 
 import gmeta_ds as gm
 from gmeta_ds.api import MetaEngine
-from gmeta_ds.baselines import finetune_predict
-from gmeta_ds.evaluation import MetricWarning, plain_logits, train_baseline
+from gmeta_ds.evaluation.baselines import finetune_predict
+from gmeta_ds.evaluation.scores import MetricWarning, plain_logits, train_baseline
 from gmeta_ds.models.popularity import PopularityOffset, net_logits
 
 DIM = 4

@@ -12,7 +12,7 @@ import pytest
 
 import gmeta_ds
 from gmeta_ds.config import RunConfig, config_from_dict
-from gmeta_ds.ds_config import (
+from gmeta_ds.config.deepspeed import (
     SHIPPED_DIR,
     find_ds_config_file,
     load_ds_config,
@@ -20,7 +20,7 @@ from gmeta_ds.ds_config import (
     shipped_ds_configs,
 )
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.launchers import launcher_ds_config
+from gmeta_ds.run.launchers import launcher_ds_config
 
 PKG = Path(gmeta_ds.__file__).resolve().parent
 REPO = PKG.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gmeta_ds import outputs, run_log, trainer
+from gmeta_ds.run import outputs, run_log, trainer
 from gmeta_ds.meta_engine import NonFiniteLoss
 from gmeta_ds.cli import main
 
@@ -56,7 +56,8 @@ def train_apart(config: str, *args: str, spy: bool = False) -> subprocess.Comple
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from gmeta_ds import cli, trainer
+        from gmeta_ds import cli
+        from gmeta_ds.run import trainer
         start_engine = trainer.start_engine
         def spy(cfg, *args, **kwargs):
             result = start_engine(cfg, *args, **kwargs)

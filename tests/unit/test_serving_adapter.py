@@ -16,7 +16,7 @@ from torch import nn
 
 import gmeta_ds as gm
 from gmeta_ds.api import MetaEngine
-from gmeta_ds.evaluation import predict
+from gmeta_ds.evaluation.scores import predict
 from gmeta_ds.serving import UserRequest
 from tests.helpers import click_log
 from tests.unit.test_saved_model import Tower, _engine

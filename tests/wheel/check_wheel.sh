@@ -156,7 +156,7 @@ check_installed() {
 import pathlib, sys
 import gmeta_ds
 from gmeta_ds.config import RunConfig
-from gmeta_ds.ds_config import load_ds_config, shipped_ds_configs
+from gmeta_ds.config.deepspeed import load_ds_config, shipped_ds_configs
 repo = pathlib.Path(sys.argv[1]).resolve()
 pkg = pathlib.Path(gmeta_ds.__file__).resolve()
 assert repo not in pkg.parents, f"gmeta_ds imported from the checkout: {pkg}"

@@ -14,13 +14,13 @@ import torch
 
 from gmeta_ds.algorithms import ALGORITHMS, MetaLearner
 from gmeta_ds.algorithms.base import embed_batch, embedder
-from gmeta_ds.baselines import fit_popularity
+from gmeta_ds.evaluation.baselines import fit_popularity
 from gmeta_ds.config import EmbeddingConfig, config_from_dict
 from gmeta_ds.data.tasks import TaskSet, collate
 from gmeta_ds.engine.parallelize import parallelize
 from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation import predict
+from gmeta_ds.evaluation.scores import predict
 from gmeta_ds.models import build_model
 from gmeta_ds.models.popularity import PopularityOffset
 from gmeta_ds.registry import MODELS

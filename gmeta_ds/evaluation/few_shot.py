@@ -5,8 +5,8 @@ For each size k every held-out user keeps the first k rows of its support (all o
 one; `TaskSet.first_support`) and all of its query rows, so every point scores the same query
 rows; the meta-learned model adapts on that support and so does each baseline (fine-tuning on
 it, or a popularity offset fitted on it). The last point, ``"all"``, is the full evaluation.
-Per point: every model's metrics (`gmeta_ds.intervals.METRICS`) and each baseline's paired
-bootstrap difference to the meta-learned model (`gmeta_ds.evaluation.paired`).
+Per point: every model's metrics (`gmeta_ds.evaluation.intervals.METRICS`) and each baseline's paired
+bootstrap difference to the meta-learned model (`gmeta_ds.evaluation.scores.paired`).
 
 The inner-steps curve (`steps_curve`, ``eval.steps_curve``) is the same comparison along the
 number of inner steps, on the full support: the meta-learned model and each baseline that
@@ -19,9 +19,9 @@ from typing import Callable
 import numpy as np
 
 from gmeta_ds.data.tasks import TaskSet
-from gmeta_ds.evaluation import merge, paired
-from gmeta_ds.intervals import METRICS
-from gmeta_ds.metrics import score_tasks
+from gmeta_ds.evaluation.scores import merge, paired
+from gmeta_ds.evaluation.intervals import METRICS
+from gmeta_ds.evaluation.metrics import score_tasks
 
 # Support sizes of the curve (the full support is always added as "all").
 SIZES = (1, 2, 5, 10, 20)

@@ -13,7 +13,7 @@ command continues where it stopped.
 
 ``OUTPUT_DIR/splits.json`` then holds each split's scores and paired intervals, and for each
 baseline and metric the mean difference over splits with the interval of
-`gmeta_ds.intervals.split_interval` (splits' spread plus the user sampling they share); the
+`gmeta_ds.evaluation.intervals.split_interval` (splits' spread plus the user sampling they share); the
 same for every point of the few-shot curve.
 """
 from __future__ import annotations
@@ -26,17 +26,17 @@ from typing import Any, Callable
 
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.intervals import LEVEL, split_interval
-from gmeta_ds.outputs import check_earlier_run
+from gmeta_ds.evaluation.intervals import LEVEL, split_interval
+from gmeta_ds.run.outputs import check_earlier_run
 from gmeta_ds.files import write_json
-from gmeta_ds.trainer import train
+from gmeta_ds.run.trainer import train
 from gmeta_ds.workloads.ctr import BASELINE_NAMES, METRIC_NAMES, difference_lines, difference_text
 
 SPLITS_DIR = "splits"
 RESULT_FILE = "splits.json"
 METHOD = ("mean over splits of meta-learned minus baseline; interval mean +- sqrt(t(K-1)^2 s^2 / K + z^2 f w): "
           "s^2 the splits' variance, w their mean paired-bootstrap variance, f the held-out fraction of the "
-          "users the splits share (gmeta_ds/intervals.py split_interval)")
+          "users the splits share (gmeta_ds/evaluation/intervals.py split_interval)")
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from gmeta_ds.errors import ConfigError
 
 # The DeepSpeed configs shipped as package data (the checkout's top-level ``ds_configs/`` is a
 # symlink to this folder), named ``ds_configs/<file>.json`` in run configs and docs.
-SHIPPED_DIR = Path(__file__).resolve().parent / "ds_configs"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 SHIPPED_PREFIX = "ds_configs"
 MAX_WORLD = 2**20  # ranks of one job (and WORLD_SIZE's bound): beyond any cluster, inside every counter
 

@@ -22,17 +22,17 @@ from gmeta_ds.files import write_json
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables (workloads.ctr reads it here)
 from gmeta_ds.config import RunConfig, config_to_dict
-from gmeta_ds.ds_config import BatchPlan, zero_stage
+from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.outputs import WEIGHTS_FILE  # noqa: F401 - workloads.ctr reads it here
-from gmeta_ds.outputs import check_earlier_run, continues_run, remove_earlier_outputs
+from gmeta_ds.run.outputs import WEIGHTS_FILE  # noqa: F401 - workloads.ctr reads it here
+from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs
 from gmeta_ds.meta_engine import MetaEngine, arm_fault_stop, checkpoint_meta, fault_stop
 from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.engine.memory import host_tensor_mib, peak_rss_per_rank, rss_mib, vmhwm_mib
-from gmeta_ds.profiling import PhaseProfiler, phase, write_profile
-from gmeta_ds.run_log import Cadence, MetricsLog, StepWindow, dense_allreduce_bytes
+from gmeta_ds.run.profiling import PhaseProfiler, phase, write_profile
+from gmeta_ds.run.run_log import Cadence, MetricsLog, StepWindow, dense_allreduce_bytes
 
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
 # ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
@@ -109,7 +109,7 @@ def _profile_summary(cfg: RunConfig, profiler: PhaseProfiler, rank: int, plan: B
                                {"world_size": plan.world_size, "batch": plan.describe(),
                                 "zero_stage": zero_stage(meta.ds_config)})
     if report is not None and cfg.train.progress:
-        from gmeta_ds.profiling import table
+        from gmeta_ds.run.profiling import table
 
         print(f"gmeta-ds: per-phase time of {profiler.recorded} profiled meta-steps (ms per "
               f"meta-step; collectives in brackets), {cfg.output_dir}/profile.json:\n"

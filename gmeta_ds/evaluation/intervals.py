@@ -13,7 +13,7 @@ the same query rows). A user drawn k times counts k times in every metric:
 * logloss, MAE: row-weighted means; RMSE: the root of the row-weighted mean squared error.
 
 The interval is the percentile interval of the resampled differences; the point difference
-is that of the unresampled users (the numbers `gmeta_ds.metrics.score_tasks` reports). Seeded
+is that of the unresampled users (the numbers `gmeta_ds.evaluation.metrics.score_tasks` reports). Seeded
 and deterministic; vectorised over resamples in chunks, so 10,000 users x 1,000 resamples take
 about a second (benchmarks/bootstrap.py).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gmeta_ds.metrics import per_task_auc
+from gmeta_ds.evaluation.metrics import per_task_auc
 
 # Metrics whose difference (model minus baseline) gets an interval, by label kind.
 METRICS = {"binary": ("auc", "auc_per_task", "logloss"), "regression": ("mae", "rmse")}

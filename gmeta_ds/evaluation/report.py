@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.plots import coldstart_chart, few_shot_chart, loss_chart, read_metrics, read_summary
+from gmeta_ds.evaluation.plots import coldstart_chart, few_shot_chart, loss_chart, read_metrics, read_summary
 
 REPORT_FILE = "report.html"
 # Rows of the comparison table: (model, key prefix of its metrics in summary.json's eval).

@@ -31,8 +31,8 @@ from gmeta_ds.data.popularity import (
     shrunk_score,
 )
 from gmeta_ds.data.tasks import TaskSet
-from gmeta_ds.evaluation import predict, score
-from gmeta_ds.metrics import score_tasks
+from gmeta_ds.evaluation.scores import predict, score
+from gmeta_ds.evaluation.metrics import score_tasks
 
 # Metrics reported for the popularity baseline (``baseline_popularity_<name>``).
 POPULARITY_METRICS = {"binary": ("auc", "auc_per_task", "logloss"), "regression": ("mae", "rmse")}

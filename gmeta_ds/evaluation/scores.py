@@ -14,13 +14,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from gmeta_ds.arguments import finite, int_at_least
+from gmeta_ds.config.arguments import finite, int_at_least
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder, model_contract
 from gmeta_ds.data.tasks import TaskSet, collate, take_rows
 from gmeta_ds.sparse import Jagged
 from gmeta_ds.functional.inner import PREDICTIONS, InnerLoop, LearningRates, check_output, masked_bce
-from gmeta_ds.intervals import paired_intervals
-from gmeta_ds.metrics import per_task_auc, score_tasks
+from gmeta_ds.evaluation.intervals import paired_intervals
+from gmeta_ds.evaluation.metrics import per_task_auc, score_tasks
 from gmeta_ds.models.popularity import net_logits
 
 
@@ -132,7 +132,7 @@ def defined(scores: dict, labels: np.ndarray, warn: bool = True) -> dict:
 
 def score(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray], kind: str = "binary",
           warn: bool = True) -> dict:
-    """Metrics of `predict` outputs (one, or one per rank): `gmeta_ds.metrics.score_tasks` of
+    """Metrics of `predict` outputs (one, or one per rank): `gmeta_ds.evaluation.metrics.score_tasks` of
     the adapted predictions (binary: ``auc``, ``auc_per_task``, ``logloss``, ``ndcg@k``;
     regression: ``mae``, ``rmse``, ``ndcg@k``) plus the headline metrics without adaptation
     (``auc_no_adapt``... or ``mae_no_adapt``...), ``query_rows`` and ``tasks_scored``.
@@ -167,7 +167,7 @@ def merge(preds: list[dict[str, np.ndarray]] | dict[str, np.ndarray]) -> dict[st
 
 def paired(meta: dict[str, np.ndarray], baselines: dict[str, dict[str, np.ndarray]], kind: str,
            resamples: int, seed: int) -> dict:
-    """`gmeta_ds.intervals.paired_intervals` of the meta-learned model's adapted predictions
+    """`gmeta_ds.evaluation.intervals.paired_intervals` of the meta-learned model's adapted predictions
     ``meta`` (merged by `merge`) against each baseline's, given as {name: (rows, key)}: its prediction
     rows (any row order; merged here) and the key of the prediction to compare. Every baseline
     must hold the same query rows: a mismatch is a bug, raised, never a wrong interval."""
@@ -181,7 +181,7 @@ def paired(meta: dict[str, np.ndarray], baselines: dict[str, dict[str, np.ndarra
     return paired_intervals(meta["labels"], meta["task"], meta["adapted"], preds, kind, resamples, seed)
 
 
-# Each held-out user's metric per model (gmeta_ds/report.py draws its distribution).
+# Each held-out user's metric per model (gmeta_ds/evaluation/report.py draws its distribution).
 PER_USER_FILE = "per_user.csv"
 
 

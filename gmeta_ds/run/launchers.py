@@ -101,7 +101,7 @@ def launcher_ds_config(cli_path: str | None, env: Mapping[str, str] | None = Non
                 "set deepspeed_config.deepspeed_config_file to a JSON in ds_configs/ "
                 "(e.g. launch/accelerate/single_node.yaml) or drop distributed_type: DEEPSPEED "
                 "and name the JSON in the run config's 'deepspeed:' key")
-    from gmeta_ds.ds_config import missing_ds_config_hint, shipped_ds_config
+    from gmeta_ds.config.deepspeed import missing_ds_config_hint, shipped_ds_config
 
     for name, value in list(sources.items()):
         if not Path(value).is_file():

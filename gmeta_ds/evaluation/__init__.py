@@ -1,0 +1,6 @@
+"""Evaluation: the scores of held-out users (`scores`), the cold-start metrics (`metrics`),
+baselines (`baselines`), paired intervals (`intervals`), few-shot curves (`few_shot`),
+repeated splits (`splits`), the report page (`report`) and its plots (`plots`).
+
+Importing the package imports nothing else: `metrics`, `intervals`, `report` and `plots` sit
+in low layers (no torch for `report` and `plots`) and stay importable without the rest."""
