@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from gmeta_ds import checkpoint
 from gmeta_ds.algorithms import MetaLearner
-from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, embed_batch
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_task_fields, fused_ids, split_rows
 from gmeta_ds.config.arguments import check, int_at_least
 from gmeta_ds.config import DEFAULTS
 from gmeta_ds.config.sites import DELTA_DTYPES
@@ -146,8 +146,10 @@ def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[s
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with phase("lookup"):
-            rows = (embed_batch(lambda ids, multi: sharded.lookup_fields(ids, fields, multi), batch)
-                    if sharded else None)
+            rows = None
+            if sharded is not None:
+                ids, multi = fused_ids(batch)
+                rows = split_rows(sharded.lookup_fields(ids, fields, multi), batch)
         with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
             with phase("inner_loop"):
                 out = engine(batch, rows)

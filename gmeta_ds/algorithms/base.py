@@ -253,15 +253,28 @@ def meta_output(loss: Tensor, out: TaskOutputs) -> MetaOutput:
                       out.query_loss.detach())
 
 
-def embed_batch(lookup, batch: TaskBatch) -> tuple[Tensor, Tensor]:
-    """One fused lookup of support and query ids with ``lookup(ids (N, F_single), multi) ->
-    (N, F, d)``: (T, S, ·) + (T, Q, ·) -> rows (T, S, F, d), (T, Q, F, d)."""
-    t, s, f = batch.support_ids.shape
+def fused_ids(batch: TaskBatch) -> tuple[Tensor, dict[str, Jagged]]:
+    """The ids of one fused lookup of support and query: single-valued ids (T*S + T*Q, F_single)
+    and each multi-hot feature's bags (support's, then query's)."""
+    f = batch.support_ids.shape[-1]
     ids = torch.cat([batch.support_ids.reshape(-1, f), batch.query_ids.reshape(-1, f)])
     multi = {name: concat_jagged(bags, batch.query_multi[name]) for name, bags in batch.support_multi.items()}
-    rows = lookup(ids, multi)
+    return ids, multi
+
+
+def split_rows(rows: Tensor, batch: TaskBatch) -> tuple[Tensor, Tensor]:
+    """The rows (N, F, d) of a `fused_ids` lookup back into support (T, S, F, d) and query
+    (T, Q, F, d)."""
+    t, s, _ = batch.support_ids.shape
     width = rows.shape[1]
     return rows[: t * s].reshape(t, s, width, -1), rows[t * s:].reshape(t, -1, width, rows.shape[-1])
+
+
+def embed_batch(lookup, batch: TaskBatch) -> tuple[Tensor, Tensor]:
+    """One fused lookup of support and query ids with a module's own ``lookup(ids (N, F_single),
+    multi) -> (N, F, d)`` (`embedder`): rows (T, S, F, d), (T, Q, F, d). Tables outside the
+    module (sharded) are looked up by their owner between `fused_ids` and `split_rows`."""
+    return split_rows(lookup(*fused_ids(batch)), batch)
 
 
 def embedder(net: nn.Module):
