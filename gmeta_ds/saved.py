@@ -120,8 +120,9 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
                    for k, v in state.items()}, str(work / WEIGHTS))
         arrays = {}
         for name, v in vocab.items():
-            arrays[f"{name}.data"] = torch.from_numpy(np.ascontiguousarray(v.data, dtype=np.uint8))
-            arrays[f"{name}.offsets"] = torch.from_numpy(np.ascontiguousarray(v.offsets, dtype=np.int64))
+            # copies: a task store's vocabularies are read-only maps, which torch warns about
+            arrays[f"{name}.data"] = torch.from_numpy(np.array(v.data, dtype=np.uint8))
+            arrays[f"{name}.offsets"] = torch.from_numpy(np.array(v.offsets, dtype=np.int64))
         save_file(arrays, str(work / VOCAB))
         meta = {"format": FORMAT, "version": VERSION,
                 "model": f"{type(model).__module__}.{type(model).__qualname__}",

@@ -3,9 +3,9 @@ store opened as a `TaskData` once verified, and the memory a process holds of it
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ class StoreArray:
         self.row_bytes = int(np.prod(self.shape[1:])) * self.dtype.itemsize
         self._fd: int | None = None
         self._map: np.memmap | None = None
+        self._closer: weakref.finalize | None = None
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -44,13 +45,16 @@ class StoreArray:
         return f"StoreArray({self.path.name}, {self.dtype}, {list(self.shape)})"
 
     def __getstate__(self) -> dict:  # picklable (DataLoader workers, spawn): reopen lazily
-        return {**self.__dict__, "_fd": None, "_map": None}
+        return {**self.__dict__, "_fd": None, "_map": None, "_closer": None}
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         out = np.empty((stop - start, *self.shape[1:]), self.dtype)
         if stop > start:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+                # closed when the array goes, or at exit before the interpreter tears modules
+                # down (a __del__ then finds its module's globals gone and prints a traceback)
+                self._closer = weakref.finalize(self, os.close, self._fd)
             offset = start * self.row_bytes
             n = os.preadv(self._fd, [out], offset)
             if n == out.nbytes:
@@ -101,11 +105,6 @@ class StoreArray:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.array(), name)
-
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
 
 
 def open_store(store: Path):
