@@ -76,7 +76,8 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
 
     ``source``: a CSV / Parquet file, a folder of shards (as ``gmeta-ds data synthesize`` and
     Spark write them) or a glob, built out of core into the task store under ``cache_dir``
-    (bounded memory, reused by later calls) as ``gmeta-ds train`` builds ``data.path``; or
+    (default ``~/.cache/gmeta_ds``, or ``$XDG_CACHE_HOME/gmeta_ds`` when that is set; bounded
+    memory, reused by later calls) as ``gmeta-ds train`` builds ``data.path``; or
     rows in memory: a pandas DataFrame, a pyarrow Table, a Hugging Face ``datasets.Dataset``
     or a dict of equal-length arrays, one row per interaction. ``multi_hot``: column ->
     separator of its values in a string cell (list cells are taken as they are).

@@ -17,3 +17,26 @@ def pytest_sessionfinish(session, exitstatus):
     from pool import close_pool
 
     close_pool()
+
+
+def _keep_out_of_home() -> None:
+    """The suite writes no cache into the home folder: task stores (data.cache_dir's default
+    follows $XDG_CACHE_HOME), Hugging Face's and matplotlib's caches go to one folder per
+    session, removed at exit. DeepSpeed's JIT-built ops keep their usual folder (rebuilding
+    them costs ~40 s), pinned before XDG_CACHE_HOME moves it."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if os.environ.get("GMETA_DS_TEST_CACHE"):  # a subprocess of the suite: the session's folder
+        return
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "torch_extensions")
+    folder = tempfile.mkdtemp(prefix="gmeta-test-cache-")
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ.update(GMETA_DS_TEST_CACHE=folder, XDG_CACHE_HOME=folder, HF_HOME=os.path.join(folder, "huggingface"),
+                      MPLCONFIGDIR=os.path.join(folder, "matplotlib"))
+
+
+_keep_out_of_home()

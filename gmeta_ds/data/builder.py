@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,8 @@ from gmeta_ds.data.vocab import Vocabulary
 # (`readers.click_threshold`); 5: the key sees the log's content; 4: within-task order by
 # `stream.row_order_key`
 CACHE_VERSION = 7
+
+DEFAULT_CACHE_DIR = DataConfig().cache_dir
 
 
 def read_log(cfg: DataConfig) -> InteractionLog:
@@ -208,9 +211,18 @@ def _missing(store: Path) -> bool:
     return type(version) is int and version < STORE_VERSION
 
 
+def cache_root(setting: str) -> Path:
+    """The folder ``data.cache_dir`` names: ``~`` expanded, and the default ``~/.cache/gmeta_ds``
+    under ``$XDG_CACHE_HOME`` when that is set (as Hugging Face's and torch's caches follow it)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if setting == DEFAULT_CACHE_DIR and xdg:
+        return Path(xdg).expanduser() / "gmeta_ds"
+    return Path(setting).expanduser()
+
+
 def store_path(cfg: DataConfig, seed: int) -> Path:
     """The task store of ``cfg`` and ``seed``: ``data.cache_dir/tasks-<cache key>``."""
-    return Path(cfg.cache_dir).expanduser() / f"tasks-{cache_key(cfg, seed)}"
+    return cache_root(cfg.cache_dir) / f"tasks-{cache_key(cfg, seed)}"
 
 
 def table_schema(cfg: DataConfig) -> LogSchema:

@@ -32,3 +32,14 @@ def test_an_api_script_exits_without_tracebacks_or_array_warnings(tmp_path):
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
     assert "not writable" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_default_task_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    from gmeta_ds.config import DataConfig
+    from gmeta_ds.data.builder import cache_root
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root(DataConfig().cache_dir) == tmp_path / "xdg" / "gmeta_ds"
+    assert cache_root(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root(DataConfig().cache_dir) == Path("~/.cache/gmeta_ds").expanduser()
