@@ -232,7 +232,7 @@ def read_meta(folder: str | Path) -> dict:
     path = _member(folder, META)
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise _refuse(path, f"not readable JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _refuse(path, f"not a gmeta_ds saved model (format {meta.get('format') if isinstance(meta, dict) else meta!r})")

@@ -11,8 +11,8 @@ checked against model.json before anything is used.
 
 Tensors are mapped from the files (`mapped_tensors`) rather than read: a table larger than
 memory is paged in as rows are looked up, several server processes share its pages, and a
-model's start-up does not copy it. safetensors' own ``safe_open`` maps the file too but copies
-each tensor it returns, hence the header read here (the format is 8 bytes of header length,
+model's start-up does not copy it. safetensors' own ``safe_open`` validates the header but copies
+each tensor it returns, hence the mapping here (the format is 8 bytes of header length,
 a JSON header, then the raw little-endian data).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from gmeta_ds.config.bounds import BOUNDS
@@ -34,7 +35,6 @@ from gmeta_ds.sparse import FieldSpec
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 MAX_INNER_STEPS = BOUNDS["eval.inner_steps"][0]  # a request adapts with at most as many as a run evaluates with
 
 
@@ -57,25 +57,32 @@ def _refuse(path: Path, problem: str) -> ConfigError:
 
 def mapped_tensors(path: Path) -> dict[str, Tensor]:
     """Every tensor of a safetensors file, mapped copy-on-write (no read of the data, pages
-    shared between processes until written); a malformed file is a `ConfigError` naming it."""
+    shared between processes until written); a malformed file is a `ConfigError` naming it.
+
+    safetensors' own reader (``safe_open``) checks the header first and refuses what it
+    refuses: offsets and shape entries that are not non-negative integers, offsets not
+    contiguous or not covering the data section, a dtype whose size times the shape is not the
+    span, a header past its size bound or nested JSON. A float tensor holding NaN or Inf is
+    refused naming it (one pass over the weights at load)."""
     try:
+        with safe_open(path, "np"):
+            pass
         with open(path, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
-            if length > MAX_HEADER:
-                raise ValueError(f"header of {length} bytes")
             header = json.loads(fh.read(length))
         header.pop("__metadata__", None)
         raw = np.memmap(path, dtype=np.uint8, mode="c")
         out = {}
         for name, info in header.items():
-            start, end = (8 + length + int(o) for o in info["data_offsets"])
-            if end > len(raw) or start > end:
-                raise ValueError(f"tensor {name!r} lies outside the file")
+            start, end = (8 + length + o for o in info["data_offsets"])
             array = raw[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
             out[name] = torch.from_numpy(array)
-        return out
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+    except (OSError, ValueError, KeyError, TypeError, struct.error, SafetensorError) as exc:
         raise _refuse(path, f"not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+    for name, tensor in out.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise _refuse(path, f"tensor {name!r} holds NaN or Inf values, expected finite weights")
+    return out
 
 
 @dataclass
