@@ -178,7 +178,9 @@ class App:
             return {}
         try:
             return orjson.loads(data)
-        except orjson.JSONDecodeError:
+        except orjson.JSONDecodeError as exc:
+            if str(exc).startswith("depth limit"):  # orjson's fixed bound: 1024 levels
+                raise HTTPProblem(400, "body", f"nested deeper than JSON's 1024 levels ({exc})") from None
             return _json_body(data)
 
     def check_name(self, name: str) -> ServedModel:
@@ -390,3 +392,5 @@ def _json_body(data: bytes):
         return json.loads(data)
     except ValueError as exc:
         raise HTTPProblem(400, "body", f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise HTTPProblem(400, "body", "nested too deeply for the standard library's JSON reader") from None

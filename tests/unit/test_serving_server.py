@@ -158,6 +158,10 @@ def test_malformed_bodies_and_names_are_refused_and_the_server_stays_up(server):
     with httpx.Client(base_url=url, timeout=30) as client:
         reply = client.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
         assert reply.status_code == 400 and reply.json()["field"] == "body"
+        for nested in (b"[" * 50_000 + b"]" * 50_000, b'{"a":' + b"[" * 990 + b"NaN" + b"]" * 990 + b"}"):
+            reply = client.post("/v1/score", content=nested, headers={"content-type": "application/json"})
+            assert reply.status_code == 400 and reply.json()["field"] == "body", reply.text
+            assert "nested" in reply.json()["error"]
         reply = client.post("/v2/models/other/infer", json={"inputs": []})
         assert reply.status_code == 404 and "'other'" in reply.json()["error"]
         bad_shape = {"inputs": [{"name": "candidates.item", "shape": [2], "datatype": "BYTES", "data": ["i1"]}]}
