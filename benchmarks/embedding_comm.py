@@ -237,7 +237,7 @@ def part_rss(rows: int, tmp) -> list[dict]:
 def part_trainer(steps: int, timeout: float) -> dict:
     print(f"\n3. real trainer, world {WORLD}, {steps} meta-steps, median tasks_per_s (first record skipped)")
     # embedding.tables={}: drop the example's per-table plans (not allowed with replicated; all row-wise)
-    res = {"replicated": run_trainer(["embedding.sharding=replicated", "embedding.tables={}"], steps, timeout),
+    res = {"replicated": run_trainer(["embedding.sharding=dense", "embedding.tables={}"], steps, timeout),
            "sharded": run_trainer(["embedding.sharding=sharded", "embedding.plan=row_wise", "embedding.tables={}"],
                                   steps, timeout)}
     res["sharded / replicated"] = res["sharded"]["tasks_per_s"] / res["replicated"]["tasks_per_s"]

@@ -65,7 +65,7 @@ ds["optimizer"]["params"]["torch_adam"] = True
 json.dump(ds, open(sys.argv[1], "w"), indent=2)
 EOF
 TRAIN=(train --config examples/synthetic/config.yaml --set "deepspeed=$OUT/ds_gpu_check.json"
-       --set embedding.sharding=replicated --set "embedding.tables={}" --set train.meta_steps=60
+       --set embedding.sharding=dense --set "embedding.tables={}" --set train.meta_steps=60
        --set train.log_every=10 --set train.progress=false --set train.tensorboard=false
        --set eval.enabled=false)
 step trainer_cuda 100 "$BIN/deepspeed" --num_gpus 1 "$BIN/gmeta-ds" "${TRAIN[@]}" \

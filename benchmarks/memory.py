@@ -4,7 +4,7 @@ Runs ``gmeta-ds train`` under ``deepspeed --num_gpus W`` (W = 1, 2) on the demo 
 ``--items`` x ``--dim`` item table (default 2M x 64, 512 MB of float32; every field's table
 gets dim ``--dim``, the others are tiny), for two plans:
 
-- ``replicated``: every table inside the DeepSpeed engine (``embedding.sharding=replicated``):
+- ``replicated``: every table inside the DeepSpeed engine (``embedding.sharding=dense``):
   each rank holds the whole table, its dense gradient and Adam's two moments;
 - ``sharded``: the demo's plan (item_id and brand row-wise, small tables replicated), Adagrad
   on the shards: each rank holds ~1/W of the item rows and their Adagrad state.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BIN, REPO, free_port, machine, run_group
 
 RESULTS = REPO / "benchmarks" / "results" / "memory.json"
-PLANS = {"replicated": ["embedding.sharding=replicated", "embedding.tables={}"],
+PLANS = {"replicated": ["embedding.sharding=dense", "embedding.tables={}"],
          "sharded": ["embedding.sharding=sharded"]}
 
 

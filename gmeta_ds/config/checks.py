@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SHARDINGS = ("replicated", "sharded")
+# embedding.sharding: tables inside the DeepSpeed module (dense) or gmeta_ds's own, outside it
+# (sharded). Not registry.SHARDINGS, the strategies of the sharded mode.
+EMBEDDING_MODES = ("dense", "sharded")
 ROW_OWNERS = ("modulo", "block")
 TABLE_DEVICES = ("auto", "accelerator", "host")
 EXCHANGES = ("auto", "rows", "pooled")

@@ -1,8 +1,9 @@
 """``embedding``: where embedding tables live, per-table overrides, and their checks."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from gmeta_ds.config.checks import (AUTO, BAD_ID_POLICIES, EXCHANGE_TOPOLOGIES, EXCHANGES, ROW_OWNERS,
                                     TABLE_DEVICES, one_of, check_positive)
@@ -31,12 +32,12 @@ class TableOverride:
 class EmbeddingConfig:
     """Where embedding tables live.
 
-    ``replicated``: plain tables inside the DeepSpeed engine (dense gradients all-reduced; the
+    ``dense``: plain tables inside the DeepSpeed engine (dense gradients all-reduced; the
     DMAML-like baseline). ``sharded``: gmeta_ds's own sharded tables outside DeepSpeed, looked
     up by all-to-all, trained by sparse optimizers on owned rows.
     """
 
-    sharding: str = "replicated"
+    sharding: str = "dense"
     # Sharded mode: plan kind for tables without an override; "auto" replicates tables with
     # fewer than replicate_below_rows rows and shards the rest row-wise.
     plan: str = "auto"
@@ -67,6 +68,25 @@ class EmbeddingConfig:
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 
+# The old spelling of embedding.sharding: dense, read from configs, checkpoints and saved models
+# written before the rename (it read like embedding.plan: replicated, copies outside DeepSpeed).
+OLD_SHARDING = "replicated"
+
+
+def renew_sharding(data: Any, warn: bool = True) -> Any:
+    """``data`` (a whole config as a dict) with ``embedding.sharding: replicated`` read as
+    ``dense``, warning once when ``warn`` (a `FutureWarning`, shown once per place by Python's
+    default filter, on every rank as every rank reads the config; not for a stored config that
+    is only compared); ``data`` itself is not changed."""
+    emb = data.get("embedding") if isinstance(data, dict) else None
+    if not isinstance(emb, dict) or emb.get("sharding") != OLD_SHARDING:
+        return data
+    if warn:
+        warnings.warn("embedding.sharding: 'replicated' is now spelled 'dense' (tables inside the DeepSpeed "
+                      "engine); the old spelling still works", FutureWarning, stacklevel=3)
+    return {**data, "embedding": {**emb, "sharding": "dense"}}
+
+
 def validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     """``embedding.*``: choices, rates, every table, and what applies only when sharded."""
     one_of(problems, "embedding.plan", emb.plan, (AUTO, *PLANS.names()))
@@ -82,22 +102,22 @@ def validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
         problems.append(f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {emb.hosts!r}")
     for name, table in emb.tables.items():
         _validate_table(name, table, problems)
-    if emb.sharding != "replicated":
+    if emb.sharding != "dense":
         return
     if any(t.kind == "dynamic" for t in emb.tables.values()):
         problems.append("embedding.tables: dynamic tables need embedding.sharding: sharded (they live "
                         "outside the DeepSpeed engine, on their owner ranks)")
     elif emb.tables or emb.plan != "auto":
         problems.append("embedding.plan / embedding.tables apply to embedding.sharding: sharded; "
-                        "with 'replicated' every table lives inside the DeepSpeed engine")
+                        "with 'dense' every table lives inside the DeepSpeed engine")
     if emb.exchange != AUTO:
-        problems.append("embedding.exchange applies to embedding.sharding: sharded; replicated tables "
+        problems.append("embedding.exchange applies to embedding.sharding: sharded; dense tables "
                         "are looked up inside the DeepSpeed engine, with no exchange")
     if emb.exchange_topology != "flat":
-        problems.append("embedding.exchange_topology applies to embedding.sharding: sharded; replicated tables "
+        problems.append("embedding.exchange_topology applies to embedding.sharding: sharded; dense tables "
                         "are looked up inside the DeepSpeed engine, with no exchange")
     if emb.device != AUTO:
-        problems.append("embedding.device applies to embedding.sharding: sharded; replicated tables "
+        problems.append("embedding.device applies to embedding.sharding: sharded; dense tables "
                         "live inside the DeepSpeed engine, on its device")
 
 

@@ -13,9 +13,9 @@ from typing import Any, Union
 import yaml
 
 from gmeta_ds.config.bounds import MAX_FLOAT, MAX_SYNTHETIC_INTERACTIONS, check_bounds, short_value
-from gmeta_ds.config.checks import SHARDINGS, one_of, check_positive
+from gmeta_ds.config.checks import EMBEDDING_MODES, one_of, check_positive
 from gmeta_ds.config.data import SUPPORT_SIZES, DataConfig, validate_log, validate_synthetic
-from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, validate_embedding
+from gmeta_ds.config.embedding import EmbeddingConfig, TableOverride, renew_sharding, validate_embedding
 from gmeta_ds.config.eval import EvalConfig
 from gmeta_ds.config.meta import MetaConfig, validate_meta_options
 from gmeta_ds.config.model import MODEL_DEFAULT_ADAPT, ModelConfig, validate_model
@@ -196,7 +196,7 @@ def _validate(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.task == "text":
         validate_text(cfg.text, problems)
     one_of(problems, "meta.algorithm", cfg.meta.algorithm, ALGORITHMS.names())
-    one_of(problems, "embedding.sharding", cfg.embedding.sharding, SHARDINGS)
+    one_of(problems, "embedding.sharding", cfg.embedding.sharding, EMBEDDING_MODES)
     one_of(problems, "data.source", cfg.data.source, DATA_SOURCES.names())
     validate_embedding(cfg.embedding, problems)
     _validate_positives(cfg, problems)
@@ -350,6 +350,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def config_from_dict(data: dict, source: str | None = None, config_dir: str = ".") -> RunConfig:
     """Build and validate a `RunConfig`; raises `ConfigError` listing every problem."""
     problems: list[str] = []
+    data = renew_sharding(data)
     cfg = _build(RunConfig, data, "", problems)
     _validate(cfg, problems)  # values with a wrong type kept their defaults: safe to check
     _validate_applies(cfg, data, problems)

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from gmeta_ds.config import RunConfig, config_to_dict
+from gmeta_ds.config import RunConfig, config_to_dict, renew_sharding
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.intervals import LEVEL, split_interval
 from gmeta_ds.run.outputs import check_earlier_run
@@ -68,7 +68,7 @@ def finished_summary(cfg: RunConfig) -> dict | None:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    same = summary.get("config") == json.loads(json.dumps(config_to_dict(cfg)))
+    same = renew_sharding(summary.get("config"), warn=False) == json.loads(json.dumps(config_to_dict(cfg)))
     return summary if same and summary.get("eval") else None
 
 

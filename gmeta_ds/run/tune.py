@@ -42,7 +42,7 @@ from typing import Any
 
 from gmeta_ds.files import write_json
 from gmeta_ds.processes import kill_group
-from gmeta_ds.config import config_to_dict, load_config, load_yaml
+from gmeta_ds.config import OLD_SHARDING, config_to_dict, load_config, load_yaml
 from gmeta_ds.errors import ConfigError
 
 # What every trial runs with, after the user's --set and the trial's values (the last wins):
@@ -315,7 +315,9 @@ def _mismatch(stored: dict, given: dict) -> list[str]:
                                               for k in keys) + ")")
     if stored.get("metric") != given["metric"]:
         problems.append(f"objective (eval.{stored.get('metric')}, now eval.{given['metric']})")
-    old, new = stored.get("base") or {}, given["base"]
+    old, new = dict(stored.get("base") or {}), given["base"]
+    if old.get("embedding.sharding") == OLD_SHARDING:  # a study made before the rename to dense
+        old["embedding.sharding"] = "dense"
     searched = spaces[0].keys() | spaces[1].keys()  # a space key's config value is never used
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in searched)
     if keys:

@@ -52,7 +52,7 @@ def test_one_process_deepspeed_on_nccl_equals_cpu(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     runs = {}
     for name, env in (("cuda", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
-        config = tiny_config(tmp_path / name, embedding={"sharding": "replicated"},
+        config = tiny_config(tmp_path / name, embedding={"sharding": "dense"},
                              deepspeed=str(tmp_path / "ds.json"))
         run([str(BIN / "gmeta-ds"), "train", "--config", str(config)], env=env)
         runs[name] = summary(config)

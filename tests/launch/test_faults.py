@@ -43,9 +43,9 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sharding, point", [("replicated", ""), pytest.param("sharded", ":start", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sharding, point", [("dense", ""), pytest.param("sharded", ":start", marks=pytest.mark.slow)])
 def test_stopped_rank_ends_the_job_within_the_collective_timeout(tmp_path, sharding, point):
-    """replicated tables, rank 1 stopped before its backward: the survivor waits in DeepSpeed's
+    """dense tables, rank 1 stopped before its backward: the survivor waits in DeepSpeed's
     gradient all-reduce (``engine.allreduce_bucket``, on the data-parallel group DeepSpeed built
     with ``new_group``: 30 min, torch's default, before dist.inherit_timeout; this case then
     hung past its wait and failed). Sharded tables, rank 1 stopped at the start of the

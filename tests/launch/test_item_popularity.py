@@ -21,7 +21,7 @@ POPULARITY = {"model": {"embed_dim": 4, "hidden": [8], "item_popularity": True},
 
 
 # The sharded variant in the default run; replicated (the simpler path) in the slow suite.
-@pytest.mark.parametrize("sharding", [pytest.param("replicated", marks=pytest.mark.slow), "sharded"])
+@pytest.mark.parametrize("sharding", [pytest.param("dense", marks=pytest.mark.slow), "sharded"])
 def test_popularity_offset_two_ranks_equal_one_process(tmp_path, sharding):
     sections = {**POPULARITY, "embedding": {"sharding": sharding}}
     one, two = one_and_two_ranks(tmp_path, **sections)

@@ -96,14 +96,14 @@ def test_text_zero3_split_resumes_exactly_and_exports(tmp_path, text_one_process
 
 
 # ------------------------------------------------------------------------------------ CTR
-def ctr_config(tmp_path: Path, ds: str, algorithm: str = "maml", sharding: str = "replicated") -> Path:
+def ctr_config(tmp_path: Path, ds: str, algorithm: str = "maml", sharding: str = "dense") -> Path:
     return tiny_config(tmp_path, model={"embed_dim": 4, "hidden": [8, 6]},
                        meta={"algorithm": algorithm, "adapt": ["mlp.4.*"]},
                        embedding={"sharding": sharding},
                        deepspeed=str(REPO / "ds_configs" / f"{ds}.json"))
 
 
-@pytest.mark.parametrize("sharding", ["replicated", pytest.param("sharded", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sharding", ["dense", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_ctr_zero3_split_equals_one_process(tmp_path, sharding):
     one = trained_once(ctr_config(tmp_path / "one", "zero0", sharding=sharding), 1)
     two = train(ctr_config(tmp_path / "two", "zero3", sharding=sharding), 2)

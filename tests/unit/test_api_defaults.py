@@ -84,7 +84,7 @@ SAME = {
 # purpose, each reason in docs/api.md "Defaults".
 ON_PURPOSE = {
     ("meta_learner", "adapt"): ("meta.adapt", None, ["mlp.*"]),
-    ("initialize", "sharding"): ("embedding.sharding", "row_wise", "replicated"),
+    ("initialize", "sharding"): ("embedding.sharding", "row_wise", "dense"),
     ("initialize", "tasks_per_micro_batch"): ("meta.tasks_per_micro_batch", "auto", 32),
     ("initialize", "tasks_per_meta_step"): ("meta.tasks_per_meta_step", "auto", 64),
     ("initialize", "output_dir"): ("output_dir", None, "runs/default"),

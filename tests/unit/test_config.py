@@ -293,3 +293,40 @@ def test_per_task_offset_options_need_the_popularity_offset_of_a_ctr_model():
         assert getattr(cfg.meta, key) == 1.0
         with pytest.raises(ConfigError, match=f"meta.{key}: expected float or NoneType, got 'x'"):
             config_from_dict({"model": {"item_popularity": True}, "meta": {key: "x"}})
+
+
+def test_old_sharding_spelling_reads_as_dense_with_one_warning(tmp_path):
+    """`embedding.sharding: replicated` (before the rename to `dense`) keeps loading: configs,
+    and model.json recipes that serving rebuilds with config_from_dict({model, embedding})."""
+    path = tmp_path / "old.yaml"
+    path.write_text("embedding: {sharding: replicated}\n")
+    with pytest.warns(FutureWarning, match="embedding.sharding: 'replicated' is now spelled 'dense'"):
+        cfg = load_config(path)
+    assert cfg.embedding.sharding == "dense"
+    recipe = {"model": {}, "embedding": {"sharding": "replicated"}}
+    with pytest.warns(FutureWarning):
+        assert config_from_dict(recipe, "model.json").embedding.sharding == "dense"
+    assert recipe["embedding"]["sharding"] == "replicated"  # the caller's dict is not changed
+
+
+def test_sharding_modes_are_dense_and_sharded():
+    assert config_from_dict({}).embedding.sharding == "dense"
+    with pytest.raises(ConfigError, match="embedding.sharding: 'copies' is not one of dense, sharded"):
+        config_from_dict({"embedding": {"sharding": "copies"}})
+
+
+def test_runs_and_studies_from_before_the_rename_still_match(tmp_path):
+    """A finished split whose summary.json says `replicated` is reused by the same config now
+    read as `dense`; a tune study stored with `replicated` continues with `dense`."""
+    from gmeta_ds.config import config_to_dict
+    from gmeta_ds.evaluation.splits import finished_summary
+    from gmeta_ds.run.tune import _mismatch
+
+    cfg = config_from_dict({"output_dir": str(tmp_path)})
+    old = config_to_dict(cfg)
+    old["embedding"]["sharding"] = "replicated"
+    (tmp_path / "summary.json").write_text(json.dumps({"config": old, "eval": {"auc": 0.7}}))
+    assert finished_summary(cfg) is not None
+    given = {"space": {}, "metric": "auc", "base": {"embedding.sharding": "dense"}}
+    assert _mismatch({**given, "base": {"embedding.sharding": "replicated"}}, given) == []
+    assert _mismatch({**given, "base": {"embedding.sharding": "sharded"}}, given)
