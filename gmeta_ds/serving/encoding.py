@@ -9,6 +9,7 @@ up as its default row; a field of plain ids (synthetic data) takes integers in
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,8 +90,8 @@ class Encoder:
             block = np.array([self._values(columns, self.single[j].name, n, where) for j in self.plain])
         except RequestError:
             return 0, set()
-        if block.dtype.kind not in "iu":
-            return 0, set()
+        if block.dtype.kind not in "iu" or bool in set(map(type, _block_values(columns, self.plain, self.single))):
+            return 0, set()  # a boolean among integers converts to 1/0 here: the field-by-field path refuses it
         bad = (block < 0) | (block >= self.plain_sizes)
         ids[:, self.plain] = np.where(bad, 0, block).T
         return int(bad.sum()), set(self.plain)
@@ -120,11 +121,12 @@ class Encoder:
             pos = np.searchsorted(admitted, ids).clip(max=len(admitted) - 1)
             return ids, int((admitted[pos] != ids).sum()) if len(admitted) else len(ids)
         ids = np.asarray(values)
-        if ids.dtype.kind not in "iu":
+        if ids.dtype.kind not in "iu" or bool in set(map(type, values)):
             try:
-                ids = np.asarray([int(v) for v in values], np.int64)
+                ids = np.asarray([_plain_id(v) for v in values], np.int64)
             except (TypeError, ValueError, OverflowError):  # OverflowError: past int64, or +-Infinity
-                raise RequestError(where, f"expected integer ids in [0, {f.num_ids})") from None
+                raise RequestError(where, f"expected integer ids in [0, {f.num_ids}) (not a boolean, "
+                                          "not a number with a fraction: 3.7 is not id 3)") from None
         ids = ids.astype(np.int64, copy=False).reshape(len(values))
         bad = (ids < 0) | (ids >= f.num_ids)
         return np.where(bad, 0, ids), int(bad.sum())
@@ -148,3 +150,16 @@ class Encoder:
             values = np.concatenate(bags) if bags else np.zeros(0, np.int64)
             multi[f.name] = Jagged(torch.from_numpy(values.astype(np.int64)), torch.from_numpy(offsets))
         return Padded(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask), multi)
+
+
+def _block_values(columns: dict, plain: list[int], single: list) -> itertools.chain:
+    """Every value of the plain-id fields' columns, one after another."""
+    return itertools.chain.from_iterable(columns[single[j].name] for j in plain)
+
+
+def _plain_id(value) -> int:
+    """A plain-id field's value as an id: an integer or an integer's text; a boolean or a float
+    is refused (TypeError), never converted (true is not id 1, 3.7 not id 3)."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{value!r} is not an integer id")
+    return int(value)

@@ -180,7 +180,7 @@ class App:
             return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             if str(exc).startswith("depth limit"):  # orjson's fixed bound: 1024 levels
-                raise HTTPProblem(400, "body", f"nested deeper than JSON's 1024 levels ({exc})") from None
+                raise HTTPProblem(400, "body", f"nested deeper than the 1024 levels orjson reads ({exc})") from None
             return _json_body(data)
 
     def check_name(self, name: str) -> ServedModel:

@@ -60,8 +60,7 @@ def _encoder() -> Encoder:
 
 @pytest.mark.parametrize("columns", [
     {"age": [0, 6, 7, -1], "item": [49, 50, 3, 0]},  # integers, some out of range
-    {"age": ["1", 2, 3.0, 4], "item": [1, 2, 3, 4]},  # values the field-by-field path converts
-    {"age": [True, 2, 3, 4], "item": [1, 2, 3, 4]},
+    {"age": ["1", 2, "3", 4], "item": [1, 2, 3, 4]},  # values the field-by-field path converts
 ])
 def test_the_plain_id_block_encodes_as_field_by_field(columns):
     encoder = _encoder()
@@ -74,6 +73,15 @@ def test_the_plain_id_block_encodes_as_field_by_field(columns):
 def test_a_bad_column_is_still_named_in_field_order():
     with pytest.raises(RequestError, match=r"^support\.age: expected integer ids"):
         _encoder().encode({"age": ["x", 1], "item": [1]}, [1.0, 0.0], "support")
+
+
+@pytest.mark.parametrize("poison", [3.7, 3.0, True, False])
+@pytest.mark.parametrize("others", [[1, 2], ["1", 2]], ids=["block", "field-by-field"])
+def test_a_boolean_or_a_float_id_is_refused_not_converted(poison, others):
+    """Issue 49 item 6: a plain id field took 3.7 as id 3 and true as id 1; both are a
+    `RequestError` naming the field, through the one-array block and the field-by-field path."""
+    with pytest.raises(RequestError, match=r"^support\.item: expected integer ids in \[0, 50\) \(not a boolean"):
+        _encoder().encode({"age": [1, 2], "item": [others[0], poison]}, [1.0, 0.0], "support")
 
 
 @pytest.mark.parametrize("poison", [10**30, -(10**30), float("inf"), float("-inf"), float("nan"), "9" * 5000])
