@@ -450,7 +450,8 @@ class MetaEngine:
 
     def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> tuple[dict, tuple]:
         """``baseline_popularity_*`` scores and its prediction rows (`paired`)."""
-        from gmeta_ds.evaluation.baselines import POPULARITY_METRICS, fit_popularity, popularity_predict, popularity_scores_of
+        from gmeta_ds.evaluation.baselines import (POPULARITY_METRICS, fit_popularity, oov_id, popularity_predict,
+                                                   popularity_scores_of)
         from gmeta_ds.data.popularity import item_column
 
         kind = self.learner.algorithm.kind
@@ -462,7 +463,7 @@ class MetaEngine:
         except ValueError as err:
             raise ConfigError([f"baselines: 'popularity': {err}"], "MetaEngine.evaluate") from None
         raw = single_fields(train.fields)[column].raw
-        popularity = fit_popularity(train, column, kind, oov_id=None if raw else 0, raw=raw)
+        popularity = fit_popularity(train, column, kind, oov_id=oov_id(False, raw), raw=raw)
         rows = popularity_predict(popularity, tasks)
         return popularity_scores_of(rows, kind), (rows, "pred")
 

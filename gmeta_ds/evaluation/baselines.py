@@ -80,6 +80,13 @@ def _sigmoid(x):
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
+def oov_id(synthetic: bool, raw: bool = False) -> int | None:
+    """The item id standing for out-of-vocabulary items, one rule for the CLI, the API and
+    serving: 0 for a log source's vocabulary-mapped ids; None for synthetic data (dense ids,
+    item 0 is a real item) and for raw ids (``data.raw_ids``: dynamic tables have no OOV id)."""
+    return None if synthetic or raw else 0
+
+
 def fit_popularity(train: TaskSet, column: int, kind: str, oov_id: int | None = 0,
                    prior: float = 10.0, offset_prior: float = 1.0, raw: bool = False) -> Popularity:
     """Item scores from every interaction of ``train`` (support and query rows).

@@ -24,6 +24,7 @@ from gmeta_ds.serving.export import serving_section
 def export_run(cfg: RunConfig, source: Path, out: Path) -> Path:
     """Write the export of ``cfg``'s run with the weights of ``source`` to the folder ``out``."""
     from gmeta_ds.engine.ds_engine import load_weights
+    from gmeta_ds.evaluation.baselines import oov_id
     from gmeta_ds.workloads.ctr import build_data, build_learner, eval_inner_steps, label_kind
 
     data = build_data(cfg)
@@ -37,7 +38,7 @@ def export_run(cfg: RunConfig, source: Path, out: Path) -> Path:
         load_weights(learner, source)
     net = learner.net
     recipe = {"model": dataclasses.asdict(cfg.model), "embedding": dataclasses.asdict(cfg.embedding),
-              "kind": label_kind(cfg), "oov_id": None if cfg.data.source == "synthetic" else 0}
+              "kind": label_kind(cfg), "oov_id": oov_id(cfg.data.source == "synthetic")}
     tables = list(net.embedding.tables.values()) if isinstance(getattr(net, "embedding", None),
                                                                 EmbeddingCollection) else []
     section = serving_section(cfg.model.name, eval_inner_steps(cfg), recipe)

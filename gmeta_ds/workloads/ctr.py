@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import probe_model
 from gmeta_ds.evaluation.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
-                                item_column, popularity_predict, popularity_scores_of)
+                                           item_column, oov_id, popularity_predict, popularity_scores_of)
 from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
@@ -301,7 +301,7 @@ def build_learner(cfg: RunConfig, fields, with_tables: bool = True, train=None) 
     ``model.item_popularity``'s counts are fitted on (the same on every rank)."""
     torch.manual_seed(cfg.seed)
     net = build_model(cfg.model, fields, cfg.embedding, cfg.seed, with_tables, kind=label_kind(cfg),
-                      oov_id=None if cfg.data.source == "synthetic" else 0)
+                      oov_id=oov_id(cfg.data.source == "synthetic"))
     if train is not None:
         fit_popularity_offset(net, train)
     # meta.vectorize: auto -- activations of one task's padded rows (its longest) through the model.
@@ -459,9 +459,9 @@ def baseline_models(cfg: RunConfig, data, kind: str) -> tuple[list[Baseline], di
         # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
         # raw ids (dynamic tables) have no OOV id.
         column = item_column(data.fields)
-        popularity = fit_popularity(data.train, column, kind,
-                                    oov_id=None if cfg.data.source == "synthetic" else 0,
-                                    raw=single_fields(data.fields)[column].raw)
+        raw = single_fields(data.fields)[column].raw
+        popularity = fit_popularity(data.train, column, kind, oov_id=oov_id(cfg.data.source == "synthetic", raw),
+                                    raw=raw)
         models.append(Baseline(
             lambda tasks: {"baseline_popularity": (popularity_predict(popularity, tasks), "pred")},
             lambda named, kind: popularity_scores_of(named["baseline_popularity"][0], kind)))

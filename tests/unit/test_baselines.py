@@ -219,3 +219,20 @@ def test_finetune_search_tunes_for_the_per_user_auc_not_the_global_one(monkeypat
     score = baselines.score
     assert score({"labels": labels, "adapted": level, "plain": level, "task": task}, "binary", warn=False)["auc"] > \
         score({"labels": labels, "adapted": order, "plain": level, "task": task}, "binary", warn=False)["auc"]
+
+
+def test_one_oov_rule_for_cli_api_and_serving():
+    # Log sources map unseen items to id 0; synthetic ids are dense (item 0 is real); raw ids
+    # (dynamic tables) have no OOV id.
+    assert baselines.oov_id(synthetic=False) == 0
+    assert baselines.oov_id(synthetic=True) is None
+    assert baselines.oov_id(synthetic=False, raw=True) is None
+    # No module writes the rule again beside baselines.oov_id (`oov_id=None if ...` or
+    # `"oov_id": None if ...`), so the CLI, the API and an export cannot drift apart.
+    import re
+    from pathlib import Path
+
+    package = Path(baselines.__file__).parents[1]
+    inline = [str(p.relative_to(package)) for p in package.rglob("*.py")
+              if re.search(r"oov_id\"?\s*[:=]\s*None if", p.read_text())]
+    assert inline == []
