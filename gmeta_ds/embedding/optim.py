@@ -65,12 +65,13 @@ def plain_update(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 @torch.no_grad()
-def sgd_rows(optimizer: torch.optim.SGD, param: nn.Parameter, scale: float = 1.0) -> None:
-    """SGD on ``param``'s sparse gradient (times ``scale``): one ``index_add`` of its entries,
+def sgd_rows(optimizer: torch.optim.SGD, param: nn.Parameter, world: int = 1) -> None:
+    """SGD on ``param``'s sparse gradient divided by ``world`` (the world size, when the
+    gradient arrived summed over ranks): one ``index_add`` of its entries,
     uncoalesced (adding a row's entries one by one is the same update, with no sort); the
     gradient is scaled first, as ``index_add_``'s ``alpha`` path is several times slower on CPU."""
     grad, lr = param.grad, optimizer.param_groups[0]["lr"]
-    param.index_add_(0, grad._indices()[0], grad._values() * (-lr * scale))
+    param.index_add_(0, grad._indices()[0], grad._values() * (-lr * (1 / world)))
 
 
 def summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +108,21 @@ def adagrad_rows(optimizer: torch.optim.Adagrad, param: nn.Parameter, world: int
     total = state["sum"].index_select(0, rows).add_(values * values)
     state["sum"].index_copy_(0, rows, total)
     param.index_add_(0, rows, values.div(total.sqrt_().add_(group["eps"])).mul_(-group["lr"]))
+
+
+# The row updates by index ops, by the name `fast_update` / `plain_update` give: each takes
+# (optimizer, param, world) and divides a gradient summed over ``world`` ranks itself.
+ROW_UPDATES = {"sgd": sgd_rows, "adagrad": adagrad_rows}
+
+
+def apply_update(optimizer: torch.optim.Optimizer, param: nn.Parameter, how: str | None,
+                 world: int = 1) -> None:
+    """One sparse step of ``param``: the row update ``how`` (a `ROW_UPDATES` name) on its
+    gradient summed over ``world`` ranks, else ``optimizer.step()`` when it has a gradient."""
+    if how is not None:
+        ROW_UPDATES[how](optimizer, param, world)
+    elif param.grad is not None:
+        optimizer.step()
 
 
 def build_sparse_optimizer(name: str, param: nn.Parameter, lr: float) -> torch.optim.Optimizer:

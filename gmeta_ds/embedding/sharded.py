@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gmeta_ds.embedding.optim import adagrad_rows, build_sparse_optimizer, fast_update, sgd_rows
+from gmeta_ds.embedding.optim import apply_update, build_sparse_optimizer, fast_update
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.sharding.base import Request, ShardContext, Sharding, strategy_name
 from gmeta_ds.embedding.sharding.exchange import RowExchange
@@ -286,7 +286,8 @@ class ShardedEmbeddingCollection:
         one by one is the same update, without coalescing (a sort of every entry). Plain
         Adagrad takes `adagrad_rows`, torch's arithmetic by index ops (`optim.fast_update`),
         on the summed gradient (`optim.summed_rows`: linear time on small tables) divided by W.
-        Which tables take these on the summed gradient is their strategy's `Sharding.direct_update`."""
+        Which tables take these on the summed gradient is their strategy's `Sharding.direct_update`;
+        `optim.apply_update` dispatches through `optim.ROW_UPDATES`."""
         direct = {name: how for name, strategy in self.strategy.items() if (how := strategy.direct_update(name))}
         self.finish_gradients(leave=frozenset(direct))
         for name, p in self.shards.items():
@@ -294,13 +295,7 @@ class ShardedEmbeddingCollection:
                 self.before_update(name, p)
             optimizer = self.optimizers[name]
             how = direct.get(name) or fast_update(optimizer, p)  # (averaged gradients now)
-            world = self.world if name in direct else 1
-            if how == "sgd":
-                sgd_rows(optimizer, p, 1 / world)
-            elif how == "adagrad":
-                adagrad_rows(optimizer, p, world)
-            elif p.grad is not None:
-                optimizer.step()
+            apply_update(optimizer, p, how, self.world if name in direct else 1)
             p.grad = None
 
     # ------------------------------------------------------------------ reporting

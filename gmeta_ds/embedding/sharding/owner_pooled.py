@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.comm import Link, all_to_all
-from gmeta_ds.embedding.optim import plain_update
+from gmeta_ds.embedding.optim import ROW_UPDATES, plain_update
 from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.sharding.base import ShardContext
 from gmeta_ds.embedding.sharding.row_wise import RowWise
@@ -343,7 +343,7 @@ def _pool(ctx: ShardContext, layout: GroupLayout, ids: Tensor, codes: Tensor, le
     gather of each table's distinct rows (their gradient reaches the shard with one entry per
     distinct row, `tables.distinct_rows`), one fused sum per pair (`_BagSum`)."""
     n_tables = len(layout.names)
-    if all(plain_update(ctx.optimizers[name]) in ("sgd", "adagrad") for name in layout.names):
+    if all(plain_update(ctx.optimizers[name]) in ROW_UPDATES for name in layout.names):
         return _pool_per_table(ctx, layout, ids, codes, lengths)
     table = torch.repeat_interleave(codes % n_tables, lengths, output_size=len(ids)) if n_tables > 1 else None
     keys = ids + layout.base.index_select(0, table) if n_tables > 1 else ids

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gmeta_ds.embedding.optim import fast_update
+from gmeta_ds.embedding.optim import ROW_UPDATES, fast_update
 from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.sharding.base import Request, Sharding
 
@@ -39,7 +39,7 @@ class RowWise(Sharding):
 
     def direct_update(self, name: str) -> str | None:
         how = fast_update(self.ctx.optimizers[name], self.ctx.shards[name])
-        return how if how in ("sgd", "adagrad") else None
+        return how if how in ROW_UPDATES else None
 
     def checksum(self, name: str) -> tuple[float, ...]:
         """Every row lives on one rank: the shard's sum."""

@@ -114,7 +114,7 @@ def test_fast_updates_match_torchs_sgd_and_apply_only_to_plain_optimizers():
     a.grad, b.grad = grad.clone(), grad.clone()
     assert fast_update(ours, b) == "sgd"
     torch_sgd.step()
-    sgd_rows(ours, b, scale=1.0)
+    sgd_rows(ours, b, world=1)
     torch.testing.assert_close(a, b)
     b.grad = None
     assert fast_update(ours, b) is None  # no gradient
@@ -125,3 +125,22 @@ def test_fast_updates_match_torchs_sgd_and_apply_only_to_plain_optimizers():
                   torch.optim.SparseAdam([b])):
         assert fast_update(other, b) is None
     assert fast_update(torch.optim.Adagrad([b]), b) == "adagrad"
+
+
+def test_apply_update_dispatches_by_name_and_divides_a_summed_gradient_by_the_world():
+    """The step's row updates come from `optim.ROW_UPDATES` by name (no string branches in the
+    collection): each equals torch's step on the gradient averaged over ``world`` ranks; no
+    name means the optimizer's own step."""
+    from gmeta_ds.embedding.optim import ROW_UPDATES, apply_update
+
+    assert sorted(ROW_UPDATES) == ["adagrad", "sgd"]
+    grad = torch.sparse_coo_tensor(torch.tensor([[1, 4, 1]]), torch.randn(3, 2), (6, 2))
+    for make, how in ((torch.optim.SGD, "sgd"), (torch.optim.Adagrad, "adagrad"), (torch.optim.SGD, None)):
+        a = nn.Parameter(torch.randn(6, 2))
+        b = nn.Parameter(a.detach().clone())
+        reference, ours = make([a], lr=0.1), make([b], lr=0.1)
+        world = 1 if how is None else 4
+        a.grad, b.grad = (grad / world).coalesce(), grad.clone()
+        reference.step()
+        apply_update(ours, b, how, world)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
