@@ -32,7 +32,8 @@ import numpy as np
 import torch.distributed as dist
 from torch import nn
 
-from gmeta_ds.config.arguments import check, finite, int_at_least, is_int, one_of
+from gmeta_ds.config.arguments import check, finite, int_at_least, is_int
+from gmeta_ds.config.checks import one_of
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import (
     AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)

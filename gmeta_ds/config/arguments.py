@@ -28,12 +28,6 @@ def finite(problems: list[str], name: str, value, low: float = 0.0, strict: bool
         problems.append(f"{name}: {value!r} is not a finite number {'>' if strict else '>='} {low:g}")
 
 
-def one_of(problems: list[str], name: str, value, allowed) -> None:
-    allowed = list(allowed)
-    if not isinstance(value, str) or value not in allowed:
-        problems.append(f"{name}: {value!r} is not one of {', '.join(map(str, allowed))}")
-
-
 def check(problems: list[str], where: str) -> None:
     if problems:
         raise ConfigError(problems, where)

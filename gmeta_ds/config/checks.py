@@ -1,7 +1,7 @@
 """Shared value checks and choice lists of the config sections (layer 0: no torch)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 # embedding.sharding: tables inside the DeepSpeed module (dense) or gmeta_ds's own, outside it
 # (sharded). Not registry.SHARDINGS, the strategies of the sharded mode.
@@ -17,8 +17,9 @@ SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
 
-def one_of(problems: list[str], key: str, value: Any, allowed: tuple) -> None:
-    """Report ``key`` unless ``value`` is among ``allowed``."""
+def one_of(problems: list[str], key: str, value: Any, allowed: Iterable) -> None:
+    """Report ``key`` unless ``value`` is among ``allowed`` (a config's or an API argument's choice)."""
+    allowed = tuple(allowed)
     if value not in allowed:
         problems.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
 

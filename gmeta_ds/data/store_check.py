@@ -80,7 +80,7 @@ def content_fingerprint(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- the manifest
-def read_manifest(store: Path, version: int) -> tuple[dict, list[FieldSpec]]:
+def read_store_manifest(store: Path, version: int) -> tuple[dict, list[FieldSpec]]:
     """``manifest.json`` of ``store``, its format, version, fields and splits checked."""
     where = store / "manifest.json"
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from gmeta_ds.data.readers import DataError
-from gmeta_ds.data.store_check import read_manifest, verify_split, verify_vocab
+from gmeta_ds.data.store_check import read_store_manifest, verify_split, verify_vocab
 from gmeta_ds.data.store_files import STORE_VERSION
 from gmeta_ds.data.tasks import TaskData, TaskSet
 
@@ -111,7 +111,7 @@ def open_store(store: Path):
     """The `TaskData` of a finished store, its per-row arrays read on demand (`StoreArray`),
     once `store_check` has verified the manifest and every file (names, dtypes, shapes,
     checksums, values)."""
-    manifest, fields = read_manifest(store, STORE_VERSION)
+    manifest, fields = read_store_manifest(store, STORE_VERSION)
     parts = {}
     for name, entries in manifest["splits"].items():  # per-task arrays in memory, per-row ones read on demand
         a = verify_split(store, name, entries, fields, manifest["label"])

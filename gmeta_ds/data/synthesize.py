@@ -188,7 +188,7 @@ def _thresholds(items: _Items, seed: int) -> np.ndarray:
     return np.quantile(score, RATING_CDF).astype(np.float32)
 
 
-def _table(cols: dict, first_user: int, lo: int, hi: int, items: _Items) -> pa.Table:
+def _shard_table(cols: dict, first_user: int, lo: int, hi: int, items: _Items) -> pa.Table:
     def dic(codes, names):
         return pa.DictionaryArray.from_arrays(pa.array(codes[lo:hi]), names)
     ages, genders = pa.array(AGES, pa.string()), pa.array(GENDERS, pa.string())
@@ -235,7 +235,7 @@ def synthesize_log(out: str | Path, interactions: int, shards: int = 1, seed: in
         (tmp / SCHEMA_FILE).write_text(schema_yaml(out))
         files = sorted(tmp.glob("part-*.parquet"))
         size = sum(f.stat().st_size for f in files)
-        _move_into_place(tmp, out, parent)
+        _replace_folder(tmp, out, parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -306,13 +306,13 @@ def _write_shards(tmp: Path, lens: np.ndarray, cum: np.ndarray, bounds: np.ndarr
                 open_shard = shard
             end = min(b1, int(bounds[shard + 1]))
             lo, hi = int(cum[u] - cum[b0]), int(cum[end] - cum[b0])
-            writer.write_table(_table(cols, b0, lo, hi, item_tables), row_group_size=hi - lo)
+            writer.write_table(_shard_table(cols, b0, lo, hi, item_tables), row_group_size=hi - lo)
             u = end
         del cols
     writer.close()
 
 
-def _move_into_place(tmp: Path, out: Path, parent: Path) -> None:
+def _replace_folder(tmp: Path, out: Path, parent: Path) -> None:
     """Rename the finished ``tmp`` folder to ``out``, replacing an old ``out`` (moved aside
     first, then removed) or an empty one."""
     if out.exists():

@@ -66,7 +66,7 @@ def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
 
 
-def _categorical(rng: np.random.Generator, latent: np.ndarray, proj: np.ndarray,
+def _draw_categorical(rng: np.random.Generator, latent: np.ndarray, proj: np.ndarray,
                  signal: float) -> np.ndarray:
     """Gumbel-max draw: int32 (n,) values in [0, proj.shape[1]) for latent (n, k)."""
     scores = (signal / np.sqrt(latent.shape[1])) * (latent @ proj)
@@ -92,7 +92,7 @@ def _make_shared(cfg: SyntheticConfig, seed: int) -> _Shared:
     for start in range(0, n_items, _ITEM_BLOCK):
         block = slice(start, start + _ITEM_BLOCK)
         for col, proj in enumerate(item_proj, start=1):
-            item_ids[block, col] = _categorical(rng, latent[block], proj, cfg.feature_signal)
+            item_ids[block, col] = _draw_categorical(rng, latent[block], proj, cfg.feature_signal)
     weights = np.arange(1, n_items + 1, dtype=np.float64) ** -cfg.zipf_exponent
     cdf = np.cumsum(weights)
     user_proj = [rng.standard_normal((k, card)) for _, card in USER_FIELDS]
@@ -112,7 +112,7 @@ def _chunk(cfg: SyntheticConfig, sh: _Shared, rng: np.random.Generator,
     k, m = cfg.latent_dim, len(lens)
     z = rng.standard_normal((m, k))
     user_bias = rng.normal(0.0, cfg.user_bias_std, m)
-    user_ids = np.stack([_categorical(rng, z, p, cfg.feature_signal) for p in sh.user_proj], 1)
+    user_ids = np.stack([_draw_categorical(rng, z, p, cfg.feature_signal) for p in sh.user_proj], 1)
     owner = np.repeat(np.arange(m), lens)
     # Items are i.i.d. draws, so each task's rows are already in random order.
     rank = np.searchsorted(sh.rank_cdf, rng.random(len(owner)), side="right")

@@ -116,7 +116,7 @@ def _profile_summary(cfg: RunConfig, profiler: PhaseProfiler, rank: int, plan: B
               f"{table(report)}", flush=True)
 
 
-def start_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: int,
+def start_run_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: int,
                  ckpt_meta: dict) -> tuple[MetaEngine, dict | None]:
     """`meta_engine.start_engine` for this run (``train.resume``, ``output_dir``, the seed and
     ``train.nonfinite``): (the engine, the resumed checkpoint's state or None)."""
@@ -150,7 +150,7 @@ def completed_run(cfg: RunConfig) -> str | None:
 
 
 def resumed_from(resume: dict | None) -> dict | None:
-    """The summary's ``resumed_from``: where `start_engine` resumed from, or None."""
+    """The summary's ``resumed_from``: where `start_run_engine` resumed from, or None."""
     if resume is None:
         return None
     return {"checkpoint": str(resume["checkpoint"]), "step": resume["step"],
@@ -176,7 +176,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     out_dir.mkdir(parents=True, exist_ok=True)
     built = workload.build(cfg, rank, plan.world_size, prepared)
     ckpt_meta = checkpoint_meta(built.learner, built.sharded, built.field_names, cfg.meta.algorithm)
-    meta, resume = start_engine(cfg, built, ds_config, plan, rank, ckpt_meta)
+    meta, resume = start_run_engine(cfg, built, ds_config, plan, rank, ckpt_meta)
     if replaced:  # every check passed: only now is anything of the earlier run removed
         if plan.world_size > 1:  # every rank has loaded what it resumes (it may lie in output_dir)
             with run_phase(cfg, "engine start"):

@@ -46,7 +46,7 @@ def generate_texts(cfg: TextSyntheticConfig, seed: int) -> tuple[list[str], list
     return texts, labels
 
 
-def read_table(cfg: TextDataConfig) -> tuple[list[str], list[str]]:
+def read_text_table(cfg: TextDataConfig) -> tuple[list[str], list[str]]:
     """(texts, labels as strings) of the table at ``cfg.path``; errors name the file and column."""
     import datasets
 
@@ -167,7 +167,7 @@ class TextTasks:
 
 def load_texts(cfg: TextDataConfig, seed: int) -> tuple[list[str], list[str]]:
     """The table's (texts, labels), or generated ones without ``text.data.path``."""
-    return read_table(cfg) if cfg.path else generate_texts(cfg.synthetic, seed)
+    return read_text_table(cfg) if cfg.path else generate_texts(cfg.synthetic, seed)
 
 
 def build_tasks(texts: list[str], labels: list[str], tokenizer, cfg: TextDataConfig, seed: int) -> TextTasks:

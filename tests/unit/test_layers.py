@@ -4,6 +4,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[2] / "gmeta_ds"
 LAYERS = {
     "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.evaluation": 0, "gmeta_ds.run": 0, "gmeta_ds.config.arguments": 0, "gmeta_ds.config.deepspeed": 0, "gmeta_ds.run.launchers": 0,
@@ -71,9 +73,11 @@ def test_layer_zero_does_not_import_torch():
             assert not any(i == "torch" or i.startswith("torch.") for i in imports(path)), name
 
 
-def _module_graph() -> dict[str, set[str]]:
+def _module_graph(strings: bool = False) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (at any depth of its code, functions too):
-    ``from gmeta_ds.x import y`` counts as importing ``gmeta_ds.x.y`` when that is a module."""
+    ``from gmeta_ds.x import y`` counts as importing ``gmeta_ds.x.y`` when that is a module; with
+    ``strings``, a registry's ``"gmeta_ds.x.y:attr"`` string (imported when the name is looked
+    up) counts as importing ``gmeta_ds.x.y``."""
     names = dict(modules())
     graph = {}
     for name, path in names.items():
@@ -90,6 +94,8 @@ def _module_graph() -> dict[str, set[str]]:
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
                     found.add(sub if sub in names else base)
+            elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+                found.add(node.value.split(":", 1)[0])
         graph[name] = {m for m in found if m in names and m != name}
     return graph
 
@@ -133,6 +139,15 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+@pytest.mark.xfail(strict=True, reason="registry.py (a low layer) names every strategy, model and "
+                   "workload by 'module:attr' strings, so trainer -> registry -> workloads.ctr -> trainer "
+                   "and the like close circles; strict: passing means they are gone, drop this mark")
+def test_no_import_cycles_through_registered_strings():
+    """The cycle test, with the registries' "module:attr" strings counted as imports."""
+    cycles = import_cycles(_module_graph(strings=True))
+    assert not cycles, "import cycles through registries:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
@@ -171,3 +186,27 @@ def test_no_function_over_60_lines_and_no_module_over_600():
                 if length > MAX_FUNCTION_LINES:
                     long_functions.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
     assert not long_functions and not long_modules, "\n".join(long_functions + long_modules)
+
+
+# Function names defined at the top level of more than one module of gmeta_ds (methods are
+# not counted: a protocol's verbs are meant to repeat). Each remaining twin, why it stays:
+# build_learner / build / evaluate / build_tasks: the workload interface's verbs (workloads/ctr.py,
+# text.py) and the API's entry points; initialize: api.initialize vs ds_engine.initialize (one per
+# layer); load: checkpoint vs serving; _refuse / _signed / _ordered / _metrics: private helpers.
+TWIN_BUDGET = 10
+
+
+def twin_names() -> dict[str, list[str]]:
+    """Top-level function name -> the modules defining it, for names defined in two or more."""
+    where: dict[str, list[str]] = {}
+    for name, path in modules():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                where.setdefault(node.name, []).append(name)
+    return {k: v for k, v in where.items() if len(v) > 1}
+
+
+def test_few_function_names_are_defined_twice():
+    twins = twin_names()
+    assert len(twins) <= TWIN_BUDGET, (f"{len(twins)} function names defined in more than one module "
+                                       f"(budget {TWIN_BUDGET}): {twins}")

@@ -52,19 +52,19 @@ def train(config: str, *args: str) -> int:
 
 def train_apart(config: str, *args: str, spy: bool = False) -> subprocess.CompletedProcess:
     """``gmeta-ds train`` in a subprocess; with ``spy``, it prints which of the earlier run's
-    outputs the folder holds right after `trainer.start_engine` (every check has passed)."""
+    outputs the folder holds right after `trainer.start_run_engine` (every check has passed)."""
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
         from gmeta_ds import cli
         from gmeta_ds.run import trainer
-        start_engine = trainer.start_engine
+        start_engine = trainer.start_run_engine
         def spy(cfg, *args, **kwargs):
             result = start_engine(cfg, *args, **kwargs)
             print("SPY", sorted(p.name for p in Path(cfg.output_dir).iterdir()), flush=True)
             return result
         if {spy!r}:
-            trainer.start_engine = spy
+            trainer.start_run_engine = spy
         sys.exit(cli.main(sys.argv[1:]))""")
     argv = ["train", "--config", config, *[a for o in args for a in (("--set", o) if "=" in o else (o,))]]
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,

@@ -139,7 +139,7 @@ def test_refuses_non_empty_and_overwrites_atomically(tmp_path):
 def test_failure_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
-    monkeypatch.setattr(syn, "_table", boom)
+    monkeypatch.setattr(syn, "_shard_table", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
         synthesize_log(tmp_path / "log", 1000)
     assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ import torch
 
 from gmeta_ds.config import TextDataConfig, TextSyntheticConfig
 from gmeta_ds.errors import DataError
-from gmeta_ds.text.data import build_tasks, generate_texts, read_table
+from gmeta_ds.text.data import build_tasks, generate_texts, read_text_table
 from gmeta_ds.text.model import train_tokenizer
 
 ROWS = [{"text": f"sample {i} about {c}", "label": c} for c in ("sports", "music", "food") for i in range(4)]
@@ -31,23 +31,23 @@ def write(tmp_path, fmt: str):
 
 @pytest.mark.parametrize("fmt", ["csv", "jsonl", "parquet"])
 def test_tables_of_each_format_read_the_same(tmp_path, fmt):
-    texts, labels = read_table(TextDataConfig(path=str(write(tmp_path, fmt))))
+    texts, labels = read_text_table(TextDataConfig(path=str(write(tmp_path, fmt))))
     assert texts == [r["text"] for r in ROWS] and labels == [r["label"] for r in ROWS]
 
 
 def test_table_errors_name_the_file_and_what_is_expected(tmp_path):
     with pytest.raises(DataError, match="text.data.path: .*missing.csv is not a file"):
-        read_table(TextDataConfig(path=str(tmp_path / "missing.csv")))
+        read_text_table(TextDataConfig(path=str(tmp_path / "missing.csv")))
     odd = tmp_path / "data.xyz"
     odd.write_text("x")
     with pytest.raises(DataError, match=r"cannot tell the format from the extension '.xyz'"):
-        read_table(TextDataConfig(path=str(odd)))
+        read_text_table(TextDataConfig(path=str(odd)))
     path = write(tmp_path, "csv")
     with pytest.raises(DataError, match=r"no column 'sentence' \(columns: text, label\)"):
-        read_table(TextDataConfig(path=str(path), text_column="sentence"))
+        read_text_table(TextDataConfig(path=str(path), text_column="sentence"))
     path.write_text("text,label\nhello,a\n,b\n")
     with pytest.raises(DataError, match=r"row 1 has no text in 'text'"):
-        read_table(TextDataConfig(path=str(path)))
+        read_text_table(TextDataConfig(path=str(path)))
 
 
 def test_generated_texts_hold_the_pair_of_their_class():
