@@ -11,7 +11,7 @@ EXTRAS ?= dev
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
-.PHONY: install demo test test-fast test-ci test-slow test-all test-docs bench wheel-check clean
+.PHONY: install demo test test-fast test-ci test-slow test-all test-docs docs bench wheel-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -54,6 +54,12 @@ test-docs: install
 test-slow: export PATH := $(abspath $(VENV))/bin:$(PATH)
 test-slow: install
 	$(PY) -m pytest -q -m "slow and not gpu" $(call junit,test-slow)
+
+# The documentation site (mkdocs.yml) into site/ (ignored): the docs extra into the venv, then a
+# strict build, where a broken link, anchor or API reference fails.
+docs: install
+	$(PY) -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site/
 
 test-all: install
 	$(PY) -m pytest -q

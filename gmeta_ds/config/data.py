@@ -31,31 +31,33 @@ SUPPORT_SIZES = ("full", "random")  # data.resample_support
 class SyntheticConfig:
     """Synthetic cold-start CTR data: users (tasks) and items with latent preferences."""
 
-    num_users: int = 2000
-    num_items: int = 500
-    latent_dim: int = 8
-    min_interactions: int = 13
-    max_interactions: int = 100
-    query_size: int = 10
-    zipf_exponent: float = 1.1
-    test_fraction: float = 0.2
+    num_users: int = 2000                  # users (tasks) generated
+    num_items: int = 500                   # items generated
+    latent_dim: int = 8                    # size of the latent user / item vectors behind the clicks
+    min_interactions: int = 13             # fewest interactions of a user
+    max_interactions: int = 100            # most interactions of a user
+    query_size: int = 10                   # query rows per task (the rest is its support)
+    zipf_exponent: float = 1.1             # item popularity follows Zipf with this exponent
+    test_fraction: float = 0.2             # share of users held out (user cold-start evaluation)
     # How strongly categorical features reveal the latent vectors (0 = pure noise).
     feature_signal: float = 2.0
     # Std of the per-user click propensity that no feature reveals (learned from support).
     user_bias_std: float = 1.0
-    preference_scale: float = 2.0
-    base_logit: float = -0.5
+    preference_scale: float = 2.0          # weight of the latent preference in the click logit
+    base_logit: float = -0.5               # click logit of an average user-item pair
 
 
 @dataclass
 class SchemaConfig:
     """Column roles of a generic CSV/Parquet log (``data.source: table``)."""
 
-    task_key: str = "user_id"
-    item_key: str = "item_id"
-    label: str = "rating"
-    timestamp: Union[str, None] = None
+    task_key: str = "user_id"              # the column that names the task (user)
+    item_key: str = "item_id"              # the column that names the item
+    label: str = "rating"                  # the label column (clicked or rated)
+    timestamp: Union[str, None] = None     # the time column (data.split: time); null = none
+    # Categorical user columns, one field each.
     user_features: list[str] = field(default_factory=list)
+    # Categorical item columns, one field each.
     item_features: list[str] = field(default_factory=list)
     # multi-hot column -> separator inside a cell, e.g. {genres: "|"}
     multi_hot: dict[str, str] = field(default_factory=dict)
@@ -66,18 +68,18 @@ class DataConfig:
     """Where tasks come from: ``synthetic`` (generated), or an interaction log on disk
     (``movielens-100k``, ``movielens-1m``, ``recbole``, ``table``) at ``path``."""
 
-    source: str = "synthetic"
+    source: str = "synthetic"              # synthetic | movielens-100k | movielens-1m | recbole | table
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     bucket_by_length: bool = True             # sort each meta-batch by task length: less padding
     prefetch: bool = True                     # collate the next meta-step in a background thread
-    path: Union[str, None] = None
+    path: Union[str, None] = None          # logs: the folder or file to read (null with source: synthetic)
     dataset_name: Union[str, None] = None     # recbole: <name>.inter, .user, .item
     format: str = "auto"                      # table: auto | csv | parquet
     sep: str = ","                            # table: CSV separator
     schema: SchemaConfig = field(default_factory=SchemaConfig)
     label: str = "binary"                     # binary: click = rating >= threshold; regression: the rating
-    threshold: float = 4.0
-    query_size: int = 10
+    threshold: float = 4.0                 # label binary: click = rating >= threshold
+    query_size: int = 10                   # query rows per task (the rest is its support)
     split: str = "random"                     # support/query: random (seeded) or time (query = latest)
     # Episode resampling: each time meta-training draws a task, its support and query are
     # redrawn at random from all its rows (same sizes), keyed by (seed, meta-step); held-out
@@ -88,7 +90,7 @@ class DataConfig:
     # meta-training also sees the 1-20 row supports a new user brings (the query is unchanged).
     resample_support: str = "full"  # one of SUPPORT_SIZES
     min_interactions: int = 13                # tasks outside [min, max] are dropped and counted
-    max_interactions: int = 100
+    max_interactions: int = 100            # task-length filter: users with more rows (see data.long_tasks)
     short_tasks: str = "skip"                 # tasks below min_interactions: skip (counted) or error
     # Tasks above max_interactions: skip (counted), or train (the warm users' logs): kept for
     # meta-training only, never held out, each cut into ceil(n / max_interactions) tasks (rows
@@ -105,8 +107,9 @@ class DataConfig:
     # existing users x existing items; evaluation reports warm, user_cold, item_cold and
     # user_item_cold (eval.auc is user_cold's).
     four_state: bool = False
+    # Data.four_state: items released from this year on are new (item-cold).
     new_item_year: int = 1998
-    cache_dir: str = "~/.cache/gmeta_ds"
+    cache_dir: str = "~/.cache/gmeta_ds"   # where task stores are kept (follows $XDG_CACHE_HOME)
     # Memory the out-of-core task build may use (DuckDB's limit; it spills to disk beyond it).
     memory_limit: str = "1GB"
 

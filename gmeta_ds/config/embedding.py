@@ -14,16 +14,16 @@ from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 class TableOverride:
     """Per-table settings under ``embedding.tables.<name>`` (unset = the section's default)."""
 
-    plan: str = "auto"
-    optimizer: Union[str, None] = None
-    lr: Union[float, None] = None
+    plan: str = "auto"                     # auto | row_wise | table_wise | replicated; auto: embedding.plan
+    optimizer: Union[str, None] = None     # unset: embedding.optimizer
+    lr: Union[float, None] = None          # unset: embedding.lr
     # static: a vocabulary of ids 0..V-1 from the task build; dynamic: any int64 id (the
     # field's raw values, strings hashed), `capacity` rows per rank, an id's own row after
     # `admit_after` lookups (rarer ids share a default row), `eviction` lru | lfu when full.
     kind: str = "static"
-    capacity: Union[int, None] = None
-    admit_after: int = 1
-    eviction: str = "lru"
+    capacity: Union[int, None] = None      # dynamic: rows per rank (required for kind: dynamic)
+    admit_after: int = 1                   # dynamic: lookups before an id gets its own row
+    eviction: str = "lru"                  # dynamic: lru | lfu, which row a full table gives up
     device: Union[str, None] = None           # auto | accelerator | host; unset: embedding.device
     exchange: Union[str, None] = None         # auto | rows | pooled; unset: embedding.exchange
 
@@ -37,16 +37,21 @@ class EmbeddingConfig:
     up by all-to-all, trained by sparse optimizers on owned rows.
     """
 
+    # Dense: tables inside DeepSpeed (old spelling: replicated) | sharded: ours.
     sharding: str = "dense"
     # Sharded mode: plan kind for tables without an override; "auto" replicates tables with
     # fewer than replicate_below_rows rows and shards the rest row-wise.
     plan: str = "auto"
+    # Row-wise plans: the owner of id i is i % world (modulo) or a block of ids.
     row_owner: str = "modulo"
-    replicate_below_rows: int = 1024
+    replicate_below_rows: int = 1024       # plan auto: tables with fewer rows are replicated, others sharded
+    # Sparse optimizer of owned rows: sgd | adagrad | rowwise_adagrad | adam (lazy).
     optimizer: str = "adagrad"
-    lr: float = 0.05
-    init_std: float = 0.05
+    lr: float = 0.05                       # learning rate of the sparse optimizer
+    init_std: float = 0.05                 # rows start from N(0, init_std^2)
+    # An out-of-range id: error (naming feature, table, value) or hash (modulo rows).
     bad_ids: str = "error"
+    # Look up each distinct id once per meta-step (the fused support+query lookup).
     dedup: bool = True
     # Where sharded tables live: accelerator (the rank's GPU; exchanges over the default group,
     # NCCL there), host (host memory, its own gloo group, rows moved to the device after the
@@ -65,6 +70,7 @@ class EmbeddingConfig:
     # hierarchical when there are several hosts of several ranks and it is expected to send
     # fewer bytes across hosts; `gmeta-ds validate` prints the estimates).
     exchange_topology: str = "flat"
+    # Per-table overrides of the keys below, by table (field) name.
     tables: dict[str, TableOverride] = field(default_factory=dict)
 
 

@@ -11,14 +11,15 @@ from gmeta_ds.config.checks import AUTO
 class EvalConfig:
     """Cold-start evaluation on held-out users (adapt on support, score query)."""
 
-    enabled: bool = True
+    enabled: bool = True                   # score held-out users after training
     # Inner steps at evaluation; "auto" = meta.inner_steps.
     inner_steps: Union[int, str] = AUTO
-    tasks_per_batch: int = 64
+    tasks_per_batch: int = 64              # held-out tasks adapted together
+    # Also train the non-meta baseline (the same model, supervised on every row).
     baseline: bool = True
-    baseline_epochs: int = 3
-    baseline_batch_size: int = 512
-    baseline_lr: float = 1e-3
+    baseline_epochs: int = 3               # the baseline's epochs over the training users' rows
+    baseline_batch_size: int = 512         # the baseline's rows per batch
+    baseline_lr: float = 1e-3              # the baseline's Adam learning rate
     # Fine-tune the baseline on each test user's support before scoring (its own metric).
     baseline_finetune: bool = True
     # Also fine-tune it with (lr, steps) chosen from a grid on the validation users

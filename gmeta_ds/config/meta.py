@@ -15,8 +15,9 @@ DEFAULT_MICRO_BATCH = 32
 class MetaConfig:
     """The meta-learning algorithm and how tasks are grouped."""
 
-    algorithm: str = "maml"
-    inner_steps: int = 1
+    algorithm: str = "maml"                # maml (second order) | fomaml | reptile | metasgd
+    inner_steps: int = 1                   # inner-loop SGD steps on each task's support loss
+    # Inner-loop learning rate (metasgd: the initial per-parameter rates).
     inner_lr: float = 0.1
     # Glob over adapted names -> multiplier of inner_lr (the first matching glob; others x1),
     # e.g. {"popularity.*": 4.0}: the offset adapts faster than the layers.
@@ -49,7 +50,9 @@ class MetaConfig:
     # Glob patterns over dense parameter names adapted in the inner loop (MeLU: decision layers).
     # Left at this default, the model's own default_adapt is used (two_tower: user_tower.*).
     adapt: list[str] = field(default_factory=lambda: ["mlp.*"])
+    # T: DeepSpeed's train_micro_batch_size_per_gpu, in tasks.
     tasks_per_micro_batch: Union[int, str] = DEFAULT_MICRO_BATCH
+    # B: DeepSpeed's train_batch_size; accumulation = B / (T x world size).
     tasks_per_meta_step: Union[int, str] = 64
     # Run a micro-batch's tasks with vmap (true), a per-task loop (false), or vmap when its
     # estimated activation memory fits vectorize_budget_mb ("auto").

@@ -17,7 +17,7 @@ class ModelConfig:
     keys are the models' hyper-parameters, flat; each model reads only its own."""
 
     name: str = "melu"                        # melu | dcn_v2 | deepfm | wide_deep | dlrm | two_tower
-    embed_dim: int = 16
+    embed_dim: int = 16                    # row width d of every embedding table
     # MeLU's MLP; the deep part of dcn_v2, deepfm, wide_deep; DLRM's top MLP.
     hidden: list[int] = field(default_factory=lambda: [64, 32])
     cross_layers: int = 2                     # dcn_v2: cross layers

@@ -34,7 +34,9 @@ class RunConfig:
     """A whole run: sections ``model``, ``meta``, ``embedding``, ``data``, ``train``, ``eval``,
     ``sites``, ``deepspeed`` (path to a JSON file, relative to the config file or cwd, or an inline dict)."""
 
+    # Where rank 0 writes metrics, summary, checkpoints (relative: to the cwd).
     output_dir: str = "runs/default"
+    # The run seed: data, initialisation and sampling all derive from it.
     seed: int = 0
     task: str = "ctr"                         # ctr (model.name on interaction logs) | text (Hugging Face)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -45,6 +47,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     sites: SitesConfig = field(default_factory=SitesConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    # A DeepSpeed JSON (ds_configs/README.md) or an inline dict; --deepspeed_config overrides.
     deepspeed: Union[str, dict] = "ds_configs/zero0.json"
     # Directory the config file was read from: relative paths resolve against it first.
     config_dir: str = field(default=".", metadata={"internal": True})

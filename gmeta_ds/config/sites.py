@@ -26,8 +26,8 @@ class SitesConfig:
     # momentum), which kept the demo's held-out AUC at synchronous training's over H = 10..200;
     # DiLoCo's outer step (lr 0.7, momentum 0.9, Nesterov) cost it 0.005-0.02 (docs/sites.md).
     outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    nesterov: bool = False
+    outer_momentum: float = 0.0            # momentum of the outer SGD (DiLoCo: 0.9)
+    nesterov: bool = False                 # Nesterov momentum for the outer SGD
     delta_dtype: str = "fp32"                 # what the changes cross sites as: fp32, bf16 or int8 (+ scales)
 
 

@@ -13,11 +13,11 @@ class TextSyntheticConfig:
     a pair of words from a pool of ``topic_words``; its texts hold both among filler words
     that every class shares (see gmeta_ds/text/data.py)."""
 
-    num_classes: int = 60
-    examples_per_class: int = 20
-    topic_words: int = 12
-    filler_words: int = 200
-    words_per_text: int = 8
+    num_classes: int = 60                  # classes generated
+    examples_per_class: int = 20           # texts per class
+    topic_words: int = 12                  # the pool of words that mark classes
+    filler_words: int = 200                # the pool of words every class shares
+    words_per_text: int = 8                # words per text
 
 
 @dataclass
@@ -26,8 +26,8 @@ class TextDataConfig:
 
     path: Union[str, None] = None             # CSV / JSON(L) / Parquet file; null = generated
     format: str = "auto"                      # auto (from the extension) | csv | json | parquet
-    text_column: str = "text"
-    label_column: str = "label"
+    text_column: str = "text"              # the column holding the text
+    label_column: str = "label"            # the column holding the class
     ways: int = 5                             # N classes per episode (labels remapped to 0..N-1)
     shots: int = 5                            # K support examples per class
     queries: int = 5                          # Q query examples per class
@@ -44,6 +44,7 @@ class TextModelConfig:
     pretrained: Union[str, None] = None       # local model directory (from_pretrained)
     tokenizer: Union[str, None] = None        # local tokenizer directory (default: pretrained)
     vocab_size: int = 1000                    # trained tokenizer's vocabulary (no tokenizer given)
+    # AutoConfig.for_model keywords of the model built from scratch.
     config: dict = field(default_factory=lambda: {
         "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "intermediate_size": 128})
@@ -60,7 +61,7 @@ class TextConfig:
     model: TextModelConfig = field(default_factory=TextModelConfig)
     eval_episodes: int = 100                  # test-class episodes scored after training
     baseline_steps: int = 30                  # fine-tune-from-scratch baseline: Adam steps per episode
-    baseline_lr: float = 3e-3
+    baseline_lr: float = 3e-3              # fine-tune-from-scratch baseline: its learning rate
 
 
 def validate_text(text: TextConfig, problems: list[str]) -> None:

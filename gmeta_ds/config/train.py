@@ -11,12 +11,12 @@ from gmeta_ds.config.checks import AUTO, one_of
 class TrainConfig:
     """Outer loop."""
 
-    meta_steps: int = 200
-    lr: float = 1e-3
-    log_every: int = 10
+    meta_steps: int = 200                  # outer (meta-) steps of the run
+    lr: float = 1e-3                       # outer learning rate; fills "auto" in the DeepSpeed optimizer
+    log_every: int = 10                    # meta-steps between lines of metrics.jsonl
     # Threads per rank; "auto" = cores // local ranks.
     threads: Union[int, str] = AUTO
-    collective_timeout_s: int = 600
+    collective_timeout_s: int = 600        # process-group timeout of every collective
     progress: bool = True                     # tqdm bar on rank 0 (meta-step, tasks/s, query loss)
     tensorboard: bool = True                  # TensorBoard events under OUTPUT_DIR/tensorboard (rank 0)
     nonfinite: str = "abort"                  # NaN/inf outer loss: abort (error naming step, ranks, tasks) or skip
@@ -30,8 +30,8 @@ class TrainConfig:
     # Per-phase time per rank (gmeta_ds/run/profiling.py): profile this many meta-steps after
     # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).
     profile_steps: int = 0
-    profile_warmup: int = 5
-    profile_trace: bool = False
+    profile_warmup: int = 5                # meta-steps run before profiling starts
+    profile_trace: bool = False            # also write a Chrome trace per rank
 
 
 def validate_train(train: TrainConfig, problems: list[str]) -> None:
