@@ -153,11 +153,10 @@ class ShardedEmbeddingCollection:
 
     def _strategies(self) -> tuple[dict[str, Sharding], dict[str, Sharding]]:
         """One `Sharding` (`registry.SHARDINGS`) per strategy name over its tables (in plan
-        order), and each table's; pooled tables of a hierarchical plan pool hierarchically."""
+        order), and each table's, as `strategy_name` picks them."""
         names = defaultdict(list)
         for name, p in self.plan.tables.items():
-            kind = strategy_name(p)
-            names["hierarchical_pooled" if kind == "owner_pooled" and self.plan.hierarchical else kind].append(name)
+            names[strategy_name(p, self.plan.hierarchical)].append(name)
         strategies = {kind: SHARDINGS[kind](self.ctx, tuple(tables)) for kind, tables in names.items()}
         of = {name: s for s in strategies.values() for name in s.names}
         return strategies, {name: of[name] for name in self.plan.tables}

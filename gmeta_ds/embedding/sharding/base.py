@@ -87,10 +87,13 @@ class ShardContext:
         return bucket
 
 
-def strategy_name(plan: TablePlan) -> str:
-    """The strategy (a name in `registry.SHARDINGS`) of a planned table: its plan kind, or
-    ``owner_pooled`` for a table planned with ``exchange: pooled``."""
-    return "owner_pooled" if plan.exchange == "pooled" else plan.kind
+def strategy_name(plan: TablePlan, hierarchical: bool = False) -> str:
+    """The strategy (a name in `registry.SHARDINGS`) of a planned table: its plan kind, or for
+    a table planned with ``exchange: pooled`` ``owner_pooled`` (``hierarchical_pooled`` in a
+    ``hierarchical`` plan: pooled on the owner across hosts in two levels)."""
+    if plan.exchange == "pooled":
+        return "hierarchical_pooled" if hierarchical else "owner_pooled"
+    return plan.kind
 
 
 class Sharding(ABC):

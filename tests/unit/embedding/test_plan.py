@@ -103,3 +103,20 @@ def test_modulo_equals_floored_remainder_and_division(world):
     ids = torch.randint(-2**40, 2**40, (5000,), generator=torch.Generator().manual_seed(world))
     owner, local = modulo(ids, world)
     assert torch.equal(owner, ids % world) and torch.equal(local, torch.div(ids, world, rounding_mode="floor"))
+
+
+def test_strategy_name_is_the_one_selection_and_every_name_is_registered():
+    """A table's strategy comes from `sharding.base.strategy_name` alone (no branch beside
+    it in the collection), and every name it gives is in `registry.SHARDINGS`."""
+    from gmeta_ds.embedding.sharding.base import strategy_name
+    from gmeta_ds.registry import SHARDINGS
+    from gmeta_ds.sparse import BagStats
+
+    table = TableConfig("t", 10_000, 16, ("t",))
+    pooled = plan_tables([table], 4, {"t": "row_wise"}, bag_stats={"t": BagStats(50, 0.4)}).tables["t"]
+    rows = plan_tables([table], 4, {"t": "row_wise"}).tables["t"]
+    assert strategy_name(pooled) == "owner_pooled"
+    assert strategy_name(pooled, hierarchical=True) == "hierarchical_pooled"
+    assert strategy_name(rows) == strategy_name(rows, hierarchical=True) == "row_wise"
+    for name in ("owner_pooled", "hierarchical_pooled", "row_wise"):
+        assert name in SHARDINGS.names()
