@@ -14,7 +14,8 @@ import inspect
 import io
 import tokenize
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import yaml
 

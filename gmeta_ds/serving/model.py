@@ -30,7 +30,14 @@ from gmeta_ds.serving.export import open_export
 class UserRequest:
     """One user: ``support`` and ``candidates`` map each field to one raw value per row (a
     multi-hot field: one list per row); ``labels`` the support's labels; ``user_id`` keys
-    the cache (None: the support alone does)."""
+    the cache (None: the support alone does).
+
+    Args:
+        support: field name -> one raw value per support row (a list per row when multi-hot).
+        labels: the support rows' labels (clicks 0/1, or ratings for regression).
+        candidates: field name -> one raw value per candidate row to score.
+        user_id: the cache key with the support's digest; None: the support alone.
+    """
 
     support: dict[str, list]
     labels: list[float]
@@ -41,7 +48,14 @@ class UserRequest:
 @dataclass
 class Scored:
     """A user's candidate scores (probabilities; ratings for regression), whether its adapted
-    parameters came from the cache, and how many of its values were unknown."""
+    parameters came from the cache, and how many of its values were unknown.
+
+    Args:
+        scores: one probability per candidate (a rating for regression).
+        cached: the adapted parameters came from the cache.
+        unknown: values of the request outside the export's vocabularies.
+        adapted: False when the support was empty (the meta-initialisation scored it).
+    """
 
     scores: list[float]
     cached: bool
@@ -75,7 +89,16 @@ class AdaptedCache:
 
 class ServedModel:
     """An export ready to adapt and score (module docstring): ``name``, ``version``
-    (`Export.version`), ``inner_steps``."""
+    (`Export.version`), ``inner_steps``. Built by `load_adapter`.
+
+    Args:
+        path: the export folder.
+        model: the saved architecture (a module, or a function of the saved fields); None
+            when the export holds its recipe.
+        cache_size: users whose adapted parameters are kept (0: no cache).
+        cache_ttl_s: seconds an adapted user stays in the cache.
+        inner_steps: inner steps per user; None: the export's.
+    """
 
     def __init__(self, path: str | Path, model: nn.Module | Callable | None = None, cache_size: int = 10000,
                  cache_ttl_s: float = 600.0, inner_steps: int | None = None):
@@ -96,17 +119,38 @@ class ServedModel:
 
     def predict(self, users: list[UserRequest]) -> list[Scored]:
         """Adapt (or take from the cache) and score every user of the batch; a user's bad
-        value raises `RequestError` naming it."""
+        value raises `RequestError` naming it.
+
+        Args:
+            users: the batch's users.
+
+        Returns:
+            One `Scored` per user, in order.
+        """
         return self.predict_encoded(users, [self.encode(u) for u in users])[0]
 
     def encode(self, user: UserRequest) -> tuple[Encoded, Encoded]:
-        """A user's support and candidate rows as ids (`RequestError` naming a bad value)."""
+        """A user's support and candidate rows as ids (`RequestError` naming a bad value).
+
+        Args:
+            user: the request to encode.
+
+        Returns:
+            (support rows, candidate rows) as encoded ids.
+        """
         return (self.encoder.encode(user.support, user.labels, "support"),
                 self.encoder.encode(user.candidates, None, "candidates"))
 
     def predict_encoded(self, users: list[UserRequest], rows: list[tuple[Encoded, Encoded]]) -> tuple[list, dict]:
-        """`predict` of encoded users; also returns what it did: ``adapted`` (users adapted
-        now), ``adapt_s`` and ``score_s`` (seconds)."""
+        """`predict` of encoded users; also returns what it did.
+
+        Args:
+            users: the batch's users (their ``user_id`` keys the cache).
+            rows: each user's (support, candidates) from `encode`.
+
+        Returns:
+            (one `Scored` per user, {``adapted``: users adapted now, ``adapt_s``, ``score_s``: seconds}).
+        """
         keys = [(u.user_id, _digest(s)) for u, (s, _) in zip(users, rows)]
         params: list[Adapted | None] = [self.cache.get(k) for k in keys]
         cached = [p is not None for p in params]
@@ -141,5 +185,17 @@ def load_adapter(path: str | Path, model: nn.Module | Callable | None = None, ca
     to users and score their candidates, in this process, without DeepSpeed: ``model`` is the
     saved architecture (a module, or a function of the saved fields) and may be left out when
     the export holds its recipe (the CLI's). ``cache_size``: users (0 turns the cache off);
-    ``inner_steps``: default the export's."""
+    ``inner_steps``: default the export's.
+
+    Args:
+        path: the export folder.
+        model: the saved architecture (a module, or a function of the saved fields); None when
+            the export holds its recipe.
+        cache_size: users whose adapted parameters are kept (0: no cache).
+        cache_ttl_s: seconds an adapted user stays in the cache.
+        inner_steps: inner steps per user; None: the export's.
+
+    Returns:
+        The `ServedModel`.
+    """
     return ServedModel(path, model, cache_size=cache_size, cache_ttl_s=cache_ttl_s, inner_steps=inner_steps)

@@ -45,14 +45,14 @@ UNDOCUMENTED = {
     "gmeta_ds.multi_fields", "gmeta_ds.TaskData", "gmeta_ds.ConfigError", "gmeta_ds.load_model",
     "gmeta_ds.SavedModel", "gmeta_ds.SavedModel.encode", "gmeta_ds.SavedModel.logits",
     "gmeta_ds.Vocabulary", "gmeta_ds.Vocabulary.values", "gmeta_ds.Vocabulary.value",
-    "gmeta_ds.Vocabulary.encode", "gmeta_ds.load_adapter", "gmeta_ds.MeLU", "gmeta_ds.MeLU.forward",
+    "gmeta_ds.Vocabulary.encode", "gmeta_ds.MeLU", "gmeta_ds.MeLU.forward",
     "gmeta_ds.MeLU.split_body", "gmeta_ds.DCNv2", "gmeta_ds.DCNv2.forward", "gmeta_ds.DeepFM",
     "gmeta_ds.DeepFM.forward", "gmeta_ds.WideDeep", "gmeta_ds.WideDeep.forward", "gmeta_ds.DLRM",
     "gmeta_ds.DLRM.forward", "gmeta_ds.TwoTower", "gmeta_ds.TwoTower.forward", "gmeta_ds.FieldModel",
-    "gmeta_ds.FieldModel.embed", "gmeta_ds.serving.load_adapter", "gmeta_ds.serving.ServedModel",
-    "gmeta_ds.serving.ServedModel.predict", "gmeta_ds.serving.ServedModel.encode",
-    "gmeta_ds.serving.ServedModel.predict_encoded", "gmeta_ds.serving.UserRequest",
-    "gmeta_ds.serving.Scored",
+    "gmeta_ds.FieldModel.embed", 
+    
+    
+    
 }
 
 
