@@ -29,6 +29,7 @@ from gmeta_ds.algorithms import MetaLearner, MetaOutput
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.split import BodySplit, check_split
 from gmeta_ds.models.popularity import OFFSET_PREFIX
+from gmeta_ds.models.protocol import model_hooks
 
 # Each learner `parallelize` gave a skeleton -> that skeleton, kept outside the learner (as
 # torch's composable fully_shard keeps its state), for `single_process_template`.
@@ -49,7 +50,7 @@ def body_split(learner: MetaLearner) -> tuple[BodySplit | None, str]:
         return None, "embedding rows adapt (meta.adapt names embedding.<field>)"
     if getattr(getattr(net, "popularity", None), "feature", None) is not None:
         return None, "the popularity feature enters the model's input rows (model.popularity_feature)"
-    offer = getattr(net, "split_body", None)
+    offer = model_hooks(net).split_body
     if offer is None:
         return None, f"{type(net).__name__} defines no split_body"
     # The popularity offset is added after the model's forward: never in its body.
