@@ -82,7 +82,7 @@ def _yaml(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:
+def config_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:
     """Every key of a run config, depth first in the order the dataclasses declare them.
 
     Args:
@@ -101,10 +101,10 @@ def keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Any, An
         tp, dotted = hints[f.name], f"{prefix}{f.name}"
         inner = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
         if dataclasses.is_dataclass(tp):
-            yield from keys(tp, f"{dotted}.")
+            yield from config_keys(tp, f"{dotted}.")
         elif inner is not None and dataclasses.is_dataclass(inner):
             yield dotted, tp, _default(f), docs[f.name]
-            yield from keys(inner, f"{dotted}.{TABLE}.")
+            yield from config_keys(inner, f"{dotted}.{TABLE}.")
         else:
             yield dotted, tp, _default(f), docs[f.name]
 
@@ -155,7 +155,7 @@ def render() -> str:
            "*Allowed* is what validation answers to a bad value; unknown keys are errors too.",
            "Numbers without a listed bound are capped at 2**31 - 1 (integers) or 1e12 (floats).", ""]
     sections: dict[str, list[str]] = {}
-    for dotted, tp, default, doc in keys():
+    for dotted, tp, default, doc in config_keys():
         cells = [f"`{dotted}`", f"`{type_name(tp)}`", f"`{_yaml(default)}`", allowed(dotted, tp), doc]
         head = f"`{dotted.split('.')[0]}`" if "." in dotted else "Top level"
         sections.setdefault(head, []).append("| " + " | ".join(_cell(c) for c in cells) + " |")
