@@ -2,7 +2,7 @@
 
 H hosts x R ranks (`emulated_cluster`: network namespaces, the links between hosts limited by
 tbf), each rank a process started with the launcher's variables (RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, GROUP_RANK: the topology comes from them, `engine.topology.resolve_topology`),
+LOCAL_WORLD_SIZE, GROUP_RANK: the topology comes from them, `engine.hosts.resolve_topology`),
 gloo over the namespace's interface. Every rank looks up a CTR-shaped micro-batch of bags in
 sharded row-wise tables (the traffic of a configuration whose sharded tables dominate: no dense
 model), pooled on their owners (``exchange: pooled``) or by the requester after the
@@ -74,7 +74,7 @@ def _collections(s: dict, timeout_s: int):
 
     from gmeta_ds.embedding.plan import plan_tables, with_topology
     from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
-    from gmeta_ds.engine.topology import resolve_topology
+    from gmeta_ds.engine.hosts import resolve_topology
 
     rank, world = dist.get_rank(), dist.get_world_size()
     base = plan_tables(_tables(s["tables"], s["rows"], s["dim"], s["exchange"]), world, {})

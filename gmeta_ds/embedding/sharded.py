@@ -40,7 +40,7 @@ from gmeta_ds.embedding.sharding.base import Request, ShardContext, Sharding, st
 from gmeta_ds.embedding.sharding.exchange import RowExchange
 from gmeta_ds.embedding.sharding.requests import FieldTables, field_requests, table_requests
 from gmeta_ds.engine.dist import on_wire
-from gmeta_ds.engine.topology import topology_groups
+from gmeta_ds.engine.hosts import topology_groups
 from gmeta_ds.embedding.tables import check_fields, check_width, feature_tables, lookup_fields, pool
 from gmeta_ds.registry import SHARDINGS
 from gmeta_ds.sparse import Jagged
@@ -143,7 +143,7 @@ class ShardedEmbeddingCollection:
     def _topology(self, timeout_s: int | None) -> None:
         """On a plan of several hosts: which ranks are on another host (the counters' cross-host
         bytes) and, for a hierarchical exchange, the intra- and inter-host groups (created
-        once, collectively, with ``timeout_s``; `engine.topology.topology_groups`)."""
+        once, collectively, with ``timeout_s``; `engine.hosts.topology_groups`)."""
         topology = self.plan.topology
         if topology is None or self.world == 1:
             return

@@ -34,7 +34,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection, resolve_place
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.engine.sites import data_part
-from gmeta_ds.engine.topology import resolve_topology
+from gmeta_ds.engine.hosts import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.scores import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
                                  train_baseline, write_per_user)

@@ -50,7 +50,7 @@ class ShardContext:
     group (None: the default group), its shard and sparse optimizer, and the traffic counters;
     on a run of several hosts, which ranks are on another host (``remote``) and, for the
     hierarchical exchange, this rank's intra-host and inter-host groups (``tiers``,
-    `engine.topology.TopologyGroups`)."""
+    `engine.hosts.TopologyGroups`)."""
 
     plan: ShardingPlan
     rank: int

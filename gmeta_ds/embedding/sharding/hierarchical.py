@@ -5,7 +5,7 @@ The flat exchange (`owner_pooled`) sends every (bag, owner) pair's ids to its ow
 one partial sum back per (bag, remote owner): with H hosts of R ranks, up to R vectors per bag
 cross each host boundary. Here (TorchRec's table-wise-row-wise idea, for sums pooled on the
 owners) rank (h, l) talks across hosts only to its gateways (h', l), the same local index on
-every other host (`engine.topology.TopologyGroups.inter`), and inside its host to its R peers:
+every other host (`engine.hosts.TopologyGroups.inter`), and inside its host to its R peers:
 
 1. inter input_dist — the requests for the owners of host h' (ids as local rows, with each
    (bag, owner) pair's code and length, `owner_pooled.pack_bags`) go to gateway (h', l) in one

@@ -5,7 +5,7 @@ The flat exchange sends each rank's distinct ids to their owners: an id that R r
 host all ask for crosses the host boundary R times, and so do its row and its gradient. Here
 rank (h, l) sends the requests for owners of local index l' to its host peer (h, l'), which
 deduplicates the host's requests and sends each distinct id to its owner (h', l') over the
-inter-host group of local index l' (`engine.topology.TopologyGroups.inter`: the owner is that
+inter-host group of local index l' (`engine.hosts.TopologyGroups.inter`: the owner is that
 gateway's peer on host h'), so every distinct id a host asks for crosses to its owner's host
 once:
 

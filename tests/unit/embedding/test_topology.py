@@ -9,7 +9,7 @@ from gmeta_ds.embedding.plan import plan_tables, with_topology
 from gmeta_ds.embedding.tables import TableConfig
 from gmeta_ds.embedding.topology import (Topology, choose_row_topology, choose_topology, cross_host_bytes,
                                          host_overlap, row_cross_host_bytes)
-from gmeta_ds.engine.topology import resolve_topology
+from gmeta_ds.engine.hosts import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.sparse import BagStats
 
