@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from gmeta_ds.config import DataConfig, SchemaConfig, load_config
 from gmeta_ds.data.builder import build_tasks, store_path
 from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
-from gmeta_ds.data.synthesize import synthesize_log
+from gmeta_ds.data.parquet_log import synthesize_log
 from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic

@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Exactly N rows as DIR/part-00000.parquet ... (Zipf items, 13-100 "
                         "interactions per user, user/item features, a multi-hot 'tags' column, "
                         "timestamps) and DIR/_schema.yaml, the data: block that reads them; "
-                        "columns and model in gmeta_ds/data/synthesize.py.")
+                        "columns and model in gmeta_ds/data/parquet_log.py.")
     p.add_argument("--interactions", type=_at_least(13), required=True, metavar="N", help="rows (>= 13)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to create (refused if not empty)")
     p.add_argument("--shards", type=_at_least(1), default=1, metavar="K", help="Parquet files (default 1)")
@@ -176,7 +176,7 @@ def _at_least(low: int):
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from gmeta_ds.data.synthesize import SCHEMA_FILE, NotEnoughDisk, synthesize_log
+    from gmeta_ds.data.parquet_log import SCHEMA_FILE, NotEnoughDisk, synthesize_log
 
     try:  # data_command is "synthesize", the group's only command so far
         s = synthesize_log(args.out, args.interactions, args.shards, args.seed, args.items, args.overwrite)

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import (DataError, InteractionLog, LogSchema, check_two_classes, click_threshold,
                                    get_reader)
-from gmeta_ds.data.split import TEST, TRAIN, VALID, split_users
+from gmeta_ds.data.user_split import TEST, TRAIN, VALID, split_users
 from gmeta_ds.data.store_check import content_fingerprint
 from gmeta_ds.data.store_lock import STALL_S, build_lock
 from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gmeta_ds.data import synthesize as syn
-from gmeta_ds.data.synthesize import synthesize_log, user_lengths
+from gmeta_ds.data import parquet_log as syn
+from gmeta_ds.data.parquet_log import synthesize_log, user_lengths
 
 REPO = Path(__file__).resolve().parents[2]
 TYPES = {"user_id": pa.int64(), "item_id": pa.int64(), "rating": pa.float32(), "timestamp": pa.int64(),

@@ -13,7 +13,7 @@ import gmeta_ds as gm
 from gmeta_ds.config import DataConfig
 from gmeta_ds.data.readers import DEFAULT_THRESHOLD
 from gmeta_ds.data.stream import StoreArray
-from gmeta_ds.data.synthesize import synthesize_log
+from gmeta_ds.data.parquet_log import synthesize_log
 
 KEYS = dict(task_key="user_id", item_key="item_id", label="rating", user_features=["age", "gender"],
             item_features=["category"], multi_hot={"tags": "|"}, query_size=4, seed=1)
