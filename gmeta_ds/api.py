@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from gmeta_ds.config.arguments import check, finite, int_at_least, is_int
 from gmeta_ds.config.checks import one_of
+from gmeta_ds.config.bounds import BOUNDS
 from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
 from gmeta_ds.algorithms.base import (
     AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)
@@ -49,7 +51,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.dynamic import EVICTIONS
 from gmeta_ds.embedding.tables import EXCHANGES, EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine
-from gmeta_ds.engine.dist import destroy_process_group, init_process_group
+from gmeta_ds.engine.dist import choose_threads, destroy_process_group, env_world, init_process_group
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, choose_vectorize
 from gmeta_ds.models.base import FieldModel
@@ -68,6 +70,7 @@ from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 # the few that differ on purpose are listed with their reasons in docs/api.md ("Defaults") and
 # pinned by tests/unit/test_api_defaults.py.
 _TABLE = TableOverride()  # embedding.tables.<name>.*: a dynamic table's capacity, admission, eviction
+MAX_THREADS = BOUNDS["train.threads"][0]  # initialize(threads=): train.threads' bound
 # ---------------------------------------------------------------------------- tasks
 def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
                 timestamp: str | None = None, user_features: Iterable[str] = (),
@@ -337,7 +340,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
                tasks_per_micro_batch: int | str = AUTO, tasks_per_meta_step: int | str = AUTO,
                lr: float = DEFAULTS.train.lr, seed: int = DEFAULTS.seed, resume: str | None = DEFAULTS.train.resume,
                output_dir: str | Path | None = None, nonfinite: str = DEFAULTS.train.nonfinite,
-               collective_timeout_s: int = DEFAULTS.train.collective_timeout_s) -> MetaEngine:
+               collective_timeout_s: int = DEFAULTS.train.collective_timeout_s,
+               threads: int | str = DEFAULTS.train.threads) -> MetaEngine:
     """Put ``learner`` on DeepSpeed with its embedding ``tables``; returns a `MetaEngine`.
 
     ``config``: a DeepSpeed config dict or JSON path (the shipped ``ds_configs/zero0.json`` ...
@@ -351,15 +355,17 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     else 32 tasks per micro-batch and one micro-batch per rank. ``resume``: a checkpoint directory or
     ``"auto"`` (the newest complete one under ``output_dir``), at any world size.
     Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process),
-    and then also tears it down at interpreter exit."""
+    and then also tears it down at interpreter exit. ``threads``: torch's intra-op threads on
+    this rank, set before the process group starts; "auto" (as ``train.threads``) is the
+    host's cores / its ranks unless OMP_NUM_THREADS is set or torch already has fewer
+    (`engine.dist.choose_threads`); rank 0 prints the choice once, on stderr."""
     plans = (*PLANS.names(), "auto", "dense")
     if not isinstance(sharding, str) or sharding not in plans:
         raise ConfigError([f"sharding: {sharding!r} is not one of {', '.join(plans)}"])
+    count, why = _threads_for(threads)  # checked before any work, set before the process group
     tables = _check_engine_inputs(learner, tables, lr, resume, output_dir)
     run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
                       nonfinite, collective_timeout_s)
-    from gmeta_ds.engine.dist import env_world
-
     ds_config, plan = resolve_ds_config(run, env_world()[1])
     ds_engine.check_device_support(ds_config)
     ds_engine.check_ds_config(ds_config)
@@ -368,6 +374,7 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
     if not ds_engine.is_partitioned(learner):  # local: before any collective
         probe_model(learner, *probe_shape(net, tables), "gmeta_ds.initialize")
+    _set_threads(count, why)
     if not dist.is_initialized():
         init_process_group(collective_timeout_s)
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
@@ -388,6 +395,21 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     meta, _ = start_engine(learner, ds_config, plan, embeddings, tables, rank, seed, nonfinite, resume, output_dir,
                            api_checkpoint_meta(learner, embeddings), keep_initial=True)
     return meta
+
+
+def _threads_for(threads: int | str) -> tuple[int, str]:
+    """`initialize`'s ``threads`` checked, and this rank's count with why (`choose_threads`)."""
+    if threads != AUTO and not (is_int(threads) and 1 <= threads <= MAX_THREADS):
+        raise ConfigError([f"threads: {threads!r} is not 'auto' or an integer in 1..{MAX_THREADS}"],
+                          "gmeta_ds.initialize")
+    return choose_threads(threads)
+
+
+def _set_threads(count: int, why: str) -> None:
+    """torch's intra-op threads for this rank, said once on rank 0."""
+    torch.set_num_threads(count)
+    if env_world()[0] == 0:
+        print(f"gmeta_ds.initialize: {count} torch thread(s) per rank ({why})", file=sys.stderr)
 
 
 def probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], int]:

@@ -89,6 +89,14 @@ def _check_rendezvous_env() -> None:
                            f"({LAUNCHERS})"])
 
 
+def core_share() -> tuple[int, int, int]:
+    """(threads, cores, ranks): this rank's share of the node's cores, ``cores // ranks`` (at
+    least 1), with ``ranks`` the launcher's ranks on this node (1 without a launcher)."""
+    _, _, local_world = env_world()
+    cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world)), cores, local_world
+
+
 def set_threads(threads: int | str) -> int:
     """Give this rank ``threads`` intra-op threads ("auto": cores // ranks on this node).
 
@@ -96,10 +104,28 @@ def set_threads(threads: int | str) -> int:
     loop by an order of magnitude.
     """
     if threads == "auto":
-        _, _, local_world = env_world()
-        threads = max(1, (os.cpu_count() or 1) // max(1, local_world))
+        threads = core_share()[0]
     torch.set_num_threads(int(threads))
     return int(threads)
+
+
+def choose_threads(threads: int | str) -> tuple[int, str]:
+    """The intra-op threads `gm.initialize` gives this rank, and why (its line on rank 0).
+
+    An int is taken as is. "auto" is this rank's share of the node's cores (`core_share`, as
+    the CLI's ``train.threads: auto``) unless the user chose already: OMP_NUM_THREADS set
+    (torch read it at import; torchrun sets 1 for several ranks), or torch's own count below
+    the share (torch.set_num_threads called before): kept. A count above the share is cut to
+    it: ranks that oversubscribe the cores make OpenMP spin (~20x slower on 2 ranks here)."""
+    if threads != "auto":
+        return int(threads), f"threads={threads}"
+    current = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ:
+        return current, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} kept"
+    share, cores, ranks = core_share()
+    if current < share:
+        return current, f"torch's setting kept, under the share of {cores} cores / {ranks} rank(s) on this host"
+    return share, f"{cores} cores / {ranks} rank(s) on this host; threads=N or OMP_NUM_THREADS to choose"
 
 
 def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
