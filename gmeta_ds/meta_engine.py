@@ -275,10 +275,9 @@ class MetaEngine:
         if len(batches) != self.plan.grad_accum_steps:
             raise ValueError(f"meta_step: got {len(batches)} micro-batches, expected "
                              f"{self.plan.grad_accum_steps} (gradient_accumulation_steps) per rank")
-        from gmeta_ds.text.data import TextEpisodes  # the text workload's micro-batches
-
-        if not all(isinstance(b, (TaskBatch, TextEpisodes)) for b in batches):
-            raise ConfigError(["batches: expected a list of gm.TaskBatch (engine.batches(tasks, step))"],
+        kind = self.learner.batch_type  # the learner's micro-batch: a TaskBatch, a text workload's episodes
+        if not all(isinstance(b, kind) for b in batches):
+            raise ConfigError([f"batches: expected a list of {kind.__name__} (engine.batches(tasks, step))"],
                               "MetaEngine.meta_step")
         if self.embeddings is not None:  # the lookup reads the id columns by row_fields
             check_id_columns(self.learner.net, batches[0])
@@ -345,8 +344,8 @@ class MetaEngine:
         from gmeta_ds.saved import write_model
 
         net = self.learner.net
-        tables = self.tables or (list(net.embedding.tables.values())
-                                 if isinstance(model_hooks(net).embedding, EmbeddingCollection) else [])
+        own = model_hooks(net).embedding
+        tables = self.tables or (list(own.tables.values()) if isinstance(own, EmbeddingCollection) else [])
         return write_model(folder, state, net, data.fields, tables, data.vocab, self.learner.algorithm)
 
     def single_process_learner(self, state: dict | None = None) -> MetaLearner:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -287,7 +287,7 @@ def embedder(net: nn.Module):
     if collection is None:
         raise RuntimeError(f"{type(net).__name__} has no embedding tables (no `embed` method and no "
                            "`embedding` collection): its tables are sharded, so pass looked-up rows")
-    return lambda ids, multi: collection.lookup_fields(ids, list(net.row_fields), multi)
+    return lambda ids, multi: collection.lookup_fields(ids, list(hooks.row_fields), multi)
 
 
 def concat_jagged(a: Jagged, b: Jagged) -> Jagged:
@@ -309,6 +309,7 @@ class MetaLearner(nn.Module):
     (None: `meta_forward`).
     """
 
+    batch_type: ClassVar[type] = TaskBatch  # the micro-batch `forward` takes (the engine checks its input by it)
     active_split: BodySplit | None = None
     runner: Callable[[MetaLearner, TaskBatch, tuple | None], MetaOutput] | None = None
 

@@ -28,7 +28,7 @@ from torch.func import functional_call
 from gmeta_ds.algorithms import MetaLearner, MetaOutput
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.split import BodySplit, check_split
-from gmeta_ds.models.popularity import OFFSET_PREFIX
+from gmeta_ds.models.popularity import OFFSET_PREFIX, offset_of
 from gmeta_ds.models.protocol import model_hooks
 
 # Each learner `parallelize` gave a skeleton -> that skeleton, kept outside the learner (as
@@ -48,7 +48,7 @@ def body_split(learner: MetaLearner) -> tuple[BodySplit | None, str]:
     net = learner.net
     if learner.adapted_fields:
         return None, "embedding rows adapt (meta.adapt names embedding.<field>)"
-    if getattr(getattr(net, "popularity", None), "feature", None) is not None:
+    if getattr(offset_of(net), "feature", None) is not None:
         return None, "the popularity feature enters the model's input rows (model.popularity_feature)"
     offer = model_hooks(net).split_body
     if offer is None:

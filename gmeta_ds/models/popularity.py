@@ -38,6 +38,7 @@ from gmeta_ds.data.tasks import TaskSet
 from gmeta_ds.sparse import FieldSpec, single_fields
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import Params
+from gmeta_ds.models.protocol import model_hooks
 
 OFFSET_PREFIX = "popularity."  # parameter names of a model's item-popularity offset
 NEWTON_STEPS = 20  # map_offset on binary labels (converged to 1e-6 from 0 on real supports)
@@ -217,16 +218,22 @@ def check_settings(offset: nn.Module | None, settings, adapted: list[str]) -> No
                            f"(meta.adapt, e.g. \"popularity.*\"); adapted: {', '.join(adapted)}"])
 
 
+def offset_of(net: nn.Module) -> PopularityOffset | None:
+    """``net``'s item-popularity offset (its recipe, read through `model_hooks`), or None."""
+    recipe = model_hooks(net).recipe
+    return recipe if isinstance(recipe, PopularityOffset) else None
+
+
 def fit(net: nn.Module, train: TaskSet) -> None:
     """Fit ``net``'s popularity counts on the training tasks (no-op without them)."""
-    pop = getattr(net, "popularity", None)
+    pop = offset_of(net)
     if pop is not None:
         pop.fit(train)
 
 
 def statistic(net: nn.Module, ids: Tensor, labels: Tensor | None = None) -> Tensor | None:
     """`PopularityOffset.statistic` of ``net``'s offset, or None when it has none."""
-    pop = getattr(net, "popularity", None)
+    pop = offset_of(net)
     return None if pop is None else pop.statistic(ids, labels)
 
 
@@ -234,10 +241,11 @@ def net_logits(net: nn.Module, rows: Tensor, ids: Tensor, labels: Tensor | None 
     """``net``'s logits of looked-up ``rows`` (N, F, d) of ids ``ids`` (N, F_single) with its
     popularity offset, and its popularity feature in the item row (``model.popularity_feature``);
     ``labels``: training rows, each left out of its own item's counts."""
-    s = statistic(net, ids, labels)
-    if s is None:
+    pop = offset_of(net)
+    if pop is None:
         return net(rows)
-    out = net(net.popularity.with_feature(rows, s))
-    return out + net.popularity(s.to(out.dtype))
+    s = pop.statistic(ids, labels)
+    out = net(pop.with_feature(rows, s))
+    return out + pop(s.to(out.dtype))
 
 

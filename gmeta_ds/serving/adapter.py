@@ -68,7 +68,7 @@ def build_learner(export: Export, model: nn.Module | Callable | None) -> MetaLea
     from gmeta_ds.saved import built_model, check_architecture, fit_dynamic_tables
 
     net = built_model(model, export.fields) if model is not None else _recipe_model(export)
-    if getattr(net, "embedding", None) is None and any(k.startswith("net.embedding.") for k in export.state):
+    if model_hooks(net).embedding is None and any(k.startswith("net.embedding.") for k in export.state):
         net.embedding = mapped_tables(export)
     learner = saved_learner(net, export.meta["algorithm"], export.path / "model.json")
     fit_dynamic_tables(learner, export.state)

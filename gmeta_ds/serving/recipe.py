@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gmeta_ds.config import RunConfig
 from gmeta_ds.embedding.tables import EmbeddingCollection
+from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.saved import write_model
 from gmeta_ds.serving.export import serving_section
 
@@ -39,8 +40,8 @@ def export_run(cfg: RunConfig, source: Path, out: Path) -> Path:
     net = learner.net
     recipe = {"model": dataclasses.asdict(cfg.model), "embedding": dataclasses.asdict(cfg.embedding),
               "kind": label_kind(cfg), "oov_id": oov_id(cfg.data.source == "synthetic")}
-    tables = list(net.embedding.tables.values()) if isinstance(getattr(net, "embedding", None),
-                                                                EmbeddingCollection) else []
+    own = model_hooks(net).embedding
+    tables = list(own.tables.values()) if isinstance(own, EmbeddingCollection) else []
     section = serving_section(cfg.model.name, eval_inner_steps(cfg), recipe)
     return write_model(out, learner.state_dict(), net, data.fields, tables, getattr(data, "vocab", {}),
                        learner.algorithm, section)

@@ -219,6 +219,8 @@ class TextMetaLearner(MetaLearner):
     """A meta-learner over `TextEpisodes`: the support and query of each episode go through
     the algorithm's inner loop on `SequenceClassifier` (labels: multiclass)."""
 
+    batch_type = TextEpisodes
+
     def __init__(self, net: SequenceClassifier, algorithm):
         super().__init__(net, algorithm)
 

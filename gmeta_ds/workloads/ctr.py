@@ -43,6 +43,7 @@ from gmeta_ds.functional.inner import LOSSES
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
+from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.run.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
@@ -519,7 +520,7 @@ def full_state(module: torch.nn.Module, tables: dict) -> dict:
 
 def eval_learner(cfg: RunConfig, module: MetaLearner, data: SyntheticData, state: dict) -> MetaLearner:
     """A single-process learner with unsharded tables holding ``state``."""
-    if module.net.embedding is not None and not ds_engine.is_partitioned(module):
+    if model_hooks(module.net).embedding is not None and not ds_engine.is_partitioned(module):
         return module
     learner = build_learner(cfg, data.fields, with_tables=True)
     learner.load_state_dict(state)

@@ -148,6 +148,14 @@ def test_no_import_cycles_through_registered_strings():
     assert not cycles, "import cycles through registries:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_engine_reaches_workloads_only_through_the_learner():
+    """meta_engine imports no workload (``workloads/``, ``text/``): a workload's micro-batch type
+    reaches it as the learner's ``batch_type``."""
+    path = PKG / "meta_engine.py"
+    found = [i for i in imports(path) if i.startswith(("gmeta_ds.text", "gmeta_ds.workloads"))]
+    assert not found, f"gmeta_ds.meta_engine imports {found}"
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
