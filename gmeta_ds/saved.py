@@ -5,28 +5,37 @@ The folder::
 
     model.json          format, version, the model's class (informational), the fields, the
                         tables, the algorithm's settings, and the SHA-256 of every other file
+    model.json.sha256   model.json's own SHA-256, as ``sha256sum`` writes it (``sha256sum -c``
+                        checks it in the folder)
     model.safetensors   every weight of the meta-learner (``net.*``: the model with its tables
                         under ``net.embedding.*``; algorithm-owned ones such as Meta-SGD's
                         ``inner_lrs.*``), float32
     vocab.safetensors   each vocabulary (`gmeta_ds.data.vocab`) as ``<field>.data`` (uint8) and
                         ``<field>.offsets`` (int64): raw values -> row ids
 
-Loading checks model.json's format and version, that each file it lists is a plain file of
-the folder whose SHA-256 matches, and that the model given has exactly the saved weights'
-names and shapes; a folder that fails any check is a `ConfigError` naming the file and what
-was expected. The model's code is the caller's (a class cannot be loaded without running
-code): `load_model(folder, model)` takes the model, or a function building it from the saved
-fields. The folder is written beside itself and renamed into place: a reader never sees half
-of it, and a folder being replaced stays whole until the new one is complete.
+Loading checks model.json against its digest, its format and version, every number in it as
+the run config bounds it (`gmeta_ds.config.saved_meta`), that each file it lists is a plain
+file of the folder whose SHA-256 matches, and that the model given has exactly the saved
+weights' names and shapes; a folder that fails any check is a `ConfigError` naming the file
+and what was expected. A folder saved before the digest existed loads with a warning that
+says how to save it again. The digest sits in the same folder: it tells a damaged or
+half-written model.json from a sound one, not a planted one (whoever can write model.json can
+write its digest; docs/serving.md, "The export folder"). The model's code is the caller's (a
+class cannot be loaded without running code): `load_model(folder, model)` takes the model, or
+a function building it from the saved fields. The folder is written beside itself and
+renamed into place: a reader never sees half of it, and a folder being replaced stays whole
+until the new one is complete.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import math
 import os
+import re
 import shutil
 import stat
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +54,7 @@ from gmeta_ds.sparse import FieldSpec, Jagged, model_field_order, single_fields
 
 FORMAT, VERSION = "gmeta_ds model", 1
 META, WEIGHTS, VOCAB = "model.json", "model.safetensors", "vocab.safetensors"
+DIGEST = f"{META}.sha256"  # model.json's SHA-256, one sha256sum line
 ALGORITHM_KEYS = tuple(f.name for f in dataclasses.fields(AlgorithmSettings))
 # Settings added after exports existed, with the value an older export was trained with: a
 # training-only term (the query loss's ranking weight) that adapting and scoring never read.
@@ -90,7 +100,7 @@ def target_problems(folder: Path) -> list[str]:
     if not is_saved_model(folder / META):
         return [f"path: {folder} is a folder that holds other files and no {META} of a saved model "
                 f"(format {FORMAT!r}); save into a new or empty folder, or over an earlier saved model"]
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in (META, WEIGHTS, VOCAB))
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in (META, DIGEST, WEIGHTS, VOCAB))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
         return [f"path: {folder} is a saved model with files a save does not write ({shown}); replacing "
@@ -131,8 +141,10 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
                 "algorithm": algorithm_settings(algorithm),
                 "serving": serving or {"name": type(model).__name__.lower(), "inner_steps": algorithm.inner_steps},
                 "files": {name: sha256(work / name) for name in (WEIGHTS, VOCAB)}}
-        (work / META).write_text(json.dumps(meta, indent=1) + "\n")
-        for name in (WEIGHTS, VOCAB, META):
+        text = (json.dumps(meta, indent=1) + "\n").encode()
+        (work / META).write_bytes(text)
+        (work / DIGEST).write_text(f"{hashlib.sha256(text).hexdigest()}  {META}\n")
+        for name in (WEIGHTS, VOCAB, META, DIGEST):
             with open(work / name, "rb") as fh:
                 os.fsync(fh.fileno())
         old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
@@ -224,15 +236,21 @@ def _member(folder: Path, name: str) -> Path:
 
 
 def read_meta(folder: str | Path) -> dict:
-    """model.json of a saved model, its format and version checked."""
+    """model.json of a saved model: its digest, format, version and numbers checked."""
+    from gmeta_ds.config.saved_meta import saved_meta_problems
+
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError([f"path: {folder} {'is a file' if folder.exists() else 'does not exist'}, expected the "
                            "folder engine.save_model wrote"], "gmeta_ds.load_model")
     path = _member(folder, META)
+    text = _head(path, META_MAX_BYTES + 1)
+    if len(text) > META_MAX_BYTES:
+        raise _refuse(path, f"over {META_MAX_BYTES} bytes; a saved model's model.json holds kilobytes")
+    digested = _check_digest(folder, text)
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise _refuse(path, f"not readable JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _refuse(path, f"not a gmeta_ds saved model (format {meta.get('format') if isinstance(meta, dict) else meta!r})")
@@ -243,12 +261,45 @@ def read_meta(folder: str | Path) -> dict:
             raise _refuse(path, f"'{key}' is missing or not a {kind.__name__}")
     if set(meta["files"]) != {WEIGHTS, VOCAB}:
         raise _refuse(path, f"'files' lists {sorted(meta['files'])}, expected {WEIGHTS} and {VOCAB}")
+    problems = saved_meta_problems(meta)
+    if problems:
+        raise ConfigError([f"{path}: {p}" for p in problems], "gmeta_ds.load_model")
+    if not digested:
+        warnings.warn(f"{path}: no {DIGEST} beside it (saved before gmeta_ds wrote one): its numbers are checked, "
+                      "but damage to it cannot be detected; save it again (gmeta-ds export WEIGHTS OUT --config "
+                      "RUN.yaml --overwrite, or engine.save_model) to add the digest", stacklevel=2)
     try:
         meta["fields"] = [FieldSpec(**f) for f in meta["fields"]]
         meta["tables"] = [TableConfig(**{**t, "features": tuple(t["features"])}) for t in meta["tables"]]
     except (TypeError, ValueError, KeyError) as exc:
         raise _refuse(path, f"its fields or tables are malformed ({exc})") from None
     return meta
+
+
+def _head(path: Path, size: int) -> bytes:
+    """At most ``size`` bytes of ``path``; a file that cannot be read is refused naming it."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(size)
+    except OSError as exc:
+        raise _refuse(path, f"not readable ({exc.strerror or exc})") from None
+
+
+def _check_digest(folder: Path, text: bytes) -> bool:
+    """model.json's bytes (``text``, as read) against the SHA-256 its digest file records;
+    False for a folder without one (saved before it existed: `read_meta` warns)."""
+    path = folder / DIGEST
+    if not os.path.lexists(path):
+        return False
+    line = _head(_member(folder, DIGEST), 200)
+    found = re.fullmatch(rb"([0-9a-f]{64})  " + re.escape(META.encode()) + rb"\n?", line)
+    if found is None:
+        raise _refuse(path, f"not one SHA-256 line for {META} (expected 64 hex digits, two spaces, {META}, "
+                            "as sha256sum writes it)")
+    if found.group(1).decode() != hashlib.sha256(text).hexdigest():
+        raise _refuse(folder / META, f"its SHA-256 does not match the one {DIGEST} records (changed or damaged "
+                                     "after it was saved)")
+    return True
 
 
 def saved_learner(model: nn.Module, settings, where: Path):
@@ -261,28 +312,11 @@ def saved_learner(model: nn.Module, settings, where: Path):
             or not set(ALGORITHM_KEYS) <= set(settings):
         raise _refuse(where, f"'algorithm' is {settings!r}: expected a registered algorithm's name and "
                              f"{', '.join(ALGORITHM_KEYS)}")
-    problems = _settings_problems(settings)
-    if problems:
-        raise _refuse(where, f"'algorithm' holds {'; '.join(problems)}")
     try:
         algorithm = ALGORITHMS[settings["name"]].from_settings(AlgorithmSettings(**{k: settings[k] for k in ALGORITHM_KEYS}))
     except ConfigError as exc:
         raise _refuse(where, f"'algorithm' is refused: {'; '.join(exc.problems)}") from None
     return MetaLearner(model, algorithm)
-
-
-def _settings_problems(settings: dict) -> list[str]:
-    """The saved algorithm's numbers, bounded as the config bounds them (a model.json edited to
-    adapt with 1e9 steps, or a NaN rate, would hang or poison every request)."""
-    from gmeta_ds.config.bounds import BOUNDS
-
-    problems, limit = [], BOUNDS["meta.inner_steps"][0]
-    steps, lr = settings.get("inner_steps"), settings.get("inner_lr")
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= limit:
-        problems.append(f"inner_steps {steps!r:.60}, expected an integer in [0, {limit}]")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
-        problems.append(f"inner_lr {lr!r:.60}, expected a finite number")
-    return problems
 
 
 def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]], nn.Module]) -> SavedModel:

@@ -6,8 +6,9 @@ The folder is what ``engine.save_model`` and ``gmeta-ds export --config`` write:
 inner steps to adapt with and, from the CLI, the run config's ``recipe``: the model and
 embedding sections the zoo model is rebuilt from), model.safetensors (dense weights, every
 table reassembled from its shards, dynamic tables' id maps ``...dynamic.<t>.ids``, Meta-SGD's
-learned rates) and vocab.safetensors (raw value -> row id per field). Every file's SHA-256 is
-checked against model.json before anything is used.
+learned rates) and vocab.safetensors (raw value -> row id per field). model.json is checked
+against its digest (model.json.sha256) and its numbers against the config's bounds, and every
+other file's SHA-256 against model.json, before anything is used (`gmeta_ds.saved.read_meta`).
 
 Tensors are mapped from the files (`mapped_tensors`) rather than read: a table larger than
 memory is paged in as rows are looked up, several server processes share its pages, and a

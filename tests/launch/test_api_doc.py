@@ -32,7 +32,7 @@ def test_the_complete_example_runs_on_one_and_two_ranks(tmp_path):
         assert all(found), (pattern, one.stdout[-2000:])
         assert found[0].groups() == found[1].groups(), pattern
     assert sorted(p.name for p in (tmp_path / "runs" / "mine" / "model").iterdir()) == [
-        "model.json", "model.safetensors", "vocab.safetensors"]
+        "model.json", "model.json.sha256", "model.safetensors", "vocab.safetensors"]
 
 
 def test_the_registration_example_makes_a_new_algorithm_name_valid(tmp_path):

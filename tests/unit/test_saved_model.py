@@ -65,6 +65,16 @@ def _engine(model, data, algorithm="maml", **options) -> MetaEngine:
     return MetaEngine(SimpleNamespace(module=learner), None, [], plan, {}, 0, 0)
 
 
+def rewrite_meta(folder, meta: dict) -> None:
+    """Write ``meta`` as the folder's model.json with a matching digest: a folder changed by
+    someone who can write it (the digest cannot tell), for the checks that hold regardless."""
+    import hashlib
+
+    text = json.dumps(meta).encode()
+    (folder / "model.json").write_bytes(text)
+    (folder / "model.json.sha256").write_text(f"{hashlib.sha256(text).hexdigest()}  model.json\n")
+
+
 def _raw_rows(data, tasks, n: int = 12) -> dict:
     """The first n rows of ``tasks`` as raw values, decoded through the vocabularies."""
     single = gm.single_fields(data.fields)
@@ -78,8 +88,8 @@ def _raw_rows(data, tasks, n: int = 12) -> dict:
 def test_a_saved_model_loads_back_with_its_tables_vocabularies_and_algorithm(data, tmp_path):
     engine = _engine(Tower(), data, "metasgd", adapt=["head.*", "embedding.item"], inner_lr_scale={"head.bias": 2.0})
     assert engine.save_model(tmp_path / "m", data) == tmp_path / "m"
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["model.json", "model.safetensors",
-                                                                    "vocab.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["model.json", "model.json.sha256",
+                                                                    "model.safetensors", "vocab.safetensors"]
     saved = gm.load_model(tmp_path / "m", Tower())
     before, after = engine.learner.state_dict(), saved.learner.state_dict()
     assert sorted(before) == sorted(after) and any(k.startswith("inner_lrs.") for k in after)  # Meta-SGD's rates
@@ -133,7 +143,7 @@ def test_a_changed_or_foreign_folder_is_refused_naming_the_file(data, tmp_path):
     with pytest.raises(gm.ConfigError, match=r"vocab.safetensors: missing, or not a plain file"):
         gm.load_model(folder, Tower())
     meta = json.loads((folder / "model.json").read_text())
-    (folder / "model.json").write_text(json.dumps({**meta, "version": 99}))
+    rewrite_meta(folder, {**meta, "version": 99})
     with pytest.raises(gm.ConfigError, match=r"model.json: saved model version 99; this gmeta_ds reads version 1"):
         gm.load_model(folder, Tower())
     with pytest.raises(gm.ConfigError, match=r"path: .*nowhere does not exist, expected the folder "
@@ -192,11 +202,11 @@ def test_the_objective_settings_round_trip_and_an_older_export_without_them_load
     meta = json.loads((tmp_path / "m" / "model.json").read_text())
     for key in ("rank_weight", "init_weight", "warmup_steps"):
         del meta["algorithm"][key]
-    (tmp_path / "m" / "model.json").write_text(json.dumps(meta))
+    rewrite_meta(tmp_path / "m", meta)
     older = gm.load_model(tmp_path / "m", Tower()).learner.algorithm
     assert (older.rank_weight, older.init_weight, older.warmup_steps) == (0.0, 0.0, 0)
     del meta["algorithm"]["inner_steps"]  # a key every export has is still required
-    (tmp_path / "m" / "model.json").write_text(json.dumps(meta))
+    rewrite_meta(tmp_path / "m", meta)
     with pytest.raises(gm.ConfigError, match="'algorithm' is"):
         gm.load_model(tmp_path / "m", Tower())
 
@@ -239,17 +249,56 @@ def test_overwrite_replaces_only_a_saved_model_of_ours(data, tmp_path, capsys):
     ("algorithm", "inner_steps", True, r"'algorithm' holds inner_steps True, expected an integer"),
     ("algorithm", "inner_lr", float("nan"), r"'algorithm' holds inner_lr nan, expected a finite number"),
     ("algorithm", "inner_lr", "0.1", r"'algorithm' holds inner_lr '0.1', expected a finite number"),
-    ("algorithm", "rank_weight", -1, r"'algorithm' is refused: meta.rank_weight: -1 must be a number >= 0"),
+    ("algorithm", "inner_lr", -0.1, r"'algorithm' holds inner_lr -0.1, expected a finite number in \(0, 1e\+12\]"),
+    ("algorithm", "inner_lr", 1e300, r"'algorithm' holds inner_lr 1e\+300, expected a finite number in \(0, 1e\+12\]"),
+    ("algorithm", "inner_lr_scale", {"head.*": float("inf")},
+     r"'algorithm' holds inner_lr_scale \{'head.\*': inf\}, expected null or at most 1024 globs"),
+    ("algorithm", "support_level", float("nan"),
+     r"'algorithm' holds support_level nan, expected a finite number in \[0, 1e\+12\] or null"),
+    ("algorithm", "kind", "ranking", r"'algorithm' holds kind 'ranking', expected one of 'binary', 'regression'"),
+    ("algorithm", "rank_weight", -1, r"'algorithm' holds rank_weight -1, expected a finite number in \[0, 1e\+12\]"),
+    ("fields", "num_ids", 10**12, r"'fields'\[0\] holds num_ids 1000000000000, expected an integer in \[1, 2147483647\]"),
+    ("fields", "raw", 1, r"'fields'\[0\] holds raw 1, expected one of True, False"),
+    ("tables", "dim", 10**6, r"'tables'\[0\] holds dim 1000000, expected an integer in \[1, 4096\]"),
+    ("tables", "num_rows", -5, r"'tables'\[0\] holds num_rows -5, expected an integer in \[1, 2147483647\]"),
     ("serving", "inner_steps", 10**9, r"'serving' is .*: expected the model's name and its inner_steps \(an integer in \[0, 10000\]"),
 ])
 def test_an_exports_numbers_are_bounded_at_load(data, tmp_path, where, key, value, message):
-    """Issue 49: model.json has no hash of its own; a number edited into it (1e9 inner steps, a
-    NaN rate) is refused at load naming the file and the value, instead of a request that never
-    returns or scores null."""
+    """Issue 49: every number of model.json is checked as the run config checks its key (a
+    rate finite and in range, a size positive and bounded), even when its digest was rewritten
+    with it: a number edited in (1e9 inner steps, a NaN or negative rate, a table of 10**12
+    rows) is refused at load naming the file, the key and the range, instead of a request that
+    never returns, scores null or an allocation that cannot succeed."""
     engine = _engine(Tower(), data)
     folder = engine.save_model(tmp_path / "m", data)
     meta = json.loads((folder / "model.json").read_text())
-    meta[where][key] = value
-    (folder / "model.json").write_text(json.dumps(meta))
+    (meta[where][0] if isinstance(meta[where], list) else meta[where])[key] = value
+    rewrite_meta(folder, meta)
     with pytest.raises(gm.ConfigError, match=r"model.json: " + message):
         gm.load_adapter(folder, Tower())
+
+
+def test_model_json_is_checked_against_its_digest(data, tmp_path):
+    """Issue 49: model.json.sha256 (a sha256sum line) holds model.json's SHA-256: a model.json
+    changed after the save is refused naming both files; a digest file that is not one
+    sha256sum line is refused naming it; a folder saved before digests existed (none) loads
+    with a warning that says how to save it again."""
+    import hashlib
+    import subprocess
+
+    folder = _engine(Tower(), data).save_model(tmp_path / "m", data)
+    text = (folder / "model.json").read_bytes()
+    assert (folder / "model.json.sha256").read_text() == f"{hashlib.sha256(text).hexdigest()}  model.json\n"
+    assert subprocess.run(["sha256sum", "--check", "--quiet", "model.json.sha256"], cwd=folder, check=False).returncode == 0
+    (folder / "model.json").write_bytes(text.replace(b'"inner_steps": 2', b'"inner_steps": 3'))
+    with pytest.raises(gm.ConfigError, match=r"model.json: its SHA-256 does not match the one model.json.sha256 "
+                                             r"records"):
+        gm.load_model(folder, Tower())
+    (folder / "model.json").write_bytes(text)
+    (folder / "model.json.sha256").write_text("0" * 64 + "  other.json\n")
+    with pytest.raises(gm.ConfigError, match=r"model.json.sha256: not one SHA-256 line for model.json"):
+        gm.load_adapter(folder, Tower())
+    (folder / "model.json.sha256").unlink()
+    with pytest.warns(UserWarning, match=r"model.json: no model.json.sha256 beside it .* save it again "
+                                         r"\(gmeta-ds export WEIGHTS OUT --config RUN.yaml --overwrite"):
+        assert gm.load_model(folder, Tower()).learner.algorithm.inner_steps == 2

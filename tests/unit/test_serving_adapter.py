@@ -19,7 +19,7 @@ from gmeta_ds.api import MetaEngine
 from gmeta_ds.evaluation.scores import predict
 from gmeta_ds.serving import UserRequest
 from tests.helpers import click_log
-from tests.unit.test_saved_model import Tower, _engine
+from tests.unit.test_saved_model import Tower, _engine, rewrite_meta
 
 KEYS = dict(task_key="user", item_key="item", label="click", user_features=["age"], multi_hot={"tags": "|"},
             threshold=0.5, query_size=5, seed=1)
@@ -186,10 +186,10 @@ def test_a_malformed_export_refuses_to_load_naming_the_file(data, tmp_path, caps
 
     folder = _engine(Tower(), data, "maml", adapt="head.*").save_model(tmp_path / "export", data)
     meta = json.loads((folder / "model.json").read_text())
-    (folder / "model.json").write_text(json.dumps({**meta, "serving": None}))
+    rewrite_meta(folder, {**meta, "serving": None})
     with pytest.raises(gm.ConfigError, match=r"model.json: 'serving' is None"):
         gm.load_adapter(folder, Tower())
-    (folder / "model.json").write_text(json.dumps(meta))
+    rewrite_meta(folder, meta)
     weights = folder / "model.safetensors"
     blob = bytearray(weights.read_bytes())
     blob[-1] ^= 1
