@@ -1,7 +1,7 @@
 """The meta-learning engine: a `MetaLearner` on a DeepSpeed engine with its sharded tables,
 started by `start_engine` (the one start-up of `gmeta_ds.initialize` and of the CLI's
-training loop, resuming from a checkpoint at any world size), and `meta_step`, one outer
-step on a rank's micro-batches.
+training loop, resuming from a checkpoint at any world size), and `MetaEngine.meta_step`, one outer
+step on a rank's micro-batches (`step_micro_batches`).
 
 Per meta-step and rank: each micro-batch's fused embedding lookup of support and query ids,
 the inner loop of every task, the outer loss -> ``engine.backward`` (DeepSpeed averages over
@@ -128,8 +128,8 @@ class _AnyRank:
         return bool(self.value.item() > 0)
 
 
-def meta_step(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-              batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite) -> StepResult:
+def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
+                       batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite) -> StepResult:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
@@ -284,7 +284,7 @@ class MetaEngine:
         warming = self.step < self.learner.algorithm.warmup_steps
         for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
             learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
-        result = meta_step(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
+        result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
         if self.outer is not None and self.outer.due(self.step):
             with phase("outer_sync"):

@@ -373,7 +373,7 @@ def _few(items: list[str], n: int = 3) -> str:
 def reduction_is_identity(engine) -> bool:
     """Whether DeepSpeed's gradient reduction would leave every gradient as it is: one rank,
     ZeRO-0 (no partitioning, so ``engine.no_sync()`` is allowed) and fp32 gradients (no cast to
-    a communication dtype and back). `meta_engine.meta_step` then skips it."""
+    a communication dtype and back). `meta_engine.step_micro_batches` then skips it."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1

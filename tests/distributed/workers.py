@@ -255,7 +255,7 @@ def nonfinite(policy: str) -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.meta_engine import NonFiniteLoss, meta_step
+    from gmeta_ds.meta_engine import NonFiniteLoss, step_micro_batches
 
     rank = dist.get_rank()
     engine = tiny_engine(stage=2, gas=1)
@@ -265,15 +265,15 @@ def nonfinite(policy: str) -> None:
         bad.support_y[1, 0] = float("nan")
     if policy == "abort":
         try:
-            meta_step(engine, None, [], [bad], step=6, nonfinite="abort")
+            step_micro_batches(engine, None, [], [bad], step=6, nonfinite="abort")
         except NonFiniteLoss as exc:
             assert "meta-step 7: non-finite outer loss on rank 1 (tasks [0, 1, 2])" in str(exc), str(exc)
             print("raised", rank)
             return
         raise AssertionError("no NonFiniteLoss")
-    stats = meta_step(engine, None, [], [bad], step=6, nonfinite="skip")
+    stats = step_micro_batches(engine, None, [], [bad], step=6, nonfinite="skip")
     assert stats.skipped and ds_engine.checksums(engine.module) == before
-    stats = meta_step(engine, None, [], [tiny_batch(seed=10 + rank)], step=7, nonfinite="skip")
+    stats = step_micro_batches(engine, None, [], [tiny_batch(seed=10 + rank)], step=7, nonfinite="skip")
     assert not stats.skipped and ds_engine.checksums(engine.module) != before
     print("skipped", rank)
 
@@ -285,18 +285,18 @@ def nonfinite_accumulated() -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.meta_engine import NonFiniteLoss, meta_step
+    from gmeta_ds.meta_engine import NonFiniteLoss, step_micro_batches
 
     rank = dist.get_rank()
     engine = tiny_engine(stage=1, gas=2)
     good = [tiny_batch(seed=10 + rank), tiny_batch(seed=20 + rank)]
-    meta_step(engine, None, [], good, step=0)
+    step_micro_batches(engine, None, [], good, step=0)
     before = ds_engine.checksums(engine.module)
     bad = [tiny_batch(seed=rank), tiny_batch(seed=30 + rank)]
     if rank == 0:
         bad[0].support_y[1, 0] = float("nan")
     try:
-        meta_step(engine, None, [], bad, step=1)
+        step_micro_batches(engine, None, [], bad, step=1)
     except NonFiniteLoss as exc:
         assert "meta-step 2: non-finite outer loss on rank 0 (tasks [0, 1, 2])" in str(exc), str(exc)
         assert "rank 1" not in str(exc), str(exc)
@@ -315,7 +315,7 @@ def zero0_world1_without_reduction() -> None:
     from helpers import tiny_batch
 
     from gmeta_ds.engine import ds_engine
-    from gmeta_ds.meta_engine import meta_step
+    from gmeta_ds.meta_engine import step_micro_batches
 
     states = []
     for skip_reduction in (True, False):
@@ -328,7 +328,7 @@ def zero0_world1_without_reduction() -> None:
                 mock.patch.object(engine, "allreduce_gradients",
                                   side_effect=lambda *a, **k: (calls.append(1), original(*a, **k))):
             for step in range(3):
-                meta_step(engine, None, [], [tiny_batch(seed=2 * step), tiny_batch(seed=2 * step + 1)], step=step)
+                step_micro_batches(engine, None, [], [tiny_batch(seed=2 * step), tiny_batch(seed=2 * step + 1)], step=step)
         assert (len(calls) == 0) == skip_reduction, (skip_reduction, len(calls))
         states.append({k: v.clone() for k, v in engine.module.state_dict().items()})
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
