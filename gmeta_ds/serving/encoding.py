@@ -5,7 +5,9 @@ it does not hold gets the out-of-vocabulary row 0); a field of raw ids (dynamic 
 the value's id (`gmeta_ds.sparse.value_id`) and a dynamic table looks an id it never admitted
 up as its default row; a field of plain ids (synthetic data) takes integers in
 ``[0, num_ids)``, others going to row 0. Each such unknown value is counted (the server's
-``unknown_ids`` metric) so that a drift in the incoming values is visible.
+``unknown_ids`` metric) so that a drift in the incoming values is visible. A support label is
+0 or 1 for a binary model (clicks), a finite rating within +-1e12 (`MAX_LABEL`) for a
+regression model: anything else is the request's `RequestError` naming ``support[i].label``.
 """
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gmeta_ds.config.bounds import MAX_FLOAT
 from gmeta_ds.data.vocab import value_text
 from gmeta_ds.serving.adapter import Padded
 from gmeta_ds.serving.export import Export
 from gmeta_ds.sparse import PAD_ID, Jagged, multi_fields, single_fields, value_id
+
+MAX_LABEL = MAX_FLOAT  # the largest rating a regression model adapts on: the config's float bound
 
 
 class RequestError(ValueError):
@@ -57,6 +62,8 @@ class Encoder:
                 self.admitted[name] = ids.numpy()
         for vocab in self.vocab.values():
             vocab.encode([])  # build the value -> id map now, not on the first request
+        # binary labels are clicks, regression's ratings (AlgorithmSettings' default: binary)
+        self.kind = (export.meta.get("algorithm") or {}).get("kind", "binary")
 
     def encode(self, columns: dict[str, list], labels: list[float] | None, where: str) -> Encoded:
         """``columns``: field -> N raw values (a multi-hot field: N lists); ``where`` prefixes
@@ -76,8 +83,28 @@ class Encoder:
             flat = self.vocab[f.name].encode(v for b in rows for v in b)
             unknown += int((flat == 0).sum())
             bags[f.name] = np.split(flat, np.cumsum([len(b) for b in rows])[:-1]) if rows else []
-        y = np.asarray(labels if labels is not None else np.zeros(n), np.float32)
+        y = self._labels(labels, where) if labels is not None else np.zeros(n, np.float32)
         return Encoded(ids, bags, y, unknown)
+
+    def _labels(self, labels: list, where: str) -> np.ndarray:
+        """The support's labels as float32, each checked against the model's label kind (as
+        float64 first: 1e300 is not a rating that float32 would make inf, 1 + 1e-9 not a click)."""
+        try:
+            y = np.asarray(labels, np.float64)
+        except (TypeError, ValueError, OverflowError):
+            y = None
+        if y is None or y.shape != (len(labels),):
+            raise RequestError(f"{where}.label", "expected one number per row")
+        if self.kind == "binary":
+            bad, expected = (y != 0) & (y != 1), "0 or 1 (a binary model's labels are clicks)"
+        elif self.kind == "regression":
+            bad, expected = ~(np.abs(y) <= MAX_LABEL), f"a finite rating within +-{MAX_LABEL:g}"
+        else:
+            return y.astype(np.float32)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise RequestError(f"{where}[{i}].label", f"expected {expected}, got {labels[i]!r}")
+        return y.astype(np.float32)
 
     def _plain_block(self, ids: np.ndarray, columns: dict, n: int, where: str) -> tuple[int, set[int]]:
         """The plain-id fields' columns of ``ids`` filled in one array conversion (a request's

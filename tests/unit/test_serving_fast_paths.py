@@ -53,8 +53,9 @@ def test_anything_the_value_by_value_path_refuses_leaves_it_to_that_path(part, r
         protocol._rows({part: rows}, part, FIELDS, USER, part == "support", 100)
 
 
-def _encoder() -> Encoder:
-    export = SimpleNamespace(fields=[FIELDS["age"], FIELDS["item"]], vocab={}, meta={"tables": []}, state={})
+def _encoder(kind: str = "binary") -> Encoder:
+    export = SimpleNamespace(fields=[FIELDS["age"], FIELDS["item"]], vocab={}, state={},
+                             meta={"tables": [], "algorithm": {"kind": kind}})
     return Encoder(export)
 
 
@@ -90,3 +91,24 @@ def test_an_id_past_int64_or_not_finite_is_a_request_error_naming_the_field(pois
     the encoder; they are a `RequestError` naming the field, like any non-integer id."""
     with pytest.raises(RequestError, match=r"^support\.item: expected integer ids in \[0, 50\)"):
         _encoder().encode({"age": [1, 2], "item": [3, poison]}, [1.0, 0.0], "support")
+
+
+@pytest.mark.parametrize("kind,label,expected", [
+    ("binary", 7, "0 or 1"), ("binary", -1, "0 or 1"), ("binary", 0.5, "0 or 1"), ("binary", 1e300, "0 or 1"),
+    ("binary", 1 + 1e-9, "0 or 1"),  # float32 would round it to a click
+    ("regression", 1e300, "a finite rating within"), ("regression", -1e13, "a finite rating within"),
+    ("regression", float("nan"), "a finite rating within"), ("regression", float("inf"), "a finite rating within"),
+])
+def test_a_label_outside_the_models_kind_is_refused_naming_the_row(kind, label, expected):
+    """Issue 49 item 6: a binary model took labels 7 and -1, and label 1e300 scored null (inf in
+    float32); a binary model's labels are 0 or 1, a regression model's finite within +-1e12,
+    else a `RequestError` naming the row's label (the server's 400)."""
+    with pytest.raises(RequestError, match=rf"^support\[1\]\.label: expected {expected}"):
+        _encoder(kind).encode({"age": [1, 2, 3], "item": [3, 4, 5]}, [1.0, label, 0.0], "support")
+
+
+def test_labels_of_the_models_kind_are_kept():
+    ratings = _encoder("regression").encode({"age": [1, 2, 3], "item": [3, 4, 5]}, [4.5, -2, 1e12], "support")
+    assert ratings.labels.dtype == np.float32 and ratings.labels.tolist() == [4.5, -2.0, np.float32(1e12)]
+    clicks = _encoder().encode({"age": [1, 2], "item": [3, 4]}, [1, 0.0], "support")
+    assert clicks.labels.tolist() == [1.0, 0.0]
