@@ -18,6 +18,9 @@ Endpoints:
 - ``POST /v2/repository/models/{name}/load`` (OIP's repository extension): load the export
   again, or ``{"parameters": {"path": DIR}}`` another one, while requests are served; the
   next batch runs on it, and every response names the version that scored it;
+  ``POST /v2/repository/index`` lists the model served (name, version, state ``READY``);
+- Triton's binary tensor extension on the infer endpoint (`gmeta_ds.serving.binary`): what
+  tritonclient.http sends and asks for by default;
 - ``GET /metrics``: Prometheus text (requests, batch sizes, adapt and score seconds, cache
   hits, unknown values, the model's version).
 """
@@ -35,6 +38,7 @@ from fastapi import Request  # at module level: the handlers' annotations are re
 from fastapi.responses import Response
 
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.serving import binary
 from gmeta_ds.serving.batching import Batcher, ModelHolder
 from gmeta_ds.serving.encoding import RequestError
 from gmeta_ds.serving.model import ServedModel
@@ -73,8 +77,8 @@ def model_function(spec: str | None):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError([f"--model {spec!r}: cannot import it ({exc}); expected MODULE:FUNCTION, a "
-                           "function of the saved fields returning the model"]) from None
+        raise ConfigError([(f"--model {spec!r}: cannot import it ({exc}); expected MODULE:FUNCTION, a "
+                            "function of the saved fields returning the model")]) from None
 
 
 def load(path: str | Path, options: ServerOptions) -> ServedModel:
@@ -143,10 +147,11 @@ class App:
         self.submit = submit or self.batcher.submit
         self.reloading = threading.Lock()
 
-    async def outcome(self, endpoint: str, work) -> tuple[int, bytes]:
-        """Run a handler's ``work()``: (200, its dict as JSON), a problem as a 4xx naming the
-        field, anything else as a 500 that leaves the server up; counted in the metrics. JSON
-        by orjson (several times json's speed: a response holds a float per candidate)."""
+    async def outcome(self, endpoint: str, work) -> tuple[int, bytes, list]:
+        """Run a handler's ``work()``: (200, its dict as JSON, the headers naming its type; a
+        `binary.BinaryReply` in Triton's binary form), a problem as a 4xx naming the field,
+        anything else as a 500 that leaves the server up; counted in the metrics. JSON by
+        orjson (several times json's speed: a response holds a float per candidate)."""
         try:
             status, content = 200, await work()
         except HTTPProblem as exc:
@@ -156,16 +161,20 @@ class App:
         except Exception as exc:  # noqa: BLE001 - a bug answers 500; the server keeps serving
             status, content = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
         self.metrics.count(endpoint, status)
-        return status, orjson.dumps(content)
+        if type(content) is binary.BinaryReply:
+            return status, *binary.reply_body(content)
+        return status, orjson.dumps(content), _JSON
 
     async def answer(self, endpoint: str, work) -> Response:
         """`outcome` as a Starlette response."""
-        status, body = await self.outcome(endpoint, work)
-        return Response(body, status, media_type="application/json")
+        status, body, headers = await self.outcome(endpoint, work)
+        return Response(body, status, headers={k.decode(): v.decode() for k, v in headers})
 
-    async def body(self, length: str, chunks, required: bool = True):
+    async def body(self, length: str, chunks, required: bool = True, header_length: str = ""):
         """The JSON body of a request (its Content-Length header, "" when none, and an async
-        iterator of its bytes), refused past ``max_body_bytes`` (413) or when not JSON (400)."""
+        iterator of its bytes), refused past ``max_body_bytes`` (413) or when not JSON (400);
+        with ``header_length`` (Triton's Inference-Header-Content-Length), a JSON header and the
+        binary tensors after it (`gmeta_ds.serving.binary`), decoded into the header's inputs."""
         limit = self.options.max_body_bytes
         if length.isdigit() and int(length) > limit:
             raise HTTPProblem(413, "body", f"{length} bytes; at most {limit} (gmeta-ds serve --max-body-bytes)")
@@ -174,14 +183,12 @@ class App:
             data += chunk
             if len(data) > limit:
                 raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
+        if header_length:
+            header, tensors = binary.split_body(data, header_length)
+            return binary.fill_inputs(_json(header), tensors)
         if not data and not required:
             return {}
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            if str(exc).startswith("depth limit"):  # orjson's fixed bound: 1024 levels
-                raise HTTPProblem(400, "body", f"nested deeper than the 1024 levels orjson reads ({exc})") from None
-            return _json_body(data)
+        return _json(data)
 
     def check_name(self, name: str) -> ServedModel:
         model = self.holder.model
@@ -189,10 +196,10 @@ class App:
             raise HTTPProblem(404, "model name", f"no model {name!r} here; this server serves {model.name!r}")
         return model
 
-    async def score(self, length: str, chunks, parse):
+    async def score(self, length: str, chunks, parse, header_length: str = ""):
         """Parse one user's body (`body`'s arguments) with ``parse`` (`protocol.parse_json` /
         `parse_oip`) and score it."""
-        body = await self.body(length, chunks)
+        body = await self.body(length, chunks, header_length=header_length)
         model = self.holder.model
         user = parse(body, model.fields, self.options.max_rows)
         result, model = await self.submit(user)
@@ -221,11 +228,12 @@ class App:
         _, result, model = await self.score(length, chunks, parse_json)
         return json_response(result, model.name, model.version)
 
-    async def infer(self, name: str, length: str, chunks) -> dict:
-        """``POST /v2/models/{name}/infer``'s answer."""
+    async def infer(self, name: str, length: str, chunks, header_length: str = ""):
+        """``POST /v2/models/{name}/infer``'s answer (binary when the request asks)."""
         self.check_name(name)
-        body, result, model = await self.score(length, chunks, parse_oip)
-        return oip_response(result, model.name, model.version, body.get("id"))
+        body, result, model = await self.score(length, chunks, parse_oip, header_length)
+        answer = oip_response(result, model.name, model.version, body.get("id"))
+        return binary.encode_reply(answer) if binary.wants_binary(body) else answer
 
     def _load_one(self, path: Path) -> ServedModel:
         with self.reloading:  # one reload at a time
@@ -256,7 +264,8 @@ def create_app(path: str | Path, options: ServerOptions | None = None, submit=No
 
     async def infer(request: Request):
         length, name = request.headers.get("content-length", ""), request.path_params["name"]
-        return await state.answer("/v2/models/infer", lambda: state.infer(name, length, request.stream()))
+        header_length = request.headers.get(binary.HEADER, "")
+        return await state.answer("/v2/models/infer", lambda: state.infer(name, length, request.stream(), header_length))
 
     app.add_route("/v1/score", score_json, methods=["POST"])
     app.add_route("/v2/models/{name}/infer", infer, methods=["POST"])
@@ -271,6 +280,13 @@ def create_app(path: str | Path, options: ServerOptions | None = None, submit=No
     @app.post("/v2/repository/models/{name}/load")
     async def reload(name: str, request: Request):
         return await state.answer("/v2/repository/load", lambda: state.reload(name, request))
+
+    @app.post("/v2/repository/index")
+    async def repository_index():
+        async def work():  # the repository extension's index: the one model this server serves
+            model = state.holder.model
+            return [{"name": model.name, "version": model.version, "state": "READY"}]
+        return await state.answer("/v2/repository/index", work)
 
     _plain_routes(app, state)
     return ScoringASGI(app, state)
@@ -290,20 +306,26 @@ class ScoringASGI:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
             if path == "/v1/score":
-                return await self._answer(send, "/v1/score", lambda h: self.served.score_json(h, _chunks(receive)),
-                                          scope)
+                return await self._answer(send, "/v1/score",
+                                          lambda h, _: self.served.score_json(h, _chunks(receive)), scope)
             name = path[11:-6] if path.startswith("/v2/models/") and path.endswith("/infer") else ""
             if name and "/" not in name:
                 return await self._answer(send, "/v2/models/infer",
-                                          lambda h: self.served.infer(name, h, _chunks(receive)), scope)
+                                          lambda h, b: self.served.infer(name, h, _chunks(receive), b), scope)
         await self.app(scope, receive, send)
 
     async def _answer(self, send, endpoint: str, handler, scope) -> None:
-        """``handler(content_length)``'s `App.outcome`, sent as the response."""
-        length = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-length"), "")
-        status, body = await self.served.outcome(endpoint, lambda: handler(length))
+        """``handler(content_length, inference_header_content_length)``'s `App.outcome` (each
+        header's value, "" when absent), sent as the response."""
+        length = header_length = ""
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                length = value.decode("latin-1")
+            elif key == _BINARY_HEADER:
+                header_length = value.decode("latin-1")
+        status, body, headers = await self.served.outcome(endpoint, lambda: handler(length, header_length))
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+                    "headers": [*headers, (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -383,6 +405,20 @@ def quiet_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+
+
+_JSON = [(b"content-type", b"application/json")]
+_BINARY_HEADER = binary.HEADER.lower().encode()  # as ASGI gives header names
+
+
+def _json(data: bytes):
+    """A request's JSON (orjson; what it refuses, as the standard library reads it), or a 400."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("depth limit"):  # orjson's fixed bound: 1024 levels
+            raise HTTPProblem(400, "body", f"nested deeper than the 1024 levels orjson reads ({exc})") from None
+        return _json_body(data)
 
 
 def _json_body(data: bytes):

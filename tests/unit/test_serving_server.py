@@ -5,73 +5,19 @@ leave the server up, /metrics counts, and a new export is loaded while requests 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import torch
 
 import gmeta_ds as gm
-from tests.unit.test_serving_adapter import KEYS, requests
-from tests.helpers import click_log
-from tests.unit.test_saved_model import _engine
-
-REPO = Path(__file__).resolve().parents[2]
-WAIT_S = 90
+from tests.unit.test_serving_adapter import requests
 
 
 def dcn(fields):
-    """The served model's architecture (gmeta-ds serve --model tests.unit.test_serving_server:dcn)."""
+    """The served model's architecture (gmeta-ds serve --model tests.unit.test_serving_server:dcn;
+    the server: tests/unit/conftest.py's ``server``, one per session)."""
     return gm.DCNv2(fields, embed_dim=4, cross_layers=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base url, the export, a second export of other weights, the data) of a running server."""
-    data = gm.build_tasks(click_log(users=24), **KEYS)
-    root = tmp_path_factory.mktemp("serve")
-    engine = _engine(dcn(data.fields), data, "maml")
-    engine.save_model(root / "v1", data)
-    with torch.no_grad():
-        for p in engine.learner.parameters():
-            p.add_(0.05)
-    engine.save_model(root / "v2", data)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
-           "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000"]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        assert proc.poll() is None, (root / "server.log").read_text()
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server not ready in time: " + (root / "server.log").read_text()
-        time.sleep(0.2)
-    yield url, root, data
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=20)
-    log.close()
 
 
 def _json_body(user) -> dict:

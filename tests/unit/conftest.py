@@ -1,0 +1,68 @@
+"""Fixtures shared by several files of tests/unit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.pool import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 90
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """(base url, the export, a second export of other weights, the data) of a running
+    `gmeta-ds serve` on 127.0.0.1, one per session: tests/unit/test_serving_server.py's and
+    test_serving_triton.py's requests go to it (starting one costs seconds)."""
+    import gmeta_ds as gm
+    from tests.helpers import click_log
+    from tests.unit.test_saved_model import _engine
+    from tests.unit.test_serving_adapter import KEYS
+    from tests.unit.test_serving_server import dcn
+
+    data = gm.build_tasks(click_log(users=24), **KEYS)
+    root = tmp_path_factory.mktemp("serve")
+    engine = _engine(dcn(data.fields), data, "maml")
+    engine.save_model(root / "v1", data)
+    with torch.no_grad():
+        for p in engine.learner.parameters():
+            p.add_(0.05)
+    engine.save_model(root / "v2", data)
+    port = free_port()
+    cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
+           "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000"]
+    with open(root / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(proc, url, root / "server.log")
+            yield url, root, data
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=20)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server not ready in time: " + log.read_text()
+        time.sleep(0.2)
