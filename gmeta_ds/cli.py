@@ -193,7 +193,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 def _with_hostfile_hosts(cfg: RunConfig, hosts, num_gpus: int | None) -> RunConfig:
     """``cfg`` planned on the hostfile's hosts (``embedding.hosts`` left at 0, hosts of equal
-    size: the topology the launch will have), else ``cfg`` itself."""
+    size: the topology the launch will have; with ``sites.count`` > 1 the run's hosts, which
+    `resolve_topology` shares among the sites), else ``cfg`` itself."""
     sizes = {num_gpus or h.slots for h in hosts or ()}
     if cfg.embedding.hosts or len(sizes) != 1 or len(hosts) < 2:
         return cfg
@@ -218,11 +219,13 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
     ds_config, plan = resolve_ds_config(cfg, world)
     sites_line = None
     if cfg.sites.count > 1:  # plan site 0 (every site is alike): its share of the batch and ranks
-        from gmeta_ds.engine.sites import describe_sites, site_run
+        from gmeta_ds.engine.sites import describe_site_hosts, describe_sites, site_run
 
         local = (args.num_gpus or hosts[0].slots) if hosts else world
         _, ds_config, plan = site_run(cfg, ds_config, plan, (0, world, local))
         sites_line = describe_sites(cfg.sites, world)
+        if hosts:
+            sites_line += "\n" + describe_site_hosts([h.name for h in hosts], local, cfg.sites.count)
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
 
     check_device_support(ds_config)  # train refuses fp16 without a GPU: so does validate

@@ -26,33 +26,38 @@ from gmeta_ds.errors import ConfigError
 NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK", "CROSS_RANK")
 
 
-def resolve_topology(hosts: int, world: int, required: bool = True) -> Topology | None:
+def resolve_topology(hosts: int, world: int, required: bool = True, sites: int = 1) -> Topology | None:
     """The `Topology` of ``world`` ranks: ``hosts`` of them (``embedding.hosts``; 0: the
     launcher's local world size, one host without a launcher). Launcher values that make no
     regular topology (unequal hosts, ranks not numbered host by host) are an error when the
     topology is ``required`` (a topology-aware exchange was asked for), else None: the flat
-    exchange runs as before, without cross-host counters."""
+    exchange runs as before, without cross-host counters.
+
+    With ``sites`` > 1 (``sites.count``) ``world`` is one site's ranks and the hosts are the
+    run's, shared by the sites: a site is whole hosts (``embedding.hosts`` N: N / sites each;
+    the launcher's: the site's ranks over its hosts' ranks), or a host holds whole sites (one
+    host per site)."""
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 0:
         raise ConfigError([f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {hosts!r}"])
     if hosts:
-        if world % hosts:
-            raise ConfigError([f"embedding.hosts: {hosts} hosts cannot share {world} ranks evenly (world size "
-                               f"{world} is not a multiple of {hosts})"])
-        return Topology(world, world // hosts)
+        return _given_hosts(hosts, world, sites)
     if "RANK" not in os.environ:
         return Topology(world, world)
     rank, env_size, local = env_world()
-    if env_size != world:
+    if env_size != world * sites:
         return Topology(world, world)  # planning for another world (validate --world-size): one host
+    if sites > 1 and local >= world:
+        return Topology(world, world)  # the site lies within one host
     name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE"
     if world % local:
         if not required:
             return None
+        what = f"a site's {world} ranks" if sites > 1 else f"WORLD_SIZE={world}"
         raise ConfigError([f"environment variable {name}={local}: hosts of unequal size are not supported "
-                           f"(WORLD_SIZE={world} is not a multiple); set embedding.hosts"])
+                           f"({what} is not a multiple); set embedding.hosts"])
     topology = Topology(world, local)
     try:
-        _check_numbering(topology, rank)
+        _check_numbering(topology, rank, first=rank - rank % world)
     except ConfigError:
         if required:
             raise
@@ -60,19 +65,37 @@ def resolve_topology(hosts: int, world: int, required: bool = True) -> Topology 
     return topology
 
 
-def _check_numbering(topology: Topology, rank: int) -> None:
+def _given_hosts(hosts: int, world: int, sites: int) -> Topology:
+    """``embedding.hosts`` (the run's hosts) as the topology of one site's ``world`` ranks."""
+    run = f"{hosts} hosts"
+    if sites > 1:
+        if hosts % sites and sites % hosts:
+            raise ConfigError([f"embedding.hosts: {hosts} hosts cannot hold {sites} sites (sites.count) of whole "
+                               "hosts (expected hosts a multiple of the sites, or sites a multiple of the hosts)"])
+        run = f"{hosts} hosts over {sites} sites ({max(1, hosts // sites)} per site)"
+        hosts = max(1, hosts // sites)
+    if world % hosts:
+        raise ConfigError([f"embedding.hosts: {run} cannot share {world} ranks evenly (world size "
+                           f"{world} is not a multiple of {hosts})"])
+    return Topology(world, world // hosts)
+
+
+def _check_numbering(topology: Topology, rank: int, first: int = 0) -> None:
     """Ranks must be numbered host by host: LOCAL_RANK and the node rank, where the launcher
-    set them, must match RANK's place in the topology."""
+    set them, must match RANK's place in the topology (of the site whose first rank is
+    ``first``: its hosts come after the earlier sites' hosts)."""
     problems = []
+    own = rank - first
     local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit() and int(local) != topology.local_of(rank):
+    if local is not None and local.isdigit() and int(local) != topology.local_of(own):
         problems.append(f"environment variables RANK={rank} and LOCAL_RANK={local}: expected ranks numbered "
-                        f"host by host ({topology.describe()}: local rank {topology.local_of(rank)})")
+                        f"host by host ({topology.describe()}: local rank {topology.local_of(own)})")
+    host = first // topology.ranks_per_host + topology.host_of(own)
     for name in NODE_RANK_VARIABLES:
         value = os.environ.get(name)
-        if value is not None and value.isdigit() and int(value) != topology.host_of(rank):
+        if value is not None and value.isdigit() and int(value) != host:
             problems.append(f"environment variables RANK={rank} and {name}={value}: expected ranks numbered "
-                            f"host by host ({topology.describe()}: host {topology.host_of(rank)})")
+                            f"host by host ({topology.describe()}: host {host})")
             break
     if problems:
         raise ConfigError(problems)

@@ -170,6 +170,17 @@ def data_part() -> tuple[int, int]:
     return (sites.site, sites.count) if sites is not None else (0, 1)
 
 
+def describe_site_hosts(hosts: list[str], ranks_per_host: int, count: int) -> str:
+    """``gmeta-ds validate --hostfile``'s line placing ``count`` sites on the hostfile's
+    ``hosts`` (in its order, ``ranks_per_host`` each; ranks numbered site by site): whole hosts
+    per site, or whole sites per host (the layout `site_layout` accepts)."""
+    per_site = len(hosts) * ranks_per_host // count
+    parts = [f"site {s}: {', '.join(hosts[s * per_site // ranks_per_host:((s + 1) * per_site - 1) // ranks_per_host + 1])}"
+             for s in range(count)]
+    return (f"sites on the hostfile's hosts: {'; '.join(parts)} (each site {max(1, per_site // ranks_per_host)} "
+            f"host(s) x {min(per_site, ranks_per_host)} rank(s))")
+
+
 def describe_sites(settings, world: int) -> str:
     """``gmeta-ds validate``'s line for ``sites.*`` at ``world`` ranks."""
     outer = (f"outer SGD lr {settings.outer_lr:g}, momentum {settings.outer_momentum:g}"

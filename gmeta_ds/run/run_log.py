@@ -134,10 +134,14 @@ class Cadence:
 class StepWindow:
     """The meta-steps since the last log line: their losses (the last finite ones), padding,
     skipped steps, wall and CPU time (minus what the profiler spent), and the traffic they
-    caused; `record` turns them into one metrics.jsonl line (a collective: means over ranks)."""
+    caused; `record` turns them into one metrics.jsonl line (a collective: means over ranks).
+    With ``sites`` > 1 ``tasks_per_meta_step`` and ``world`` are this site's: the line's
+    ``tasks`` / ``tasks_per_s`` count the run's (every site takes its block of each meta-step),
+    ``site_tasks`` / ``site_tasks_per_s`` this site's."""
 
-    def __init__(self, tasks_per_meta_step: int, world: int, dense_bytes: int, sharded=None):
+    def __init__(self, tasks_per_meta_step: int, world: int, dense_bytes: int, sharded=None, sites: int = 1):
         self.tasks_per_meta_step, self.world, self.dense_bytes = tasks_per_meta_step, world, dense_bytes
+        self.sites = sites
         self.sharded = sharded
         self.skipped, self.query, self.support = 0, float("nan"), float("nan")
         self.seen: dict = {}  # dynamic tables' lookups and hits at the last line
@@ -171,12 +175,14 @@ class StepWindow:
              *[c[k] for c in counters.values() for k in DYNAMIC_COUNTERS]])
         elapsed = time.perf_counter() - self.start
         tasks = self.steps * self.tasks_per_meta_step
-        record = {"step": step, "tasks": step * self.tasks_per_meta_step,
-                  "query_loss": query, "support_loss": support, "tasks_per_s": tasks / elapsed,
+        record = {"step": step, "tasks": step * self.tasks_per_meta_step * self.sites,
+                  "query_loss": query, "support_loss": support, "tasks_per_s": tasks * self.sites / elapsed,
                   "cpu_s_per_task": cpu_mean * self.world / tasks if tasks else None,
                   "padding_efficiency": pad, "skipped_steps": self.skipped,
                   "dense_allreduce_bytes": self.dense_bytes * self.steps,
                   "embedding_comm_bytes": sharded.stats.total_sent() if sharded else 0}
+        if self.sites > 1:
+            record.update(site_tasks=step * self.tasks_per_meta_step, site_tasks_per_s=tasks / elapsed)
         if sharded:
             record["embedding_comm"] = sharded.stats.as_dict()
             sharded.stats.reset()

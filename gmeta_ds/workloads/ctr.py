@@ -322,7 +322,7 @@ def embedding_plan(cfg: RunConfig, fields, world_size: int, train=None) -> Shard
     training tasks, ``exchange: auto`` tables choose rows or pooled by their bag statistics.
     A plan the tables cannot take is a `ConfigError` naming the table."""
     mode = cfg.embedding.exchange_topology
-    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat")
+    topology = resolve_topology(cfg.embedding.hosts, world_size, required=mode != "flat", sites=cfg.sites.count)
     stats = None
     if train is not None:
         from gmeta_ds.config.deepspeed import resolve_ds_config
