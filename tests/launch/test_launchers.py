@@ -3,6 +3,7 @@ scripts in launch/ (torchrun, two no-ssh nodes, two hosts in network namespaces)
 ``accelerate launch`` with the shipped YAML. Each trains the model the plain process trains."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -43,9 +44,10 @@ def test_accelerate_launch_with_shipped_yaml(tmp_path, reference_run):
     assert_same_model(result, reference_run)
 
 
-def _two_node_launch(tmp_path, hosts: list[tuple[list[str], dict, str]]) -> dict:
-    """Start multinode_no_ssh.sh once per node (command prefix, extra env, master address);
-    wait for both with a timeout; return the summary."""
+def _two_node_launch(tmp_path, hosts: list[tuple[list[str], dict, str]], *overrides: str) -> dict:
+    """Start multinode_no_ssh.sh once per node (command prefix, extra env, master address;
+    ``overrides``: its trailing ``--set key=value`` arguments); wait for both with a timeout;
+    return the summary."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     path = tiny_config(tmp_path)
@@ -53,7 +55,7 @@ def _two_node_launch(tmp_path, hosts: list[tuple[list[str], dict, str]]) -> dict
     procs = []
     for node_rank, (prefix, env, master) in enumerate(hosts):
         cmd = [*prefix, str(REPO / "launch" / "multinode_no_ssh.sh"), str(hostfile), str(node_rank),
-               master, str(path)]
+               master, str(path), *overrides]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, env={**os.environ, **env,
                                                       "MASTER_PORT": port}))
@@ -121,6 +123,26 @@ def test_two_hosts_in_network_namespaces(tmp_path, reference_run, two_hosts):
     result = _two_node_launch(tmp_path, hosts)
     assert result["world_size"] == 2
     assert_same_model(result, reference_run)
+
+
+def test_two_sites_on_two_hosts_in_network_namespaces(tmp_path, two_hosts):
+    """Issue 50 item 3: a site per host of a 2-host hostfile. The script's preflight (`gmeta-ds
+    validate --hostfile`) used to refuse it (the run's 2 hosts applied to a site's single rank);
+    now both sites train, each on its own host, and end with the same weights; metrics.jsonl
+    says which task count is the run's and which the site's."""
+    master = two_hosts[0][2]
+    hosts = [(["ip", "netns", "exec", name], {"GLOO_SOCKET_IFNAME": link}, master)
+             for name, link, _ in two_hosts]
+    site0 = _two_node_launch(tmp_path, hosts, "--set", "sites.count=2", "--set", "sites.sync_every=2",
+                             "--set", "embedding.sharding=sharded", "--set", "embedding.exchange_topology=auto")
+    out = tmp_path / "run"
+    site1 = json.loads((out / "sites" / "site-1" / "summary.json").read_text())
+    assert site0["sites"]["count"] == 2 and site0["sites"]["ranks_per_site"] == 1
+    assert site0["sites"]["synchronisations"] == 2 and site0["sites"]["cross_site_bytes_site"] > 0
+    assert site0["dense_checksum"] == site1["dense_checksum"]  # the same weights after the last one
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["tasks"], last["site_tasks"]) == (32, 16)  # 4 meta-steps x 8 tasks, 4 of them per site
+    assert last["tasks_per_s"] == pytest.approx(2 * last["site_tasks_per_s"])
 
 
 def test_bad_hostfile_stops_the_script_before_launch(tmp_path):
