@@ -5,8 +5,8 @@ import torch
 
 from gmeta_ds.config import EmbeddingConfig
 from gmeta_ds.data.tasks import TaskBatch
-from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.models.melu import MeLU, build_melu
+from gmeta_ds.sparse import FieldSpec
 
 FIELDS = [FieldSpec("age", 5, "user"), FieldSpec("item_id", 11, "item"), FieldSpec("cat", 4, "item")]
 
@@ -80,3 +80,22 @@ def click_log(users: int = 40, seed: int = 0, items: int = 30):
             tags = "|".join(f"t{t}" for t in rng.choice(5, size=2, replace=False))
             rows.append((f"u{u}", f"i{i}", f"a{u % 3}", tags, float(rng.random() < 0.4)))
     return pd.DataFrame(rows, columns=["user", "item", "age", "tags", "click"])
+
+
+def wait_ready(proc, url: str, log, wait_s: float = 90) -> None:
+    """Wait until the `gmeta-ds serve` process ``proc`` answers ``url``/v2/health/ready (its
+    output goes to the file ``log``, shown when it exits or is not ready within ``wait_s``)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server not ready in time: " + log.read_text()
+        time.sleep(0.2)

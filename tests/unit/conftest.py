@@ -4,17 +4,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
+from tests.helpers import wait_ready
 from tests.pool import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-WAIT_S = 90
 
 
 @pytest.fixture(scope="session")
@@ -38,13 +36,14 @@ def server(tmp_path_factory):
     engine.save_model(root / "v2", data)
     port = free_port()
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
-           "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000"]
+           "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000",
+           "--allow-reload", "--model-root", str(root), "--header-timeout", "2"]
     with open(root / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_ready(proc, url, root / "server.log")
+            wait_ready(proc, url, root / "server.log")
             yield url, root, data
         finally:
             proc.terminate()
@@ -53,16 +52,3 @@ def server(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=20)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server not ready in time: " + log.read_text()
-        time.sleep(0.2)
