@@ -7,16 +7,15 @@ parameter with a default against ``SAME`` (a config key: both defaults must be e
 ``ON_PURPOSE`` (a config key it differs from on purpose, docs/api.md "Defaults" says why: both
 values are pinned, so changing either side alone fails here) or ``API_ONLY`` (no config key).
 A new defaulted parameter fails until it is classified. `test_reference_signatures_match_the_code`
-holds docs/api.md's Reference signatures to the code's, defaults included, and
-`test_readme_config_table_states_the_dataclass_defaults` README.md's table of config keys to the
-dataclasses: the two places where defaults are written out for readers.
+holds docs/api.md's Reference signatures to the code's, defaults included. The config keys'
+defaults are written out for readers on docs/configuration.md, generated from the dataclasses
+(tests/unit/test_docs_reference.py keeps the page equal to what they render).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
-import json
 import re
 import typing
 from pathlib import Path
@@ -26,8 +25,8 @@ from torch import nn
 
 import gmeta_ds as gm
 from gmeta_ds import api
-from gmeta_ds.functional import inner
 from gmeta_ds.config import DEFAULTS, MetaConfig, RunConfig, TableOverride
+from gmeta_ds.functional import inner
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 FIELDS = [gm.FieldSpec("user", 5, side="user"), gm.FieldSpec("item", 7, side="item")]
@@ -222,40 +221,3 @@ def test_reference_signatures_match_the_code():
                 problems.append(f"{name}({p.name}): docs/api.md says {doc_value!r}, the code {p.default!r}")
     assert not problems, "\n".join(problems)
 
-
-# ---------------------------------------------------------------------------- README.md
-README = DOC.parents[1] / "README.md"
-_KEY = re.compile(r"^[a-z_.][a-z_.<>]*$")
-
-
-def _table_rows() -> list[tuple[list[str], list]]:
-    """(dotted keys, stated defaults) of each row of README.md's config table whose keys are
-    config keys (``<field>`` as ``*``, ``.x`` after ``a.b.c`` as ``a.b.x``) and whose default
-    column names one value per key, as YAML (``—``: null); rows that summarise a section
-    (``eval.*``: enabled) name no value per key and are left out."""
-    from gmeta_ds.config import load_yaml
-
-    section = README.read_text().split("### Config", 1)[1]
-    table = section[section.index("| key | default"):].split("\n\n", 1)[0]
-    rows = []
-    for line in table.splitlines()[2:]:
-        keys_cell, default_cell = [cell.strip() for cell in line.strip().strip("|").split("|")][:2]
-        keys = []
-        for key in re.findall(r"`([^`]+)`", keys_cell):
-            if _KEY.match(key):
-                key = keys[-1].rsplit(".", 1)[0] + key if key.startswith(".") else key
-                keys.append(key.replace("<field>", "*"))
-        cell = re.sub(r"`([^`]+)`", lambda m: m.group(1) if m.group(1)[0] in "[{" else json.dumps(m.group(1)),
-                      default_cell).replace("—", "null")  # a code span is a string, unless a list or mapping
-        values = load_yaml(f"[{cell}]") if cell else []
-        if keys and len(keys) == len(values):
-            rows.append((keys, values))
-    return rows
-
-
-def test_readme_config_table_states_the_dataclass_defaults():
-    rows = _table_rows()
-    assert sum(len(keys) for keys, _ in rows) >= 60, rows
-    wrong = [f"{key}: README.md says {value!r}, {config_default(key)!r} in gmeta_ds/config"
-             for keys, values in rows for key, value in zip(keys, values) if value != config_default(key)]
-    assert not wrong, "\n".join(wrong)
