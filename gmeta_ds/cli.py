@@ -143,6 +143,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cache-size", type=_at_least(0), default=10000, help="users' adapted parameters kept")
     p.add_argument("--cache-ttl-s", type=float, default=600.0, help="how long they are kept (seconds)")
     p.add_argument("--threads", type=_at_least(1), default=1, help="torch threads (default 1)")
+    p.add_argument("--allow-reload", action="store_true",
+                   help="turn on POST /v2/repository/models/{name}/load (off by default: it loads a folder a "
+                        "request names; docs/serving.md says who may call it)")
+    p.add_argument("--model-root", dest="model_roots", action="append", default=[], metavar="DIR",
+                   help="a folder whose exports a reload may load (repeatable; with --allow-reload; without "
+                        "one, only the export served is reloaded)")
+    p.add_argument("--header-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request head is not whole this long after it connected or "
+                        "began its request (default 10)")
 
 
 def _tune_parser(sub) -> None:
@@ -173,6 +182,16 @@ def _at_least(low: int):
             raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
         return value
     return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 and at most 3600 seconds")
+    return value
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
@@ -417,7 +436,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_rows=args.max_rows,
                             max_body_bytes=args.max_body_bytes, cache_size=args.cache_size,
-                            cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads)
+                            cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads,
+                            allow_reload=args.allow_reload, model_roots=tuple(args.model_roots),
+                            header_timeout_s=args.header_timeout)
     serve(args.export, args.host, args.port, options)
     return 0
 

@@ -26,7 +26,7 @@ from ray import serve
 
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.serving.model import UserRequest
-from gmeta_ds.serving.server import ServerOptions, create_app, quiet_gc
+from gmeta_ds.serving.server import ServerOptions, create_app, options_from_arguments, quiet_gc
 
 
 @serve.deployment
@@ -71,23 +71,6 @@ def build(args: dict) -> serve.Application:
     export = str(args.pop("export"))
     replicas = int(args.pop("replicas", 1))
     num_cpus = float(args.pop("num_cpus", 1))
-    options = _options(args)
+    options = options_from_arguments(args, "gmeta_ds.serving.ray_app")
     deployment = GmetaServe.options(num_replicas=replicas, ray_actor_options={"num_cpus": num_cpus})
     return deployment.bind(export, dataclasses.asdict(options))
-
-
-def _options(args: dict) -> ServerOptions:
-    """`ServerOptions` of the builder's remaining arguments, each converted to its field's type."""
-    types = {f.name: type(f.default) for f in dataclasses.fields(ServerOptions)}
-    unknown = sorted(set(args) - set(types))
-    if unknown:
-        raise ConfigError([f"{', '.join(unknown)}: unknown argument(s); expected export, replicas, num_cpus or "
-                           f"{', '.join(types)}"], "gmeta_ds.serving.ray_app")
-    typed = {}
-    for name, value in args.items():
-        kind = types[name]
-        try:
-            typed[name] = value if kind is type(None) or isinstance(value, kind) else kind(value)
-        except ValueError:
-            raise ConfigError([f"{name}={value!r}: expected {kind.__name__}"], "gmeta_ds.serving.ray_app") from None
-    return ServerOptions(**typed)

@@ -15,22 +15,27 @@ Endpoints:
 - ``POST /v2/models/{name}/infer`` (OIP v2), ``POST /v1/score`` (plain JSON): one user each;
 - ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata),
   ``GET /v2/models/{name}/ready``, ``GET /v2`` (server metadata);
-- ``POST /v2/repository/models/{name}/load`` (OIP's repository extension): load the export
-  again, or ``{"parameters": {"path": DIR}}`` another one, while requests are served; the
+- ``POST /v2/repository/models/{name}/load`` (OIP's repository extension; off unless
+  ``--allow-reload``): load the export again, or ``{"parameters": {"path": DIR}}`` another
+  one under a ``--model-root`` (`gmeta_ds.serving.access`), while requests are served; the
   next batch runs on it, and every response names the version that scored it;
   ``POST /v2/repository/index`` lists the model served (name, version, state ``READY``);
 - Triton's binary tensor extension on the infer endpoint (`gmeta_ds.serving.binary`): what
   tritonclient.http sends and asks for by default;
 - ``GET /metrics``: Prometheus text (requests, batch sizes, adapt and score seconds, cache
   hits, unknown values, the model's version).
+
+A connection whose request head is not whole ``--header-timeout`` seconds after it connected
+or began its request is closed (`access.header_deadline_protocol`).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import orjson
@@ -39,6 +44,7 @@ from fastapi.responses import Response
 
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.serving import binary
+from gmeta_ds.serving.access import Refused, ReloadPolicy, header_deadline_protocol
 from gmeta_ds.serving.batching import Batcher, ModelHolder
 from gmeta_ds.serving.encoding import RequestError
 from gmeta_ds.serving.model import ServedModel
@@ -57,6 +63,42 @@ class ServerOptions:
     cache_ttl_s: float = 600.0
     model: str | None = None  # MODULE:FUNCTION building the model from the saved fields
     threads: int = 1  # torch threads: a request's work is small, more threads mostly wait on each other
+    allow_reload: bool = False  # the reload endpoint loads a folder a request names: off unless asked
+    model_roots: tuple[str, ...] = ()  # folders whose exports a reload may load (besides the one served)
+    header_timeout_s: float = 10.0  # a request head not whole this long after it began: closed
+
+
+def options_from_arguments(args: dict, where: str) -> ServerOptions:
+    """`ServerOptions` of ``key=value`` arguments (strings from a command line such as Ray's
+    ``serve run``, or typed values from a config file), each converted to its field's type: a
+    switch from true/false (not Python's truth of a string: "false" is not on), folders from a
+    list or one string joined by the path separator; anything else is a `ConfigError` naming it."""
+    types = {f.name: type(f.default) for f in fields(ServerOptions)}
+    unknown = sorted(set(args) - set(types))
+    if unknown:
+        raise ConfigError([(f"{', '.join(unknown)}: unknown argument(s); expected export, replicas, num_cpus or "
+                            f"{', '.join(types)}")], where)
+    typed = {}
+    for name, value in args.items():
+        kind = types[name]
+        try:
+            typed[name] = _typed(kind, value)
+        except ValueError:
+            raise ConfigError([f"{name}={value!r}: expected {kind.__name__}"], where) from None
+    return ServerOptions(**typed)
+
+
+def _typed(kind: type, value):
+    """``value`` as a `ServerOptions` field of type ``kind`` (`options_from_arguments`)."""
+    if kind is bool and not isinstance(value, bool):
+        switch = {"true": True, "1": True, "false": False, "0": False}.get(str(value).strip().lower())
+        if switch is None:
+            raise ValueError(value)
+        return switch
+    if kind is tuple:
+        return tuple(map(str, value)) if isinstance(value, (list, tuple)) else \
+            tuple(part for part in str(value).split(os.pathsep) if part)
+    return value if kind is type(None) or isinstance(value, kind) else kind(value)
 
 
 class HTTPProblem(Exception):
@@ -139,6 +181,7 @@ class App:
 
     def __init__(self, path: str | Path, options: ServerOptions, submit=None):
         self.path, self.options = Path(path), options
+        self.reload_policy = ReloadPolicy.of(options.allow_reload, options.model_roots)  # before the load
         self.holder = ModelHolder(load(path, options))
         self.metrics = Metrics(self.holder.model)
         self.batcher = Batcher(self.holder, options.max_batch, options.max_wait_ms / 1000.0, self.metrics.observe)
@@ -208,11 +251,14 @@ class App:
         return body, result, model
 
     async def reload(self, name: str, request) -> dict:
-        """Load an export (this one again, or ``parameters.path``) beside the served one and swap."""
+        """Load an export (this one again, or ``parameters.path`` where `ReloadPolicy` allows it)
+        beside the served one and swap."""
         self.check_name(name)
         body = await self.body(request.headers.get("content-length", ""), request.stream(), required=False)
-        params = body.get("parameters") if isinstance(body, dict) else None
-        path = Path(params["path"]) if isinstance(params, dict) and isinstance(params.get("path"), str) else self.path
+        try:
+            path = self.reload_policy.target(body, self.path)
+        except Refused as exc:
+            raise HTTPProblem(exc.status, exc.field, exc.message) from None
         loop = asyncio.get_running_loop()
         try:
             new = await loop.run_in_executor(None, self._load_one, path)
@@ -390,7 +436,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
           f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)
     quiet_gc()
     # no proxy-headers middleware: the server listens on its own address and logs no client
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False,
+                http=header_deadline_protocol(options.header_timeout_s))
 
 
 def quiet_gc() -> None:

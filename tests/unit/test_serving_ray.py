@@ -116,5 +116,5 @@ def test_the_builder_names_a_bad_argument(args, named):
 def test_the_builder_types_its_arguments():
     app = ray_app.build({"export": "x", "replicas": "3", "max_wait_ms": "2.5", "model": MODEL})
     assert isinstance(app, serve.Application)
-    assert ray_app._options({"max_batch": "8", "max_wait_ms": "2.5"}) == \
+    assert ray_app.options_from_arguments({"max_batch": "8", "max_wait_ms": "2.5"}, "ray") == \
         ray_app.ServerOptions(max_batch=8, max_wait_ms=2.5)

@@ -117,7 +117,11 @@ def test_malformed_bodies_and_names_are_refused_and_the_server_stays_up(server):
                                                                         "datatype": "BYTES", "data": ["i1"]}]})
         assert reply.status_code == 400 and reply.json()["field"] == "inputs[0].name"
         reply = client.post("/v2/repository/models/dcnv2/load", json={"parameters": {"path": "/nowhere"}})
-        assert reply.status_code == 400 and "/nowhere" in reply.json()["error"]
+        assert reply.status_code == 403 and reply.json()["field"] == "parameters.path", reply.text
+        assert "'/nowhere'" in reply.json()["error"] and "--model-root" in reply.json()["error"]
+        missing = str(server[1] / "nowhere")  # under the server's --model-root, but no export
+        reply = client.post("/v2/repository/models/dcnv2/load", json={"parameters": {"path": missing}})
+        assert reply.status_code == 400 and "nowhere does not exist" in reply.json()["error"], reply.text
         assert client.get("/v2/health/live").status_code == 200
 
 
@@ -141,3 +145,19 @@ def test_a_new_export_is_loaded_without_dropping_requests(server):
     assert loaded["previous_version"] == before != loaded["version"] == after["model_version"]
     expected = gm.load_adapter(root / "v2", dcn).predict(requests(data, data.test)[:1])[0].scores
     assert np.allclose(after["scores"], expected, atol=1e-5)
+
+
+def test_a_slow_request_head_is_closed_after_the_header_timeout(server):
+    """Issue 49 item 6: a client that sends half a request head and stalls is closed after
+    gmeta-ds serve --header-timeout (2 s here), while whole requests keep being answered."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server[0])
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+        start = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(4096) == b"" and 1.5 < time.monotonic() - start < 6
+    assert httpx.get(f"{server[0]}/v2/health/live", timeout=10).status_code == 200
