@@ -63,6 +63,8 @@ class EmbeddingConfig:
     exchange: str = "auto"
     # The run's hosts: 0 takes them from the launcher (LOCAL_WORLD_SIZE / LOCAL_SIZE ranks per
     # host); N splits the ranks into N hosts of equal size (one machine can pretend to be several).
+    # With sites.count S > 1 the sites share them: each site N / S hosts (or one, when a host holds
+    # whole sites).
     hosts: int = 0
     # How the exchanges cross hosts: flat (one all-to-all over every rank), hierarchical (inside
     # each host, then once per host pair: tables pooled on their owners send one partial sum per
