@@ -39,7 +39,7 @@ import statistics
 import tempfile
 import time
 
-from gmeta_ds.registry import MODELS
+from gmeta_ds.models import MODELS
 
 RESULTS = REPO / "benchmarks" / "results" / "zoo_speed.json"
 CONFIG = "examples/movielens/ml-100k.yaml"

@@ -64,7 +64,7 @@ LATER_KEYS = {"rank_weight": 0.0, "warmup_steps": 0, "init_weight": 0.0}
 def algorithm_settings(algorithm) -> dict | None:
     """The registered name and settings of ``algorithm`` (None for a user's own class, which
     cannot be rebuilt from a name)."""
-    from gmeta_ds.registry import ALGORITHMS
+    from gmeta_ds.algorithms import ALGORITHMS
 
     name = next((n for n in ALGORITHMS.names() if type(algorithm) is ALGORITHMS[n]), None)
     if name is None:
@@ -304,7 +304,7 @@ def _check_digest(folder: Path, text: bytes) -> bool:
 
 def saved_learner(model: nn.Module, settings, where: Path):
     """The meta-learner of the saved algorithm settings around ``model``."""
-    from gmeta_ds.registry import ALGORITHMS
+    from gmeta_ds.algorithms import ALGORITHMS
 
     if isinstance(settings, dict):
         settings = {**LATER_KEYS, **settings}

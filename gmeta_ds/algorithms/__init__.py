@@ -1,7 +1,7 @@
 """Meta-learning algorithms, one small file each, over the functional core.
 
-``ALGORITHMS`` (the registry in ``gmeta_ds/registry.py``) maps ``meta.algorithm`` names to
-classes; `build_algorithm` builds one from a `MetaConfig`.
+``ALGORITHMS`` (the registry in ``gmeta_ds/registry.py``, bound here) maps ``meta.algorithm``
+names to classes; `build_algorithm` builds one from a `MetaConfig`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from gmeta_ds.config.deepspeed import DEFAULT_MICRO_BATCH
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import choose_vectorize
 from gmeta_ds.registry import ALGORITHMS
+
+ALGORITHMS.bind({"maml": MAML, "fomaml": FOMAML, "reptile": Reptile, "metasgd": MetaSGD})
 
 
 def build_algorithm(cfg: MetaConfig, kind: str = "binary", bytes_per_task: int = 0) -> MetaAlgorithm:

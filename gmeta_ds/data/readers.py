@@ -27,9 +27,10 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from gmeta_ds.data.vocab import MISSING
 from gmeta_ds.errors import DataError
+from gmeta_ds.registry import DATA_SOURCES
 
-MISSING = "unknown"
 # The 19 0/1 flags ending each u.item line follow this order (that of ml-100k's u.genre).
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -449,12 +450,14 @@ def log_from_frame(frame: pd.DataFrame, schema: LogSchema, source: str = "in-mem
 def get_reader(name: str) -> Callable[..., InteractionLog]:
     """The reader of data source ``name`` (``gmeta_ds.registry.DATA_SOURCES``: a file reader,
     not the synthetic generator), or a `ValueError` listing the valid names."""
-    from gmeta_ds.registry import DATA_SOURCES
-
     readers = [n for n in DATA_SOURCES.names() if n != "synthetic"]
     if name not in readers:
         raise ValueError(f"unknown reader {name!r}; valid readers: {', '.join(readers)}")
     return DATA_SOURCES[name]
+
+
+DATA_SOURCES.bind({"synthetic": "gmeta_ds.data.synthetic:generate_synthetic", "movielens-100k": read_movielens_100k,
+                   "movielens-1m": read_movielens_1m, "recbole": read_recbole, "table": read_table})
 
 
 # The click threshold when data.threshold is left at its default (`DataConfig.threshold`).

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gmeta_ds.data.readers import MISSING, DataError, LogSchema, check_two_classes, click_threshold
+from gmeta_ds.data.readers import DataError, LogSchema, check_two_classes, click_threshold
 from gmeta_ds.data.user_split import TEST, TRAIN, VALID, split_users
 from gmeta_ds.data.store_files import Appender, write_array, ArrayWriter
 from gmeta_ds.data.stream_sources import Source, check_parquet, plain_path, short_path
 from gmeta_ds.data.stream_sql import (arrow_batches, categorical_sql, multi_sql, number_sql, order_key_sql, sql_table,
                                       check_raw_ids, long_task_chunks, raw_id_sql)
-from gmeta_ds.data.vocab import Vocabulary
+from gmeta_ds.data.vocab import MISSING, Vocabulary
 from gmeta_ds.sparse import FieldSpec
 
 BATCH_ROWS = 1 << 19

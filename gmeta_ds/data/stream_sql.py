@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from gmeta_ds.data.readers import MISSING, DataError
+from gmeta_ds.data.readers import DataError
+from gmeta_ds.data.vocab import MISSING
 from gmeta_ds.sparse import string_id
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ two flat arrays, the values' UTF-8 bytes back to back and their int64 offsets, s
 is stored in the task store and in a saved model as plain arrays (hashed, loaded without
 code execution, memory-mappable) and decoded only when asked. Raw values are looked up in
 their string form, the form the builders use: a str as it is, an integer as its decimal
-digits, a missing value (None, NaN) as the readers' ``MISSING``.
+digits, a missing value (None, NaN) as ``MISSING`` (the readers fill missing values so too).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from gmeta_ds.data.readers import MISSING
+MISSING = "unknown"  # the string form of a missing raw value (None, NaN, an empty cell)
 
 
 def value_text(value) -> str:
@@ -60,7 +60,7 @@ class Vocabulary:
     @classmethod
     def from_arrow(cls, values) -> "Vocabulary":
         """From a pyarrow array of the values (strings, or integers: their decimal digits) in
-        id order; a null is the readers' ``MISSING``. Copies the bytes once, no Python loop."""
+        id order; a null is ``MISSING``. Copies the bytes once, no Python loop."""
         import pyarrow as pa
         import pyarrow.compute as pc
 

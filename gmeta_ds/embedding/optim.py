@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gmeta_ds.embedding.tables import FLAGS_RATIO, unique_keys
+from gmeta_ds.registry import SPARSE_OPTIMIZERS
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
@@ -130,8 +131,10 @@ def build_sparse_optimizer(name: str, param: nn.Parameter, lr: float) -> torch.o
     # torch's sparse optimizers build COO tensors and warn unless invariant checks are chosen
     # explicitly: keep torch's default (off: the indices come from our own lookups).
     torch.sparse.check_sparse_tensor_invariants.disable()
-    from gmeta_ds.registry import SPARSE_OPTIMIZERS
-
     if name not in SPARSE_OPTIMIZERS:
         raise ValueError(f"embedding optimizer {name!r} is not one of {', '.join(SPARSE_OPTIMIZERS.names())}")
     return SPARSE_OPTIMIZERS[name]([param], lr=lr)
+
+
+SPARSE_OPTIMIZERS.bind({"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad,
+                        "adam": torch.optim.SparseAdam})

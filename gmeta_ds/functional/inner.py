@@ -67,8 +67,10 @@ def masked_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor
 
 
 # Label kind -> (per-task loss on model outputs, map from model output to prediction).
-# binary, regression, multiclass -> the masked losses above (lazily, from the registry)
+# binary, regression, multiclass -> the masked losses above
 from gmeta_ds.registry import LOSSES  # noqa: E402
+
+LOSSES.bind({"binary": masked_bce, "regression": masked_mse, "multiclass": masked_cross_entropy})
 PREDICTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "binary": torch.sigmoid, "regression": lambda x: x, "multiclass": lambda x: x.softmax(-1)}
 

@@ -1,4 +1,5 @@
-"""Single-device CTR models (the model zoo), each registered by name in `registry.MODELS`.
+"""Single-device CTR models (the model zoo), each registered by name in `registry.MODELS`
+(bound here: a model's module is imported when it is first named).
 
 | ``model.name`` | class | default ``meta.adapt`` |
 |---|---|---|
@@ -18,6 +19,12 @@ from __future__ import annotations
 
 from gmeta_ds.config import MetaConfig, ModelConfig
 from gmeta_ds.registry import MODELS
+
+MODELS.bind({
+    "melu": "gmeta_ds.models.melu:MeLU", "dcn_v2": "gmeta_ds.models.dcn_v2:DCNv2",
+    "deepfm": "gmeta_ds.models.deepfm:DeepFM", "wide_deep": "gmeta_ds.models.wide_deep:WideDeep",
+    "dlrm": "gmeta_ds.models.dlrm:DLRM", "two_tower": "gmeta_ds.models.two_tower:TwoTower",
+})
 
 DEFAULT_ADAPT = tuple(MetaConfig().adapt)
 

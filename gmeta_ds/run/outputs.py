@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gmeta_ds import checkpoint
 from gmeta_ds.config import RunConfig
+from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
 
 WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`)
@@ -19,6 +20,14 @@ WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`
 # checkpoint refuses a folder holding any of them unless train.overwrite (`check_earlier_run`).
 EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "per_user.csv", "metrics.jsonl", "tensorboard",
                    "checkpoints")
+
+
+def run_phase(cfg: RunConfig, phase: str):
+    """`collective_phase` for this run: a collective that exceeds ``train.collective_timeout_s``
+    in it raises `CollectiveTimeout` naming ``phase`` and the last complete checkpoint in
+    ``output_dir``."""
+    return collective_phase(phase, cfg.train.collective_timeout_s,
+                            checkpoint.checkpoint_root(cfg.output_dir) / checkpoint.LATEST)
 
 
 def earlier_outputs(out_dir: Path) -> list[str]:

@@ -20,14 +20,12 @@ from tqdm import tqdm
 
 from gmeta_ds.files import write_json
 from gmeta_ds import checkpoint
-from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables (workloads.ctr reads it here)
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
-from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.run.outputs import WEIGHTS_FILE  # noqa: F401 - workloads.ctr reads it here
-from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs
+from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs, run_phase
 from gmeta_ds.meta_engine import MetaEngine, arm_fault_stop, checkpoint_meta, fault_stop
 from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.engine.memory import host_tensor_mib, peak_rss_per_rank, rss_mib, vmhwm_mib
@@ -36,13 +34,6 @@ from gmeta_ds.run.run_log import Cadence, MetricsLog, StepWindow, dense_allreduc
 
 # Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
 # ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
-
-
-def run_phase(cfg: RunConfig, phase: str):
-    """`collective_phase` for this run: a collective that exceeds ``train.collective_timeout_s``
-    in it raises `CollectiveTimeout` naming ``phase`` and the last complete checkpoint."""
-    return collective_phase(phase, cfg.train.collective_timeout_s,
-                            checkpoint.checkpoint_root(cfg.output_dir) / checkpoint.LATEST)
 
 
 def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: MetricsLog,

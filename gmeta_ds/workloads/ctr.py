@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
-from gmeta_ds.algorithms.base import probe_model
+from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, probe_model
 from gmeta_ds.evaluation.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
                                            item_column, oov_id, popularity_predict, popularity_scores_of)
 from gmeta_ds.config import RunConfig, task_activation_bytes
@@ -44,7 +44,7 @@ from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
 from gmeta_ds.models.protocol import model_hooks
-from gmeta_ds.run.trainer import EMBEDDING_PREFIX, WEIGHTS_FILE, run_phase
+from gmeta_ds.run.outputs import WEIGHTS_FILE, run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 

@@ -25,7 +25,7 @@ from gmeta_ds.functional.inner import masked_cross_entropy
 from gmeta_ds.text.data import TextEpisodes, TextTasks, build_tasks, load_texts
 from gmeta_ds.text.model import (SequenceClassifier, TextMetaLearner, activation_bytes_per_task,
                                  build_classifier, build_tokenizer)
-from gmeta_ds.run.trainer import run_phase
+from gmeta_ds.run.outputs import run_phase
 from gmeta_ds.workloads.base import Built, Workload, body_split_line
 
 MODEL_DIR = "model"  # OUTPUT_DIR/model: save_pretrained of the meta-learned classifier + tokenizer

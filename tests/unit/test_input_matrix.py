@@ -131,7 +131,7 @@ def test_keys_left_at_their_default_are_fine():
 
 def test_model_default_adapt_table_matches_the_models():
     """config.MODEL_DEFAULT_ADAPT (torch-free) repeats each zoo class's default_adapt."""
-    from gmeta_ds.registry import MODELS
+    from gmeta_ds.models import MODELS
 
     for name in MODELS.names():
         default = tuple(getattr(MODELS[name], "default_adapt", tuple(MetaConfig().adapt)))

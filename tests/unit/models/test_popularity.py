@@ -23,7 +23,7 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.scores import predict
 from gmeta_ds.models import build_model
 from gmeta_ds.models.popularity import PopularityOffset
-from gmeta_ds.registry import MODELS
+from gmeta_ds.models import MODELS
 from tests.unit.models.test_zoo import FIELDS, TINY, batch, make_net, meta_grads, task_set
 
 LOG_FIELDS = [FieldSpec("age", 3, "user"), FieldSpec("item_id", 5, "item")]

@@ -15,7 +15,7 @@ from gmeta_ds.data.tasks import TaskSet, collate
 from gmeta_ds.sparse import FieldSpec
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.models import build_model, resolve_adapt
-from gmeta_ds.registry import MODELS
+from gmeta_ds.models import MODELS
 
 # Single-hot user and item fields plus a multi-hot item field (a bag of tags per row).
 FIELDS = [FieldSpec("age", 5, "user"), FieldSpec("item_id", 11, "item"), FieldSpec("cat", 4, "item"),
