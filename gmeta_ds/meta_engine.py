@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,7 +33,6 @@ from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.config.data import SUPPORT_SIZES
 from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
-from gmeta_ds.sparse import single_fields
 from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.tables import EmbeddingCollection, TableConfig
@@ -42,9 +42,10 @@ from gmeta_ds.engine.outer_sync import OuterSync
 from gmeta_ds.engine.parallelize import single_process_template
 from gmeta_ds.engine.sites import active_sites, data_part
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation.scores import BASELINES, evaluate_problems, merge, paired, predict, score  # noqa: F401 - BASELINES re-exported (api)
-from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.evaluation.held_out import EvalSettings, evaluate_held_out
+from gmeta_ds.evaluation.scores import BASELINES, PER_USER_FILE, evaluate_problems, per_user_text  # noqa: F401 - BASELINES re-exported (api)
 from gmeta_ds.models.protocol import model_hooks
+from gmeta_ds.run.outputs import run_folder_problems, write_run_files
 from gmeta_ds.run.profiling import phase
 
 # "STEP:RANK": that rank SIGSTOPs itself (alive but stuck) in meta-step STEP (1-based) just before
@@ -236,6 +237,8 @@ class MetaEngine:
         # The learner's weights before training (CPU copies; tables sharded outside it are
         # re-made from their configs): the non-meta baseline starts from them.
         self.initial = initial
+        self.started = time.perf_counter()  # summary.json's elapsed_s (`run_summary`)
+        self.last_query_loss: float | None = None  # the last meta-step's (summary.json's final_query_loss)
 
     @property
     def learner(self) -> MetaLearner:
@@ -286,6 +289,7 @@ class MetaEngine:
             learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
         result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
+        self.last_query_loss = result.query_loss
         if self.outer is not None and self.outer.due(self.step):
             with phase("outer_sync"):
                 self.outer.synchronise()
@@ -364,7 +368,10 @@ class MetaEngine:
     def evaluate(self, tasks: TaskSet, inner_steps: int | None = None, tasks_per_batch: int = _EVAL.tasks_per_batch, *,
                  baselines: Iterable[str] = (), train: TaskSet | None = None, baseline_epochs: int = _EVAL.baseline_epochs,
                  baseline_lr: float = _EVAL.baseline_lr, baseline_batch_size: int = _EVAL.baseline_batch_size,
-                 bootstrap_resamples: int = _EVAL.bootstrap_resamples) -> dict:
+                 bootstrap_resamples: int = _EVAL.bootstrap_resamples, few_shot: Iterable[int] = (),
+                 steps_curve: Iterable[int] = (), finetune_search: bool = False, valid: TaskSet | None = None,
+                 states: dict[str, TaskSet] | None = None, synthetic: bool = False,
+                 out: str | Path | None = None) -> dict:
         """Cold-start scores of ``tasks``: each adapted on its support set (first order,
         ``inner_steps``, default the algorithm's), scored on its query set (binary: AUC,
         per-task AUC, logloss, nDCG; regression: MAE, RMSE, nDCG), and the same without
@@ -372,7 +379,7 @@ class MetaEngine:
         the same dict (collective). ``inner_steps=0`` scores without adapting (the adapted
         metrics then equal the ``*_no_adapt`` ones). A metric that is undefined on these tasks
         (AUC when every query label is one class) is None, with the reason under ``warnings``
-        (`gmeta_ds.evaluation.scores.score`).
+        (`gmeta_ds.evaluation.scores.score`). ``gmeta-ds train``'s evaluation (`evaluation.held_out`).
 
         ``baselines`` (what ``gmeta-ds train`` reports next to the meta-learned model, scored
         on the same tasks; each needs ``train``, the training tasks): ``"non_meta"``, the same
@@ -382,38 +389,77 @@ class MetaEngine:
         (``baseline_<metric>``) and fine-tuned on each support with the learner's inner loop
         (``baseline_finetune_<metric>``, per-user AUC included); ``"popularity"``, each item's
         shrunk training click rate (or mean rating) plus a per-user offset fitted on the
-        support (``baseline_popularity_<metric>``, `gmeta_ds.evaluation.baselines`). Every rank computes them
-        alone (no collective; deterministic on CPU). ``intervals``: each difference, meta-learned
-        minus baseline, with a paired-bootstrap 95% interval (`gmeta_ds.evaluation.intervals`; 0 resamples: none)."""
-        problems, wanted = evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines,
-                                             train, (baseline_epochs, baseline_lr, baseline_batch_size),
-                                             self.initial is not None)
+        support (``baseline_popularity_<metric>``, `gmeta_ds.evaluation.baselines`; item id 0
+        is the out-of-vocabulary item, as in ``gm.build_tasks``' vocabularies, unless
+        ``synthetic``: the embedded synthetic data, whose item 0 is a real item). Every rank
+        computes them alone (no collective; deterministic on CPU). ``intervals``: each
+        difference, meta-learned minus baseline, with a paired-bootstrap 95% interval
+        (`gmeta_ds.evaluation.intervals`; 0 resamples: none).
+
+        Opt-in, as ``eval.*`` asks ``gmeta-ds train`` for them (each costs predictions): the
+        few-shot curve over ``few_shot`` support sizes, the inner-steps curve over
+        ``steps_curve`` (``inner_steps_curve``), the fine-tune search on ``valid`` users
+        (``finetune_search``, with ``"non_meta"``: ``baseline_finetune_tuned_*``), the cold-start
+        ``states`` ({name: TaskSet}). ``out``: a folder for the run's ``summary.json`` and
+        ``per_user.csv`` as ``gmeta-ds train`` writes them (`write_run`), for ``gmeta-ds report``."""
+        problems, wanted = evaluate_problems(
+            tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines, train,
+            (baseline_epochs, baseline_lr, baseline_batch_size), self.initial is not None,
+            {"few_shot": few_shot, "steps_curve": steps_curve, "finetune_search": finetune_search, "valid": valid,
+             "states": states, "synthetic": synthetic, "out": out})
         check(problems, "MetaEngine.evaluate")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
+        if out is not None:
+            check(run_folder_problems(Path(out)), "MetaEngine.evaluate")  # before any work
         learner = self.single_process_learner()
-        lrs = learner.learning_rates()
         steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
-        mine = predict(learner, lrs, tasks, steps, tasks_per_batch,
-                       np.arange(self.rank, len(tasks), self.world_size))
-        parts = [mine]
-        if dist.is_initialized() and self.world_size > 1:
-            parts = [None] * self.world_size
-            dist.all_gather_object(parts, mine)
-        if len(tasks) == 0:
-            return {"tasks": 0}
-        result = {**score(parts, learner.algorithm.kind), "tasks": len(tasks)}
-        compared = {}
-        if "non_meta" in wanted:
-            scores, compared = self._non_meta_scores(tasks, train, steps, tasks_per_batch, baseline_epochs,
-                                                     baseline_lr, baseline_batch_size)
-            result.update(scores)
-        if "popularity" in wanted:
-            scores, compared["baseline_popularity"] = self._popularity_scores(tasks, train)
-            result.update(scores)
-        if compared and bootstrap_resamples:
-            result["intervals"] = paired(merge(parts), compared, learner.algorithm.kind, bootstrap_resamples,
-                                         self.seed)
+        settings = EvalSettings(steps, self.seed, tasks_per_batch, bootstrap_resamples, "non_meta" in wanted, True,
+                                finetune_search, "popularity" in wanted, baseline_epochs, baseline_lr,
+                                baseline_batch_size, tuple(few_shot), tuple(steps_curve), synthetic)
+        world = self.world_size if dist.is_initialized() else 1
+        result, per_user = evaluate_held_out(learner, tasks, settings, train=train, valid=valid, states=states,
+                                             baseline_start=self.initial_learner, rank=self.rank, world=world,
+                                             everywhere=True, where="MetaEngine.evaluate")
+        if out is not None:
+            self.write_run(out, result, per_user)
         return result
+
+    def write_run(self, out: str | Path, evaluation: dict, per_user: dict | None = None) -> Path | None:
+        """``out/summary.json`` (and ``out/per_user.csv`` from ``per_user``, `per_user_columns`)
+        of this engine's run as ``gmeta-ds train`` writes them (`run_summary`), so that
+        ``gmeta-ds report OUT`` draws it. Collective (the checksums); rank 0 writes. ``out``
+        may be new, empty or a run folder of ours (`run_folder_problems`: anything else is
+        refused, untouched); each file is written beside its place and renamed over the
+        earlier one only when every new file is complete. Returns the summary's path (rank 0)."""
+        summary = self.run_summary(evaluation)
+        if self.rank != 0:
+            return None
+        files = {"summary.json": json.dumps(summary, indent=2) + "\n"}
+        if per_user is not None:
+            files = {PER_USER_FILE: per_user_text(per_user), **files}  # the summary last: it names the run
+        return write_run_files(Path(out), files) / "summary.json"
+
+    def run_summary(self, evaluation: dict) -> dict:
+        """summary.json's keys of ``gmeta-ds train`` (docs/architecture.md) for this engine's run
+        so far, ``evaluation`` as ``eval`` (collective: the checksums gather every shard)."""
+        dense, embedding = self.checksums()
+        learner, plan = self.learner, self.plan
+        config = {"seed": self.seed, "model": {"name": type(learner.net).__name__},
+                  "meta": {"algorithm": algorithm_name(learner), "inner_steps": learner.algorithm.inner_steps,
+                           "adapt": list(learner.adapted_names())}}
+        return {"task": "api", "world_size": self.world_size, "meta_steps": self.step,
+                "tasks_seen": self.step * plan.tasks_per_meta_step,
+                "final_query_loss": self.last_query_loss, "dense_checksum": dense, "embedding_checksum": embedding,
+                "eval": evaluation, "ds_config": self.ds_config, "config": config,
+                "elapsed_s": time.perf_counter() - self.started}
+
+    def checksums(self) -> tuple[float, float]:
+        """(dense, embedding) float64 sums over every parameter, the tables' shards gathered
+        (collective): summary.json's ``dense_checksum`` / ``embedding_checksum``."""
+        dense, embedding = ds_engine.checksums(self.engine.module, EMBEDDING_PREFIX)
+        if self.embeddings is not None:
+            embedding = self.embeddings.checksum()
+        return dense, embedding
 
     def initial_learner(self) -> MetaLearner:
         """A single-process copy of the learner holding the weights `initialize` started from
@@ -426,45 +472,6 @@ class MetaEngine:
             fresh = EmbeddingCollection(self.tables, self.seed).state_dict()
             state.update({f"{EMBEDDING_PREFIX}{k}": v for k, v in fresh.items()})
         return self.single_process_learner(state)
-
-    def _non_meta_scores(self, tasks: TaskSet, train: TaskSet, steps: int, tasks_per_batch: int,
-                         epochs: int, lr: float, batch_size: int) -> tuple[dict, dict]:
-        """``baseline_*`` / ``baseline_finetune_*`` scores and their prediction rows (`paired`)."""
-        from gmeta_ds.evaluation.scores import HEADLINE, train_baseline
-
-        baseline = self.initial_learner()
-        kind = baseline.algorithm.kind
-        train_baseline(baseline.net, train, epochs, batch_size, lr, self.seed, LOSSES[kind])
-        fixed = {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
-        rows = predict(baseline, fixed, tasks, steps, tasks_per_batch)
-        base = score(rows, kind)
-        out = {}
-        for name in HEADLINE[kind]:
-            out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
-            out[f"baseline_finetune_{name}"] = base[name]
-        if kind == "binary":
-            out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
-            out["baseline_finetune_auc_per_task"] = base["auc_per_task"]
-        return out, {"baseline": (rows, "plain"), "baseline_finetune": (rows, "adapted")}
-
-    def _popularity_scores(self, tasks: TaskSet, train: TaskSet) -> tuple[dict, tuple]:
-        """``baseline_popularity_*`` scores and its prediction rows (`paired`)."""
-        from gmeta_ds.evaluation.baselines import (POPULARITY_METRICS, fit_popularity, oov_id, popularity_predict,
-                                                   popularity_scores_of)
-        from gmeta_ds.data.popularity import item_column
-
-        kind = self.learner.algorithm.kind
-        if kind not in POPULARITY_METRICS:
-            raise ConfigError([f"baselines: 'popularity' scores binary or regression labels, not {kind!r}"],
-                              "MetaEngine.evaluate")
-        try:
-            column = item_column(train.fields)
-        except ValueError as err:
-            raise ConfigError([f"baselines: 'popularity': {err}"], "MetaEngine.evaluate") from None
-        raw = single_fields(train.fields)[column].raw
-        popularity = fit_popularity(train, column, kind, oov_id=oov_id(False, raw), raw=raw)
-        rows = popularity_predict(popularity, tasks)
-        return popularity_scores_of(rows, kind), (rows, "pred")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self) -> dict:
@@ -499,10 +506,16 @@ def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorit
 
 
 # ---------------------------------------------------------------------------- start-up
+def algorithm_name(learner: MetaLearner) -> str:
+    """The learner's algorithm as ``meta.algorithm`` names it: its class name in lower case
+    (maml, fomaml, reptile, metasgd; a user's own class by its name)."""
+    return type(learner.algorithm).__name__.lower()
+
+
 def api_checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
     """`checkpoint_meta` as the Python API names fields (``row_fields``) and algorithms."""
     return checkpoint_meta(learner, embeddings, list(model_hooks(learner.net).row_fields or []),
-                           type(learner.algorithm).__name__.lower())
+                           algorithm_name(learner))
 
 
 def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,

@@ -1,4 +1,5 @@
-"""Evaluation: the scores of held-out users (`scores`), the cold-start metrics (`metrics`),
+"""Evaluation: the one evaluation of held-out users that the API and the CLI both run
+(`held_out`), their scores (`scores`), the cold-start metrics (`metrics`),
 baselines (`baselines`), paired intervals (`intervals`), few-shot curves (`few_shot`),
 repeated splits (`splits`), the report page (`report`) and its plots (`plots`).
 

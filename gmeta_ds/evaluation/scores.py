@@ -7,7 +7,9 @@ test user's support set that the meta-learned model gets.
 from __future__ import annotations
 
 import math
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -206,15 +208,26 @@ def per_user_columns(meta: dict[str, np.ndarray], compared: dict[str, tuple[dict
 
 
 def write_per_user(path, columns: dict[str, np.ndarray]) -> None:
-    """``columns`` (`per_user_columns`) as CSV, an undefined value an empty field."""
-    import csv
+    """``columns`` (`per_user_columns`) as CSV (`per_user_text`), written beside ``path`` and
+    renamed into place: an earlier file is replaced only by a complete one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(per_user_text(columns))
+    os.replace(tmp, path)
 
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(columns)
-        for row in zip(*columns.values()):
-            writer.writerow(["" if isinstance(v, float) and math.isnan(v) else
-                             (f"{v:.6g}" if isinstance(v, float) else int(v)) for v in map(_plain, row)])
+
+def per_user_text(columns: dict[str, np.ndarray]) -> str:
+    """per_user.csv's text of ``columns`` (`per_user_columns`), an undefined value an empty field."""
+    import csv
+    import io
+
+    out = io.StringIO(newline="")
+    writer = csv.writer(out)
+    writer.writerow(columns)
+    for row in zip(*columns.values()):
+        writer.writerow(["" if isinstance(v, float) and math.isnan(v) else
+                         (f"{v:.6g}" if isinstance(v, float) else int(v)) for v in map(_plain, row)])
+    return out.getvalue()
 
 
 def _plain(value):
@@ -270,10 +283,11 @@ BASELINES = ("non_meta", "popularity")
 
 
 def evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines, train, settings,
-                      initial_kept: bool) -> tuple[list[str], list[str]]:
+                      initial_kept: bool, extras: dict | None = None) -> tuple[list[str], list[str]]:
     """What is wrong with `MetaEngine.evaluate`'s arguments, and the baselines it asks for:
     ``settings`` the non-meta baseline's (epochs, lr, batch size); ``initial_kept``: the engine
-    kept the initial weights that baseline starts from."""
+    kept the initial weights that baseline starts from; ``extras``: the opt-in keyword
+    arguments (`extra_problems`)."""
     problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.test), got "
                                                       f"{type(tasks).__name__}"]
     if inner_steps is not None:
@@ -283,7 +297,35 @@ def evaluate_problems(tasks, inner_steps, tasks_per_batch, bootstrap_resamples, 
     wanted = _baseline_names(problems, baselines)
     if wanted:
         _check_baselines(problems, wanted, train, *settings, initial_kept)
+    extra_problems(problems, wanted, **(extras or {}))
     return problems, wanted
+
+
+def extra_problems(problems: list[str], wanted: list[str], few_shot=(), steps_curve=(), finetune_search=False,
+                   valid=None, states=None, synthetic=False, out=None) -> None:
+    """`MetaEngine.evaluate`'s opt-in arguments: the curves' support sizes (>= 1) and inner
+    steps (>= 0), the fine-tune search (the non-meta baseline and validation users), the
+    cold-start states ({name: TaskSet}), ``synthetic`` and ``out`` (a folder path)."""
+    for name, values, low in (("few_shot", few_shot, 1), ("steps_curve", steps_curve, 0)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            problems.append(f"{name}: {values!r} is not a list of integers >= {low}")
+        else:
+            for value in values:
+                int_at_least(problems, name, value, low)
+    for name, value in (("finetune_search", finetune_search), ("synthetic", synthetic)):
+        if not isinstance(value, bool):
+            problems.append(f"{name}: {value!r} is not True or False")
+    if finetune_search is True:
+        if "non_meta" not in wanted:
+            problems.append("finetune_search: tunes the non-meta baseline's fine-tuning: add 'non_meta' to baselines")
+        if not isinstance(valid, TaskSet) or len(valid) == 0:
+            problems.append(f"valid: finetune_search chooses the fine-tuning's lr and steps on validation users: "
+                            f"pass valid=data.valid, a non-empty gm.TaskSet (got {type(valid).__name__})")
+    if states is not None and not (isinstance(states, dict) and all(
+            isinstance(k, str) and isinstance(v, TaskSet) for k, v in states.items())):
+        problems.append("states: expected None or a dict of state name -> gm.TaskSet (data.states)")
+    if out is not None and not (isinstance(out, os.PathLike) or isinstance(out, str) and out.strip()):
+        problems.append(f"out: {out!r} is not None or a folder path (str or Path)")
 
 
 def _baseline_names(problems: list[str], baselines) -> list[str]:

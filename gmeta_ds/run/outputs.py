@@ -6,6 +6,7 @@ first collective (``train`` and ``validate`` alike); the removal runs on rank 0 
 meta-step 1."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -89,3 +90,47 @@ def remove_earlier_outputs(out_dir: Path, names: list[str]) -> None:
             path.unlink()
     print(f"gmeta-ds: train.overwrite: every check passed; removed the earlier run's "
           f"{', '.join(names)} in {out_dir}", flush=True)
+
+
+# What a gmeta-ds run may leave in its folder besides `EARLIER_OUTPUTS`: the report, the plots,
+# the profile. An API run's summary (`write_run_files`) goes only into a folder holding nothing
+# else (a saved model's folder, `saved.is_saved_model`, is ours too).
+RUN_FILES = (*EARLIER_OUTPUTS, "report.html", "plots", "profile.json", "profile")
+
+
+def run_folder_problems(out_dir: Path) -> list[str]:
+    """Why ``out_dir`` cannot take a run's summary.json and per_user.csv: a file, or a folder
+    holding something a gmeta-ds run does not write (`RUN_FILES`, saved-model folders,
+    leftover ``*.tmp`` of an interrupted write); new and empty folders are fine."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return [f"out: {out_dir} is a file, expected a folder for the run's summary.json"]
+    if not out_dir.is_dir():
+        return []
+    from gmeta_ds.saved import META, is_saved_model
+
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in RUN_FILES and not p.name.endswith(".tmp")
+                     and not (p.is_dir() and is_saved_model(p / META)))
+    if not foreign:
+        return []
+    shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+    return [(f"out: {out_dir} holds files a gmeta-ds run does not write ({shown}); write the run into a new or "
+             f"empty folder, or one of an earlier run ({', '.join(RUN_FILES)})")]
+
+
+def write_run_files(out_dir: Path, files: dict[str, str]) -> Path:
+    """Write ``files`` ({name: text}) into ``out_dir`` (made when missing; refused by
+    `run_folder_problems`, untouched): every file first beside its place (``NAME.tmp``), then
+    each renamed over the earlier one in the order given, so an earlier run's files are
+    replaced only once every new one is complete. Returns ``out_dir``."""
+    problems = run_folder_problems(out_dir)
+    if problems:
+        raise ConfigError(problems)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        tmp = out_dir / f"{name}.tmp"
+        tmp.write_text(text)
+        written.append((tmp, out_dir / name))
+    for tmp, path in written:
+        os.replace(tmp, path)
+    return out_dir

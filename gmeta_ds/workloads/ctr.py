@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from gmeta_ds.algorithms import MetaLearner, build_algorithm
 from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, probe_model
-from gmeta_ds.evaluation.baselines import (finetune_predict, finetune_scores_of, finetune_search, fit_popularity,
-                                           item_column, oov_id, popularity_predict, popularity_scores_of)
+from gmeta_ds.evaluation.baselines import oov_id
 from gmeta_ds.config import RunConfig, task_activation_bytes
 from gmeta_ds.data.builder import TaskData, build_tasks
 from gmeta_ds.data.loader import TaskLoader, task_lengths
@@ -36,10 +32,8 @@ from gmeta_ds.engine.parallelize import check_split_body
 from gmeta_ds.engine.sites import data_part
 from gmeta_ds.engine.hosts import resolve_topology
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.evaluation.scores import (HEADLINE, PER_USER_FILE, merge, paired, per_user_columns, predict, score,
-                                 train_baseline, write_per_user)
-from gmeta_ds.evaluation.few_shot import Named, few_shot_curve, steps_curve
-from gmeta_ds.functional.inner import LOSSES
+from gmeta_ds.evaluation.held_out import EvalSettings, evaluate_held_out
+from gmeta_ds.evaluation.scores import PER_USER_FILE, write_per_user
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
@@ -356,158 +350,33 @@ def eval_inner_steps(cfg: RunConfig) -> int:
     return cfg.meta.inner_steps if cfg.eval.inner_steps == "auto" else int(cfg.eval.inner_steps)
 
 
+def eval_settings(cfg: RunConfig) -> EvalSettings:
+    """The ``eval`` section as the evaluation's settings (`evaluate_held_out`)."""
+    ev = cfg.eval
+    return EvalSettings(eval_inner_steps(cfg), cfg.seed, ev.tasks_per_batch, ev.bootstrap_resamples, ev.baseline,
+                        ev.baseline_finetune, ev.finetune_search, ev.popularity_baseline, ev.baseline_epochs,
+                        ev.baseline_lr, ev.baseline_batch_size, tuple(ev.few_shot), tuple(ev.steps_curve),
+                        synthetic=cfg.data.source == "synthetic")
+
+
 def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1,
                    out_dir: Path | None = None) -> dict:
-    """Cold-start metrics of the meta-learned model (the held-out tasks split over the ranks,
-    predictions gathered on rank 0) and of the baselines (rank 0): the non-meta baseline as is
-    and fine-tuned (with ``eval.finetune_search``, also with the lr and steps chosen on the
-    validation users), and item popularity + a per-user offset (gmeta_ds/evaluation/baselines.py); under
-    ``intervals``, each metric's difference (meta-learned minus each baseline) with a 95%
-    interval from a paired bootstrap over the held-out users (``eval.bootstrap_resamples``);
-    under ``few_shot``, every model with fewer support rows per user (``eval.few_shot``,
-    rank 0; gmeta_ds/evaluation/few_shot.py); with the four-state split, the scores and intervals per
-    state under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC
-    (MAE) per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
+    """`evaluate_held_out` of the held-out users ``eval.split`` names, as the ``eval`` section
+    asks: the meta-learned model (the tasks split over the ranks), the baselines (rank 0; the
+    non-meta one started from the run seed's initial weights), paired intervals, the few-shot
+    and inner-steps curves, and, with the four-state split, the scores and intervals per state
+    under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC (MAE)
+    per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
     returns {} on other ranks."""
-    kind = learner.algorithm.kind
     held_out = data.valid if cfg.eval.split == "valid" else data.test
-    sets = {"test": held_out, **(getattr(data, "states", {}) if cfg.eval.split == "test" else {})}
-    rows = {name: _distributed_predict(cfg, learner, tasks, rank, world) for name, tasks in sets.items()}
-    if rank != 0:
-        return {}
-    models, tuned = baseline_models(cfg, data, kind)
-    scored = {name: _scored_set(cfg, rows[name], tasks, models, kind) for name, tasks in sets.items()}
-    scores = {name: out for name, (out, _) in scored.items()}
-    if out_dir is not None and len(held_out):
-        write_per_user(out_dir / PER_USER_FILE, per_user_columns(merge(rows["test"]), scored["test"][1], kind))
-    if len(held_out):
-        full = {"meta": (rows["test"], "adapted"), **scored["test"][1]}
-        scores["test"].update(_curves(cfg, learner, held_out, full, models, kind))
-    result = {**scores.pop("test"), **tuned, "split": cfg.eval.split}
-    if scores:
-        result["states"] = scores
+    states = getattr(data, "states", {}) if cfg.eval.split == "test" else {}
+    result, per_user = evaluate_held_out(
+        learner, held_out, eval_settings(cfg), train=data.train, valid=data.valid, states=states,
+        baseline_start=lambda: build_learner(cfg, data.fields, train=data.train), rank=rank, world=world,
+        split=cfg.eval.split)
+    if out_dir is not None and per_user is not None:
+        write_per_user(out_dir / PER_USER_FILE, per_user)
     return result
-
-
-def _curves(cfg: RunConfig, learner: MetaLearner, tasks, full: Named, models: list["Baseline"], kind: str) -> dict:
-    """The few-shot curve (``few_shot``, ``eval.few_shot``) and the inner-steps curve
-    (``inner_steps_curve``, ``eval.steps_curve``) of the held-out ``tasks`` (gmeta_ds/evaluation/few_shot.py);
-    ``full``: every model's rows on the full support."""
-    def meta_at(tasks, steps: int) -> Named:
-        return {"meta": (predict(learner, learner.learning_rates(), tasks, steps, cfg.eval.tasks_per_batch),
-                         "adapted")}
-
-    out, resamples = {}, cfg.eval.bootstrap_resamples
-    if cfg.eval.few_shot:
-        predictors = [lambda t: meta_at(t, eval_inner_steps(cfg)), *(m.predict for m in models)]
-        out["few_shot"] = few_shot_curve(tasks, predictors, full, cfg.eval.few_shot, kind, resamples, cfg.seed)
-    if cfg.eval.steps_curve:
-        at_steps = [meta_at, *(m.at_steps for m in models if m.at_steps is not None)]
-        out["inner_steps_curve"] = steps_curve(tasks, at_steps, cfg.eval.steps_curve, kind, resamples, cfg.seed)
-    return out
-
-
-def _scored_set(cfg: RunConfig, meta_rows: list, tasks, models: list["Baseline"], kind: str) -> tuple[dict, Named]:
-    """One held-out set's scores: the meta-learned model's (``meta_rows``: `predict` parts),
-    every baseline's and the paired intervals; and the baselines' prediction rows."""
-    if len(tasks) == 0:
-        return {"tasks": 0}, {}
-    out = {**score(meta_rows, kind), "tasks": len(tasks)}
-    compared: Named = {}
-    for model in models:
-        named = model.predict(tasks)
-        out.update(model.scores(named, kind))
-        compared.update(named)
-    if compared and cfg.eval.bootstrap_resamples:
-        out["intervals"] = paired(merge(meta_rows), compared, kind, cfg.eval.bootstrap_resamples, cfg.seed)
-    return out, compared
-
-
-@dataclasses.dataclass
-class Baseline:
-    """A fitted baseline: ``predict`` (a task set -> its named prediction rows, `Named`) and
-    ``scores`` (those rows -> its ``baseline_*`` entries of the evaluation)."""
-
-    predict: Callable[[Any], Named]
-    scores: Callable[[Named, str], dict]
-    at_steps: "Callable[[Any, int], Named] | None" = None  # a fine-tune's rows after a number of steps
-
-
-def baseline_models(cfg: RunConfig, data, kind: str) -> tuple[list[Baseline], dict]:
-    """The configured baselines, fitted on the training users (rank 0), and the chosen
-    fine-tuning (lr, steps, grid; {} without ``eval.finetune_search``)."""
-    models, tuned = [], {}
-    tasks_per_batch = cfg.eval.tasks_per_batch
-    if cfg.eval.baseline:
-        baseline = build_learner(cfg, data.fields, train=data.train)
-        train_baseline(baseline.net, data.train, cfg.eval.baseline_epochs,
-                       cfg.eval.baseline_batch_size, cfg.eval.baseline_lr, cfg.seed, LOSSES[kind])
-        fixed = _fixed_rates(baseline)
-        models.append(Baseline(
-            lambda tasks: _non_meta_rows(cfg, baseline, tasks), _non_meta_scores,
-            (lambda tasks, n: {"baseline_finetune": (predict(baseline, fixed, tasks, n, tasks_per_batch), "adapted")})
-            if cfg.eval.baseline_finetune else None))
-        if cfg.eval.finetune_search:  # chosen on validation users only; test users scored once
-            lr, steps, grid = finetune_search(baseline, data.valid, tasks_per_batch)
-            tuned = {"baseline_finetune_lr": lr, "baseline_finetune_steps": steps, "baseline_finetune_grid": grid}
-            models.append(Baseline(
-                lambda tasks: {"baseline_finetune_tuned": (finetune_predict(baseline, tasks, lr, steps,
-                                                                            tasks_per_batch), "adapted")},
-                lambda named, kind: finetune_scores_of(named["baseline_finetune_tuned"][0], kind),
-                lambda tasks, n: {"baseline_finetune_tuned": (finetune_predict(baseline, tasks, lr, n, tasks_per_batch),
-                                                              "adapted")}))
-    if cfg.eval.popularity_baseline:
-        # Log sources map unseen items to the OOV id 0; synthetic item 0 is a real item, and
-        # raw ids (dynamic tables) have no OOV id.
-        column = item_column(data.fields)
-        raw = single_fields(data.fields)[column].raw
-        popularity = fit_popularity(data.train, column, kind, oov_id=oov_id(cfg.data.source == "synthetic", raw),
-                                    raw=raw)
-        models.append(Baseline(
-            lambda tasks: {"baseline_popularity": (popularity_predict(popularity, tasks), "pred")},
-            lambda named, kind: popularity_scores_of(named["baseline_popularity"][0], kind)))
-    return models, tuned
-
-
-def _distributed_predict(cfg: RunConfig, learner: MetaLearner, tasks, rank: int, world: int) -> list | None:
-    """`predict` of ``tasks`` by all ranks (tasks r::W on rank r): every rank's rows, on rank 0."""
-    lrs = learner.learning_rates()
-    mine = predict(learner, lrs, tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch,
-                   np.arange(rank, len(tasks), world))
-    parts = [mine]
-    if world > 1:
-        parts = [None] * world if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-    return parts
-
-
-def _non_meta_rows(cfg: RunConfig, baseline: MetaLearner, tasks) -> Named:
-    """The non-meta baseline's rows: as is (``baseline``) and, with ``eval.baseline_finetune``,
-    fine-tuned on each support with the meta inner loop's rates (``baseline_finetune``)."""
-    rows = predict(baseline, _fixed_rates(baseline), tasks, eval_inner_steps(cfg), cfg.eval.tasks_per_batch)
-    return {"baseline": (rows, "plain"), **({"baseline_finetune": (rows, "adapted")} if cfg.eval.baseline_finetune else {})}
-
-
-def _fixed_rates(baseline: MetaLearner) -> dict[str, float]:
-    """The non-meta baseline's fine-tuning rates: the meta inner loop's (meta.inner_lr(_scale))."""
-    return {n: baseline.algorithm.rate(n) for n in baseline.adapted_names()}
-
-
-def _non_meta_scores(named: Named, kind: str) -> dict:
-    """The non-meta baseline's headline metrics, as is and (when predicted) fine-tuned, and
-    (binary) the mean per-user AUC of both (``baseline_auc_per_task``,
-    ``baseline_finetune_auc_per_task``)."""
-    base = score(named["baseline"][0], kind)
-    out = {}
-    for name in HEADLINE[kind]:
-        out[f"baseline_{name}"] = base[f"{name}_no_adapt"]
-        if "baseline_finetune" in named:
-            out[f"baseline_finetune_{name}"] = base[name]
-    if kind == "binary":
-        out["baseline_auc_per_task"] = base["auc_per_task_no_adapt"]
-        if "baseline_finetune" in named:
-            out["baseline_finetune_auc_per_task"] = base["auc_per_task"]
-    return out
 
 
 def full_state(module: torch.nn.Module, tables: dict) -> dict:

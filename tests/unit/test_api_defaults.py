@@ -67,7 +67,8 @@ SAME = {
                            "resample_support": "data.resample_support"},
     "MetaEngine.evaluate": {"tasks_per_batch": "eval.tasks_per_batch", "baseline_epochs": "eval.baseline_epochs",
                             "baseline_lr": "eval.baseline_lr", "baseline_batch_size": "eval.baseline_batch_size",
-                            "bootstrap_resamples": "eval.bootstrap_resamples"},
+                            "bootstrap_resamples": "eval.bootstrap_resamples",
+                            "finetune_search": "eval.finetune_search"},
     "MetaEngine.save_checkpoint": {"keep_last": "train.keep_last"},
     **{name: _ALGORITHM for name in ("MetaAlgorithm", "MAML", "FOMAML", "Reptile", "MetaSGD")},
     "TableConfig": _TABLE,
@@ -90,10 +91,14 @@ ON_PURPOSE = {
     ("initialize", "output_dir"): ("output_dir", None, "runs/default"),
     ("MetaEngine.evaluate", "inner_steps"): ("eval.inner_steps", None, "auto"),
     ("MetaEngine.evaluate", "baselines"): ("eval.baseline", (), True),
+    ("MetaEngine.evaluate", "few_shot"): ("eval.few_shot", (), [1, 2, 5, 10, 20]),
+    ("MetaEngine.evaluate", "steps_curve"): ("eval.steps_curve", (), [0, 1, 2, 5, 10]),
 }
 # Parameters with no config key: what the API is handed instead of reading it from a file.
 API_ONLY = {
     ("initialize", "tables"), ("MetaEngine", "initial"), ("MetaEngine.evaluate", "train"),
+    ("MetaEngine.evaluate", "valid"), ("MetaEngine.evaluate", "states"), ("MetaEngine.evaluate", "synthetic"),
+    ("MetaEngine.evaluate", "out"),
     ("TableConfig", "pooling"), ("ShardedEmbeddingCollection", "device"), ("ShardedEmbeddingCollection", "timeout_s"),
     ("plan_tables", "bag_stats"),
     *((name, "embedding") for name in ("MeLU", "DCNv2", "DeepFM", "WideDeep", "DLRM", "TwoTower")),

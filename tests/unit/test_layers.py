@@ -18,7 +18,7 @@ LAYERS = {
     "gmeta_ds.run.trainer": 5, "gmeta_ds.evaluation.scores": 5, "gmeta_ds.checkpoint": 5, "gmeta_ds.run.outputs": 5, "gmeta_ds.evaluation.baselines": 5,
     "gmeta_ds.api": 5, "gmeta_ds.workloads": 5, "gmeta_ds.saved": 5, "gmeta_ds.meta_engine": 5, "gmeta_ds.run.run_log": 5,
     "gmeta_ds.serving": 5,
-    "gmeta_ds.evaluation.splits": 5,
+    "gmeta_ds.evaluation.splits": 5, "gmeta_ds.evaluation.held_out": 5,
     "gmeta_ds.cli": 6,
 }
 DISTRIBUTED = ("torch.distributed", "deepspeed")
