@@ -1,4 +1,5 @@
-"""Sharding plans: which rank owns which rows of each table.
+"""Sharding plans: how each table is placed (its `TablePlan.layout`, a `layout.TableLayout`,
+says which rank owns which rows).
 
 - ``row_wise``: every rank owns a slice of the rows — by ``modulo`` (row i on rank i % W,
   local index i // W) or contiguous ``block`` (ceil(rows / W) rows per rank). At most
@@ -9,7 +10,7 @@
   maps it to one of its ``capacity`` rows (`gmeta_ds.embedding.dynamic`).
 
 `plan_tables` turns per-table requests (or ``auto``: replicate tables below a row count,
-row-wise for the rest) into a validated `ShardingPlan`. Pure torch, no communication.
+row-wise for the rest) into a validated `ShardingPlan`. No communication.
 
 Each sharded static table with sum/mean pooling also gets an exchange (`choose_exchange`):
 ``rows`` (the requester deduplicates its ids, owners send each distinct row back, the requester
@@ -21,31 +22,17 @@ keeps ``rows``, which single-hot features always use.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+from functools import cached_property
 
-import torch
-from torch import Tensor
-
-from gmeta_ds.sparse import BagStats
-from gmeta_ds.embedding.dynamic import SKETCH_DEPTH, owner_of, sketch_width
+from gmeta_ds.embedding.layout import TableLayout, layout_of
 from gmeta_ds.embedding.tables import INT32_LIMIT, TableConfig
 from gmeta_ds.embedding.topology import Topology, choose_row_topology, choose_topology, host_overlap
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.registry import PLANS
+from gmeta_ds.sparse import BagStats
 
 KINDS = (*PLANS.names(), "dynamic")  # row_wise, table_wise, replicated (the registry) + dynamic
-# Optimizer state per row, in floats per embedding dimension (row-wise Adagrad: one per row).
-STATE_FLOATS = {"sgd": 0.0, "adagrad": 1.0, "adam": 2.0}
-
-
-def modulo(ids: Tensor, world: int) -> tuple[Tensor, Tensor]:
-    """(ids % world, ids // world), floored as Python's; by a mask and a shift when ``world``
-    is a power of two (int64 division is ~15x slower than a bitwise op on CPU)."""
-    if world & (world - 1) == 0:
-        shift = world.bit_length() - 1
-        return ids & (world - 1), ids >> shift
-    return ids % world, torch.div(ids, world, rounding_mode="floor")
 
 
 def exchange_bytes(kind: str, world_size: int, dim: int, stats: BagStats) -> tuple[float, float]:
@@ -105,57 +92,11 @@ class TablePlan:
         if self.exchange == "pooled":
             choose_exchange(dataclasses.replace(self.table, exchange="pooled"), self.kind, self.world_size, None)
 
-    @property
-    def block(self) -> int:
-        return math.ceil(self.table.num_rows / self.world_size)
-
-    def owners(self, ids: Tensor) -> Tensor:
-        """Owning rank of each global id (replicated: this rank, so lookups stay local)."""
-        if self.kind == "table_wise":
-            return torch.full_like(ids, self.owner)
-        if self.kind == "replicated":
-            raise ValueError("replicated tables have no single owner")
-        if self.kind == "dynamic":
-            return owner_of(ids, self.world_size) if self.world_size > 1 else torch.zeros_like(ids)
-        return modulo(ids, self.world_size)[0] if self.row_owner == "modulo" else ids // self.block
-
-    def local_index(self, ids: Tensor) -> Tensor:
-        """Row of each global id inside its owner's shard (dynamic: the id itself, which
-        only the owner's map turns into a row)."""
-        if self.kind != "row_wise":
-            return ids
-        return modulo(ids, self.world_size)[1] if self.row_owner == "modulo" else ids % self.block
-
-    def global_ids(self, rank: int) -> Tensor:
-        """Global ids of the rows rank ``rank`` stores, in local order."""
-        rows = self.table.num_rows
-        if self.kind == "dynamic":
-            raise ValueError(f"dynamic table {self.table.name!r} has no fixed ids per rank")
-        if self.kind == "replicated":
-            return torch.arange(rows)
-        if self.kind == "table_wise":
-            return torch.arange(rows) if rank == self.owner else torch.arange(0)
-        if self.row_owner == "modulo":
-            return torch.arange(rank, rows, self.world_size)
-        return torch.arange(rank * self.block, min(rows, (rank + 1) * self.block))
-
-    def local_rows(self, rank: int) -> int:
-        if self.kind == "dynamic":
-            return self.table.capacity + 1  # + the default row
-        return len(self.global_ids(rank)) if self.kind != "replicated" else self.table.num_rows
-
-    def bytes_on(self, rank: int) -> int:
-        """Parameter + optimizer-state bytes this table costs rank ``rank`` (float32)."""
-        rows, dim = self.local_rows(rank), self.table.dim
-        if self.table.optimizer == "rowwise_adagrad":
-            state = rows
-        else:
-            state = rows * dim * STATE_FLOATS[self.table.optimizer]
-        index = 0
-        if self.kind == "dynamic":  # id, row, last use, uses (int64) + a flag per row; the sketch
-            index = 33 * rows + (4 * SKETCH_DEPTH * sketch_width(self.table.capacity)
-                                 if self.table.admit_after > 1 else 0)
-        return int(4 * (rows * dim + state) + index)
+    @cached_property
+    def layout(self) -> TableLayout:
+        """Where the table's rows live (`layout.TableLayout`: owners, local rows, global ids per
+        rank, bytes), the one answer every strategy, checkpoint and estimate asks."""
+        return layout_of(self.kind, self.table, self.world_size, self.row_owner, self.owner)
 
 
 @dataclass(frozen=True)
@@ -182,17 +123,12 @@ class ShardingPlan:
         return self.row_exchange_topology == "hierarchical" and self.world_size > 1
 
     def bytes_per_rank(self) -> list[int]:
-        return [sum(p.bytes_on(r) for p in self.tables.values()) for r in range(self.world_size)]
+        return [sum(p.layout.bytes_on(r) for p in self.tables.values()) for r in range(self.world_size)]
 
     def describe(self) -> str:
         lines = []
         for name, p in self.tables.items():
-            where = {"row_wise": f"row-wise ({p.row_owner}, <= {p.block} rows/rank)",
-                     "table_wise": f"table-wise on rank {p.owner}",
-                     "replicated": "replicated on every rank",
-                     "dynamic": f"dynamic (owner by hash of id, {p.table.capacity} rows/rank + a "
-                                f"default row, admit after {p.table.admit_after}, {p.table.eviction})"
-                     if p.kind == "dynamic" else ""}[p.kind]
+            where = p.layout.describe()
             if p.table.device != "auto":
                 where += f", on the {p.table.device}"
             if p.exchange == "pooled" or p.estimate:

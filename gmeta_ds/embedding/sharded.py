@@ -47,15 +47,6 @@ from gmeta_ds.sparse import Jagged
 
 __all__ = ["FieldTables", "Request", "ShardedEmbeddingCollection", "accelerator_device", "resolve_placement"]
 
-SHARDINGS.bind({  # one file each; a strategy's module is imported when a table first needs it
-    "row_wise": "gmeta_ds.embedding.sharding.row_wise:RowWise",
-    "table_wise": "gmeta_ds.embedding.sharding.table_wise:TableWise",
-    "replicated": "gmeta_ds.embedding.sharding.replicated:Replicated",
-    "dynamic": "gmeta_ds.embedding.sharding.dynamic:Dynamic",
-    "owner_pooled": "gmeta_ds.embedding.sharding.owner_pooled:OwnerPooled",
-    "hierarchical_pooled": "gmeta_ds.embedding.sharding.hierarchical:HierarchicalPooled",
-})
-
 
 def accelerator_device() -> torch.device | None:
     """This rank's accelerator (CUDA, by LOCAL_RANK), or None on a machine without one."""
@@ -69,7 +60,7 @@ def accelerator_device() -> torch.device | None:
 def resolve_placement(plan: ShardingPlan, rank: int, device: torch.device | None = None,
                       budget_fraction: float = 0.5) -> dict[str, str]:
     """``accelerator`` or ``host`` for every table. ``auto``: on the accelerator when there is
-    one and the tables placed there fit ``budget_fraction`` of its memory by `TablePlan.bytes_on`
+    one and the tables placed there fit ``budget_fraction`` of its memory by `TableLayout.bytes_on`
     (largest first), else on the host. ``accelerator`` without one is an error naming the table."""
     device = device if device is not None else accelerator_device()
     on_accelerator = device is not None and device.type != "cpu"
@@ -84,11 +75,11 @@ def resolve_placement(plan: ShardingPlan, rank: int, device: torch.device | None
     budget = 0
     if on_accelerator:
         budget = budget_fraction * torch.cuda.get_device_properties(device).total_memory
-        budget -= sum(plan.tables[n].bytes_on(rank) for n, d in placed.items() if d == "accelerator")
-    for name, p in sorted(plan.tables.items(), key=lambda item: -item[1].bytes_on(rank)):
+        budget -= sum(plan.tables[n].layout.bytes_on(rank) for n, d in placed.items() if d == "accelerator")
+    for name, p in sorted(plan.tables.items(), key=lambda item: -item[1].layout.bytes_on(rank)):
         if name in placed:
             continue
-        cost = p.bytes_on(rank)
+        cost = p.layout.bytes_on(rank)
         placed[name] = "accelerator" if on_accelerator and cost <= budget else "host"
         budget -= cost if placed[name] == "accelerator" else 0
     return {name: placed[name] for name in plan.tables}
@@ -333,6 +324,18 @@ class ShardedEmbeddingCollection:
         """This rank's dynamic-table counters (cumulative) and occupancy, per table."""
         return {name: {**index.counters, "occupancy": index.occupancy, "capacity": index.capacity}
                 for name, index in self.dynamic.items()}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Tensor]:
+        """This rank's checkpoint entries of every table (`Sharding.state`: rows by global id,
+        sparse-optimizer state; dynamic tables their map too), flat; not collective."""
+        return {key: value for name in self.plan.tables for key, value in self.strategy[name].state(name).items()}
+
+    def load_state(self, files: list[dict[str, Tensor]]) -> None:
+        """Every table's rows and optimizer state from every saved rank's `state` (any old world
+        size or plan: each strategy takes the rows its layout gives this rank); not collective."""
+        for name in self.plan.tables:
+            self.strategy[name].load_state(name, files)
 
     # ------------------------------------------------------------------ export
     def gather_tables(self, everywhere: bool = False) -> dict[str, Tensor]:

@@ -251,7 +251,7 @@ class OuterSync:
                 out["outer.momentum"] = momentum.clone()
         for name, kept in self.row_anchor.items():
             local = torch.cat(kept["ids"]) if kept["ids"] else torch.zeros(0, dtype=torch.int64)
-            out[f"outer.table.{name}.ids"] = self.embeddings.plan.tables[name].global_ids(self.embeddings.rank)[local]
+            out[f"outer.table.{name}.ids"] = self.embeddings.plan.tables[name].layout.global_ids(self.embeddings.rank)[local]
             out[f"outer.table.{name}.rows"] = (torch.cat(kept["rows"]) if kept["rows"]
                                                else torch.zeros(0, self.embeddings.shards[name].shape[1]))
         return out
@@ -284,7 +284,7 @@ class OuterSync:
 
     def _load_rows(self, name: str, files: list[dict[str, torch.Tensor]]) -> None:
         plan = self.embeddings.plan.tables[name]
-        mine = plan.global_ids(self.embeddings.rank)
+        mine = plan.layout.global_ids(self.embeddings.rank)
         position = torch.full((plan.table.num_rows,), -1, dtype=torch.int64)
         position[mine] = torch.arange(len(mine))
         ids, rows = [], []

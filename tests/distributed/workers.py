@@ -66,7 +66,7 @@ def compare_with_twin(sharded: ShardedEmbeddingCollection, twin: EmbeddingCollec
         dist.all_reduce(ref)
         ref /= world
         shard = sharded.shards[name]
-        ids = plan.tables[name].global_ids(rank)
+        ids = plan.tables[name].layout.global_ids(rank)
         assert shard.shape == (len(ids), plan.tables[name].table.dim), name
         got = shard.grad.to_dense() if shard.grad is not None else torch.zeros_like(shard)
         torch.testing.assert_close(got, ref[ids], msg=f"gradient {name}")
@@ -153,7 +153,7 @@ def pooled_equals_unsharded() -> None:
     expected = 0
     for feature, jagged in pooled_only.items():
         table = sharded.by_feature[feature]
-        pairs = torch.unique(jagged.segment_ids() * world + plan.tables[table.name].owners(jagged.values))
+        pairs = torch.unique(jagged.segment_ids() * world + plan.tables[table.name].layout.owners(jagged.values))
         expected += 4 * table.dim * int((pairs % world != rank).sum())
     sharded.stats.reset()
     sharded(pooled_only)
@@ -379,7 +379,7 @@ def hierarchical_equals_flat(ranks_per_host: str) -> None:
     expected = {"flat": 0, "hierarchical": 0}
     for feature, jagged in pooled_only.items():
         table = sharded.by_feature[feature]
-        owners = base.tables[table.name].owners(jagged.values)
+        owners = base.tables[table.name].layout.owners(jagged.values)
         for how, where in (("flat", owners), ("hierarchical", owners // topology.ranks_per_host)):
             pairs = torch.unique(jagged.segment_ids() * world + where) % world
             host = pairs // topology.ranks_per_host if how == "flat" else pairs
@@ -413,7 +413,7 @@ def _remote_distinct_rows(plan: ShardingPlan, topology: Topology, requesters: li
     total = 0
     for name, parts in asked.items():
         ids = torch.cat(parts).unique()
-        owners = plan.tables[name].owners(ids)
+        owners = plan.tables[name].layout.owners(ids)
         total += 4 * plan.tables[name].table.dim * int((owners // topology.ranks_per_host != host).sum())
     return total
 

@@ -12,11 +12,14 @@ for them, the same questions in the same order as TorchRec's sharded modules:
   locally; a strategy that pools on the owner gets the raw bags (`OwnerPooled.pool`);
 - gradients: `Sharding.finish_gradients` (the mean over ranks) and `Sharding.direct_update`
   (which tables take the index-op optimizer step);
-- state: `Sharding.checksum`, `Sharding.gather_table`, `Sharding.gather_state`.
+- placement: `Sharding.layout` (a table's `layout.TableLayout`: owners, local rows, global ids
+  per rank, bytes), through which the strategy routes, builds, exports and checkpoints;
+- state: `Sharding.checksum`, `Sharding.gather_table`, `Sharding.gather_state`, and the
+  checkpoint's `Sharding.state` / `Sharding.load_state` (`state.py`'s format).
 
 To add a strategy: one file in this folder with a subclass of `Sharding`, and its name in
-`gmeta_ds.registry.SHARDINGS` (plus, for a plan users can ask for, in `registry.PLANS` and
-`plan.TablePlan`'s owners and local rows).
+`gmeta_ds.registry.SHARDINGS` (plus, for a plan users can ask for, in `registry.PLANS` and,
+for a new placement, a `layout.TableLayout` that `layout.layout_of` builds for its kind).
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gmeta_ds.embedding.comm import CommStats, Link
+from gmeta_ds.embedding.layout import TableLayout
 from gmeta_ds.embedding.plan import ShardingPlan, TablePlan
+from gmeta_ds.embedding.sharding.state import load_rows, rows_state
 from gmeta_ds.embedding.tables import TableConfig, init_rows
 
 
@@ -108,6 +113,12 @@ class Sharding(ABC):
 
     def __init__(self, ctx: ShardContext, names: tuple[str, ...]):
         self.ctx, self.names = ctx, names
+        self.layouts = {name: ctx.plan.tables[name].layout for name in names}
+
+    def layout(self, name: str) -> TableLayout:
+        """Where table ``name``'s rows live (`layout.TableLayout`): this strategy routes its
+        ids, builds, exports and checkpoints its shard through it, and nothing else."""
+        return self.layouts[name]
 
     @property
     def indexes(self) -> dict:
@@ -117,8 +128,7 @@ class Sharding(ABC):
     # ------------------------------------------------------------------ storage
     def initial_rows(self, name: str) -> Tensor:
         """This rank's rows of table ``name`` at start: the rows of its global ids."""
-        p = self.ctx.plan.tables[name]
-        return init_rows(p.table, self.ctx.seed, p.global_ids(self.ctx.rank))
+        return init_rows(self.ctx.plan.tables[name].table, self.ctx.seed, self.layout(name).global_ids(self.ctx.rank))
 
     # ------------------------------------------------------------------ forward
     @abstractmethod
@@ -157,3 +167,18 @@ class Sharding(ABC):
     def gather_state(self, everywhere: bool) -> dict[str, Tensor]:
         """State-dict entries beyond the full tables (`gather_table`); collective. None here."""
         return {}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self, name: str) -> dict[str, Tensor]:
+        """This rank's checkpoint entries of table ``name`` (`sharding.state`'s format): the
+        rows of its layout's global ids, with their sparse-optimizer state. Not collective."""
+        ctx = self.ctx
+        return rows_state(name, self.layout(name).global_ids(ctx.rank), ctx.shards[name], ctx.optimizers[name])
+
+    def load_state(self, name: str, files: list[dict[str, Tensor]]) -> None:
+        """Refill table ``name``'s shard and optimizer state from every saved rank's `state`
+        entries (``files``, one dict per saving rank, any world size or plan); a file that
+        does not match the table is a `ConfigError` naming it. Not collective."""
+        ctx = self.ctx
+        load_rows(name, ctx.plan.tables[name].table.num_rows, self.layout(name).global_ids(ctx.rank),
+                  ctx.shards[name], ctx.optimizers[name], files)

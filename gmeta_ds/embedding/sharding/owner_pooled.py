@@ -15,6 +15,9 @@ For every group of such tables (one dimension, placement and process group), per
    (its own runs, per owner) and adds the partial sums of each bag, then divides by the bag's
    length for mean pooling.
 
+The buffers, the requests they carry (`bags.BagRequests`) and the flat exchange over any group
+(`OwnerPooled.exchange_over`) are the public pieces a variant builds on (`hierarchical.py`).
+
 Backward is the reverse all-to-all of one gradient per partial sum; the owner's shard gets
 one sparse gradient entry per id looked up (plain SGD and Adagrad, `_pool_per_table`) or per
 distinct row (other optimizers, `tables.distinct_rows`). Ids and codes travel as
@@ -36,9 +39,10 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.comm import Link, all_to_all
+from gmeta_ds.embedding.layout import TableLayout
 from gmeta_ds.embedding.optim import ROW_UPDATES, plain_update
-from gmeta_ds.embedding.plan import modulo
-from gmeta_ds.embedding.sharding.base import ShardContext
+from gmeta_ds.embedding.sharding.bags import BagRequests, bag_segments, pack_bags, unpack_bags
+from gmeta_ds.embedding.sharding.base import ShardContext, Sharding
 from gmeta_ds.embedding.sharding.row_wise import RowWise
 from gmeta_ds.embedding.tables import FLAGS_RATIO, INT32_LIMIT, check_ids, distinct_rows, unique_keys
 from gmeta_ds.sparse import Jagged
@@ -48,43 +52,50 @@ from gmeta_ds.sparse import Jagged
 class GroupLayout:
     """One group's tables (sorted names) and features, as small tensors so that the whole
     group's ids are checked, owned and keyed by tensor ops (no per-feature loop over ids).
-    Per table t: ``num_rows`` (global), how it is sharded (``mode``: 0 row-wise modulo, 1
-    row-wise block, 2 table-wise; ``block``, ``owner``), and ``base``: where this rank's shard
-    starts in one key space of all the group's local rows (``base[-1]`` keys in all)."""
+    Per table t: ``num_rows`` (global), where its rows live (``layouts[t]``, the strategy's
+    `layout.TableLayout`), and ``base``: where this rank's shard starts in one key space of all
+    the group's local rows (``base[-1]`` keys in all)."""
 
     names: tuple[str, ...]
     features: tuple[str, ...]
     table_of_feature: Tensor
     num_rows: Tensor
-    mode: Tensor
-    block: Tensor
-    owner: Tensor
+    layouts: tuple[TableLayout, ...]
     base: Tensor
     mean: Tensor  # (F,) bool: the feature's table pools by mean
-    modes: frozenset = frozenset()  # the distinct values of ``mode``
+    router: TableLayout | None = None  # a layout that routes every table's ids alike, if one does
     same_rows: int = 0  # every table's number of rows when they are all equal, else 0
-    by_owner: tuple[int, ...] = ()  # table-wise groups: features (indices) in order of owner
-    feature_owner: tuple[int, ...] = ()  # table-wise groups: each feature's owner rank
+    by_owner: tuple[int, ...] = ()  # whole-table groups: features (indices) in order of owner
+    feature_owner: tuple[int, ...] = ()  # each feature's table's one owner rank (-1: spread over ranks)
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The integer type ids and codes travel as (`bags`): int32 below 2^31 rows per table."""
+        return torch.int32 if int(self.num_rows.max()) <= INT32_LIMIT else torch.int64
+
+    @property
+    def whole_tables(self) -> bool:
+        """Every table of the group lives whole on one rank (each feature has one owner)."""
+        return all(layout.owner is not None for layout in self.layouts)
 
     @staticmethod
-    def of(ctx: ShardContext, features: tuple[str, ...], device: torch.device) -> GroupLayout:
+    def of(strategy: Sharding, features: tuple[str, ...], device: torch.device) -> GroupLayout:
+        ctx = strategy.ctx
         names = tuple(sorted({ctx.by_feature[f].name for f in features}))
-        plans = [ctx.plan.tables[n] for n in names]
-        modes = [2 if p.kind == "table_wise" else int(p.row_owner != "modulo") for p in plans]
+        layouts = tuple(strategy.layout(n) for n in names)
         shard_rows = torch.tensor([0] + [ctx.shards[n].shape[0] for n in names])
 
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
         table_of = [names.index(ctx.by_feature[f].name) for f in features]
-        rows = {p.table.num_rows for p in plans}
-        owner = [plans[t].owner if modes[t] == 2 else -1 for t in table_of]
-        return GroupLayout(names, features, tensor(table_of),
-                           tensor([p.table.num_rows for p in plans]), tensor(modes),
-                           tensor([p.block for p in plans]), tensor([p.owner for p in plans]),
-                           shard_rows.cumsum(0).to(device),
+        rows = {layout.table.num_rows for layout in layouts}
+        owner = [-1 if layouts[t].owner is None else layouts[t].owner for t in table_of]
+        routings = {layout.routing for layout in layouts}
+        return GroupLayout(names, features, tensor(table_of), tensor([layout.table.num_rows for layout in layouts]),
+                           layouts, shard_rows.cumsum(0).to(device),
                            tensor([ctx.by_feature[f].pooling == "mean" for f in features], torch.bool),
-                           frozenset(modes), rows.pop() if len(rows) == 1 else 0,
+                           layouts[0] if len(routings) == 1 else None, rows.pop() if len(rows) == 1 else 0,
                            tuple(sorted(range(len(features)), key=lambda k: owner[k])), tuple(owner))
 
 
@@ -97,13 +108,13 @@ class OwnerPooled(RowWise):
 
     def __init__(self, ctx: ShardContext, names: tuple[str, ...]):
         super().__init__(ctx, names)
-        self.layouts: dict[tuple, GroupLayout] = {}  # per (features, device): built once
+        self.groups: dict[tuple, GroupLayout] = {}  # per (features, device): built once
 
     def pool(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
         """{feature: (N, d)} for features of this strategy's tables, one exchange per group of
         tables of one dimension, placement and process group (`_pooled_group`): input_dist
-        (`_by_id_owner`, `_by_table_owner`, then `exchange_buffers`), lookup (`_pool`), output_dist
-        (`exchange_buffers`'s last all-to-all, then the sum of each bag's partial sums)."""
+        (`_by_id_owner`, `_by_table_owner`, then `exchange`), lookup (`_pool`), output_dist
+        (`exchange`'s last all-to-all, then the sum of each bag's partial sums)."""
         ctx, by_group = self.ctx, defaultdict(list)
         for feature in features:
             name = ctx.by_feature[feature].name
@@ -113,17 +124,37 @@ class OwnerPooled(RowWise):
         for group in by_group.values():
             device = ctx.table_device[ctx.by_feature[group[0]].name]
             key = (tuple(group), str(device))
-            if key not in self.layouts:
-                self.layouts[key] = GroupLayout.of(ctx, tuple(group), device)
-            out.update(_pooled_group(ctx, self.layouts[key], [features[f] for f in group], self.exchange))
+            if key not in self.groups:
+                self.groups[key] = GroupLayout.of(self, tuple(group), device)
+            out.update(_pooled_group(ctx, self.groups[key], [features[f] for f in group], self.exchange))
         return out
 
-    def exchange(self, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor, n_ids: Tensor,
-                 n_pairs: Tensor) -> tuple[Tensor, Tensor]:
-        """The partial sums of the requests (`_by_id_owner`) and the code of each (its bag x
-        n_tables + table): one all-to-all over the tables' group (`exchange_buffers`)."""
-        link = self.ctx.link(layout.names[0])
-        return exchange_buffers(self.ctx, layout, local, pair_code, lengths, n_ids, n_pairs, link), pair_code
+    def exchange(self, layout: GroupLayout, requests: BagRequests) -> tuple[Tensor, Tensor]:
+        """The partial sums of this rank's ``requests`` (one per pair, (pairs, d)) and the code
+        of each (bag x n_tables + table), by which the requester adds them per bag. Here the
+        flat exchange over the tables' group (`exchange_over`); a strategy that reaches the
+        owners another way overrides this (`hierarchical.HierarchicalPooled`)."""
+        return self.exchange_over(layout, requests, self.ctx.link(layout.names[0])), requests.codes
+
+    def exchange_over(self, layout: GroupLayout, requests: BagRequests, link: Link, stage: str = "") -> Tensor:
+        """One round over the ranks of ``link`` (``requests`` grouped by its members, in its
+        rank order): input_dist (the sizes, then one `bags.pack_bags` buffer per member),
+        each member pools what it received from its shards (`_pool`), output_dist (one
+        partial sum per pair back). Returns (pairs, d) in the order of ``requests``; the
+        traffic is counted under ``stage`` + ``input_dist`` / ``output_dist``. Collective
+        over ``link``'s group."""
+        ctx, size, group, remote = self.ctx, link.size, link.group, link.remote
+        sizes = torch.stack([requests.n_ids, requests.n_pairs], dim=1)  # (size, 2)
+        recv_sizes = all_to_all(sizes, [1] * size, [1] * size, ctx.stats, link.rank, stage + "input_dist", group,
+                                remote)
+        send = pack_bags(requests, layout.wire_dtype)
+        recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).tolist()
+        received = all_to_all(send, requests.buffer_sizes.tolist(), recv_splits, ctx.stats, link.rank,
+                              stage + "input_dist", group, remote)
+        got = unpack_bags(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
+        partial = _pool(ctx, layout, got.local, got.codes, got.lengths)
+        return all_to_all(partial, recv_sizes[:, 1].tolist(), requests.n_pairs.tolist(), ctx.stats, link.rank,
+                          stage + "output_dist", group, remote)
 
 
 def _checked(ctx: ShardContext, layout: GroupLayout, values: Tensor, order: tuple[int, ...],
@@ -154,23 +185,15 @@ def _checked(ctx: ShardContext, layout: GroupLayout, values: Tensor, order: tupl
     return values
 
 
-def _owners(layout: GroupLayout, values: Tensor, table: Tensor, world: int) -> tuple[Tensor, Tensor]:
-    """Owner rank and local row of every id (`plan.TablePlan.owners` / ``local_index`` of its
-    table), by the group's one sharding mode when it has one (the usual case), else per id."""
-    modes = layout.modes
-    if modes == {0}:
-        return modulo(values, world)
-    if modes == {2}:
-        return layout.owner.index_select(0, table), values
-    block = layout.block.index_select(0, table)
-    if modes == {1}:
-        return torch.div(values, block, rounding_mode="floor"), values % block
-    mode = layout.mode.index_select(0, table)
-    owner_mod, local_mod = modulo(values, world)
-    owners = torch.where(mode == 0, owner_mod, torch.where(mode == 1, values // block,
-                                                           layout.owner.index_select(0, table)))
-    local = torch.where(mode == 0, local_mod, torch.where(mode == 1, values % block, values))
-    return owners, local
+def _route(layout: GroupLayout, values: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
+    """Owner rank and local row of every id (its table's `TableLayout.route`; ``values``: the
+    features' ids back to back, ``sizes`` per feature): in one call when every table of the
+    group routes alike (the usual case), else feature by feature."""
+    if layout.router is not None:
+        return layout.router.route(values)
+    tables = layout.table_of_feature.tolist()
+    routed = [layout.layouts[t].route(part) for t, part in zip(tables, torch.split(values, sizes))]
+    return torch.cat([owners for owners, _ in routed]), torch.cat([local for _, local in routed])
 
 
 def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged], exchange) -> dict[str, Tensor]:
@@ -187,15 +210,14 @@ def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged],
                 jagged.values.is_complex() or jagged.values.dtype == torch.bool:
             check_ids(jagged.values, feature, ctx.by_feature[feature], ctx.bad_ids)  # raises, naming it
     bag_len = torch.cat([j.offsets.diff() for j in jaggeds]).to(device)
-    if world > 1 and layout.modes == {2}:
+    if world > 1 and layout.whole_tables:
         requests = _by_table_owner(ctx, layout, jaggeds, bags_per, bag_len)
     else:
         requests = _by_id_owner(ctx, layout, jaggeds, bags_per, bag_len)
-    local, pair_code, lengths, n_ids, n_pairs = requests
     if world == 1:
-        partial, codes = _pool(ctx, layout, local, pair_code, lengths), pair_code
+        partial, codes = _pool(ctx, layout, requests.local, requests.codes, requests.lengths), requests.codes
     else:
-        partial, codes = exchange(layout, local, pair_code, lengths, n_ids, n_pairs)
+        partial, codes = exchange(layout, requests)
     bag_of = torch.div(codes, n_tables, rounding_mode="floor").to(partial.device)
     summed = partial.new_zeros(n_bags, partial.shape[1]).index_add(0, bag_of, partial)
     if bool(layout.mean.any()):
@@ -207,7 +229,7 @@ def _pooled_group(ctx: ShardContext, layout: GroupLayout, jaggeds: list[Jagged],
     return dict(zip(layout.features, torch.split(summed, bags_per)))
 
 
-def _by_id_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_len):
+def _by_id_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_len) -> BagRequests:
     """The requests of a group whose ids' owners depend on the id (row-wise, or world 1):
     (local rows grouped by owner, each (bag, owner) pair's code and number of ids, ids and
     pairs per owner). No sort: the pairs are the non-zero cells of one count of ids per
@@ -223,19 +245,19 @@ def _by_id_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_
                                         output_size=n_bags)
     if world == 1:
         pair_bag = bag_len.nonzero().squeeze(1)  # empty bags are no pair
-        return (values, pair_bag * n_tables + bag_table.index_select(0, pair_bag), bag_len.index_select(0, pair_bag),
-                torch.tensor([len(values)], device=device), torch.tensor([len(pair_bag)], device=device))
-    table = None if layout.modes == {0} else torch.repeat_interleave(
-        layout.table_of_feature, torch.tensor(sizes, device=device), output_size=len(values))
-    owners, local = _owners(layout, values, table, world)
+        return BagRequests(values, pair_bag * n_tables + bag_table.index_select(0, pair_bag),
+                           bag_len.index_select(0, pair_bag), torch.tensor([len(values)], device=device),
+                           torch.tensor([len(pair_bag)], device=device))
+    owners, local = _route(layout, values, sizes)
     bag = torch.repeat_interleave(torch.arange(n_bags, device=device), bag_len, output_size=len(values))
     counts = torch.bincount(owners * n_bags + bag, minlength=world * n_bags)
     pair = counts.nonzero().squeeze(1)
     pair_owner = torch.div(pair, n_bags, rounding_mode="floor")
     pair_bag = pair - pair_owner * n_bags
     n_ids = counts.view(world, n_bags).sum(1)
-    return (partition_bags(local, owners, world, n_ids), pair_bag * n_tables + bag_table.index_select(0, pair_bag),
-            counts.index_select(0, pair), n_ids, torch.bincount(pair_owner, minlength=world))
+    return BagRequests(partition_bags(local, owners, world, n_ids),
+                       pair_bag * n_tables + bag_table.index_select(0, pair_bag), counts.index_select(0, pair), n_ids,
+                       torch.bincount(pair_owner, minlength=world))
 
 
 def partition_bags(values: Tensor, owners: Tensor, world: int, per_owner: Tensor) -> Tensor:
@@ -252,7 +274,7 @@ def partition_bags(values: Tensor, owners: Tensor, world: int, per_owner: Tensor
     return values.index_select(0, torch.argsort(owners, stable=True))
 
 
-def _by_table_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_len):
+def _by_table_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, bag_len) -> BagRequests:
     """`_by_id_owner` for a group of table-wise tables at world > 1: each feature has one
     owner, so the features are put in order of owner (no sort of ids), and every non-empty
     bag is one pair (no search for runs)."""
@@ -282,57 +304,7 @@ def _by_table_owner(ctx: ShardContext, layout: GroupLayout, jaggeds, bags_per, b
             torch.tensor([bags_per[k] for k in order], device=device), output_size=len(lengths))
         n_pairs = torch.bincount(owner_of_bag[keep], minlength=world)
         codes, lengths = codes[keep], lengths[keep]
-    return local, codes, lengths, n_ids, n_pairs
-
-
-def wire_dtype(layout: GroupLayout) -> torch.dtype:
-    return torch.int32 if int(layout.num_rows.max()) <= INT32_LIMIT else torch.int64
-
-
-def exchange_buffers(ctx: ShardContext, layout: GroupLayout, local: Tensor, pair_code: Tensor, lengths: Tensor,
-              n_ids: Tensor, n_pairs: Tensor, link: Link, stage: str = "") -> Tensor:
-    """input_dist of [ids | codes | lengths] per owner (``n_ids`` and ``n_pairs`` per member
-    of ``link``), the owners' pooling, output_dist; counted under ``stage`` + input_dist /
-    output_dist."""
-    size, group, remote = link.size, link.group, link.remote
-    sizes = torch.stack([n_ids, n_pairs], dim=1)  # (size, 2)
-    recv_sizes = all_to_all(sizes, [1] * size, [1] * size, ctx.stats, link.rank, stage + "input_dist", group,
-                            remote)
-    dtype = wire_dtype(layout)
-    send = pack_bags(local, pair_code, lengths, n_ids, n_pairs, dtype)
-    send_splits = (n_ids + 2 * n_pairs).tolist()
-    recv_splits = (recv_sizes[:, 0] + 2 * recv_sizes[:, 1]).tolist()
-    received = all_to_all(send, send_splits, recv_splits, ctx.stats, link.rank, stage + "input_dist", group, remote)
-    ids, codes, counts = unpack_bags(received.long(), recv_sizes[:, 0], recv_sizes[:, 1])
-    partial = _pool(ctx, layout, ids, codes, counts)
-    return all_to_all(partial, recv_sizes[:, 1].tolist(), n_pairs.tolist(), ctx.stats, link.rank,
-                      stage + "output_dist", group, remote)
-
-
-def bag_segments(starts: Tensor, sizes: Tensor) -> Tensor:
-    """Positions ``starts[i] + 0 .. sizes[i] - 1`` for every i, concatenated."""
-    total = int(sizes.sum())
-    first = torch.cumsum(sizes, 0) - sizes
-    return torch.arange(total, device=sizes.device) + torch.repeat_interleave(starts - first, sizes,
-                                                                              output_size=total)
-
-
-def pack_bags(local, pair_code, lengths, n_ids, n_pairs, dtype) -> Tensor:
-    """One buffer, per owner: its ids, then its bags' codes, then their lengths."""
-    seg = n_ids + 2 * n_pairs
-    start = torch.cumsum(seg, 0) - seg
-    out = torch.empty(int(seg.sum()), dtype=dtype, device=local.device)
-    out[bag_segments(start, n_ids)] = local.to(dtype)
-    out[bag_segments(start + n_ids, n_pairs)] = pair_code.to(dtype)
-    out[bag_segments(start + n_ids + n_pairs, n_pairs)] = lengths.to(dtype)
-    return out
-
-
-def unpack_bags(buffer, n_ids, n_pairs) -> tuple[Tensor, Tensor, Tensor]:
-    seg = n_ids + 2 * n_pairs
-    start = torch.cumsum(seg, 0) - seg
-    return (buffer[bag_segments(start, n_ids)], buffer[bag_segments(start + n_ids, n_pairs)],
-            buffer[bag_segments(start + n_ids + n_pairs, n_pairs)])
+    return BagRequests(local, codes, lengths, n_ids, n_pairs)
 
 
 def _pool(ctx: ShardContext, layout: GroupLayout, ids: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:

@@ -12,23 +12,16 @@ import torch
 from torch import Tensor
 
 from gmeta_ds.embedding.optim import ROW_UPDATES, fast_update
-from gmeta_ds.embedding.plan import modulo
 from gmeta_ds.embedding.sharding.base import Request, Sharding
 
 
 class RowWise(Sharding):
     """Tables whose rows are spread over every rank."""
 
-    def route(self, name: str, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """(owner rank, local row) of each global id of table ``name``."""
-        p = self.ctx.plan.tables[name]
-        if p.row_owner == "modulo":
-            return modulo(ids, self.ctx.world)
-        return ids // p.block, ids % p.block
-
     def input_dist(self, name: str, request: Request, exchange) -> None:
+        """Each id to its owner, as its local row there (the table's layout routes it)."""
         ids = request.ids.to(self.ctx.table_device[name])
-        exchange.add(self, name, ids, *self.route(name, ids))
+        exchange.add(self, name, ids, *self.layout(name).route(ids))
 
     def finish_gradients(self, leave: frozenset) -> None:
         """Rows arrived summed over ranks: divide by the world size."""
@@ -48,11 +41,11 @@ class RowWise(Sharding):
     def gather_table(self, name: str, everywhere: bool) -> Tensor | None:
         """Each rank's shard padded to the largest, gathered in one call, and put back in
         global row order."""
-        p, ctx = self.ctx.plan.tables[name], self.ctx
+        p, layout, ctx = self.ctx.plan.tables[name], self.layout(name), self.ctx
         shard = ctx.shards[name]
         if ctx.world == 1:
             return shard.detach().cpu().clone()
-        width = max(p.local_rows(r) for r in range(ctx.world))
+        width = max(layout.local_rows(r) for r in range(ctx.world))
         padded = torch.zeros(width, p.table.dim, device=shard.device)
         padded[: shard.shape[0]] = shard.detach()
         bucket = ctx.gather(padded, everywhere, name)
@@ -60,6 +53,6 @@ class RowWise(Sharding):
             return None
         table = torch.empty(p.table.num_rows, p.table.dim)
         for r in range(ctx.world):
-            ids = p.global_ids(r)
+            ids = layout.global_ids(r)
             table[ids] = bucket[r][: len(ids)].cpu()
         return table

@@ -18,10 +18,10 @@ TABLE = TableConfig("t", 103, 4, ("f",))
 def test_row_wise_owners_and_local_indices_are_a_bijection(world, row_owner):
     plan = TablePlan(TABLE, "row_wise", world, row_owner)
     ids = torch.arange(TABLE.num_rows)
-    owners, local = plan.owners(ids), plan.local_index(ids)
+    owners, local = plan.layout.owners(ids), plan.layout.local_index(ids)
     seen = set()
     for rank in range(world):
-        mine = plan.global_ids(rank)
+        mine = plan.layout.global_ids(rank)
         assert len(mine) <= math.ceil(TABLE.num_rows / world)
         assert torch.all(owners[mine] == rank)
         assert torch.equal(local[mine], torch.arange(len(mine)))  # dense local storage
@@ -34,7 +34,7 @@ def test_table_wise_places_largest_tables_on_least_loaded_ranks():
     plan = plan_tables(tables, 2, {t.name: "table_wise" for t in tables})
     owners = {n: p.owner for n, p in plan.tables.items()}
     assert owners == {"a": 0, "b": 1, "c": 1, "d": 0}
-    assert plan.tables["c"].global_ids(0).numel() == 0 and plan.tables["c"].local_rows(1) == 200
+    assert plan.tables["c"].layout.global_ids(0).numel() == 0 and plan.tables["c"].layout.local_rows(1) == 200
 
 
 def test_auto_replicates_small_tables_and_shards_large_ones():
@@ -98,7 +98,7 @@ def test_exchange_pooled_on_a_table_that_cannot_pool_names_the_table(kind, chang
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
 def test_modulo_equals_floored_remainder_and_division(world):
     """Row-wise owners and local rows: a mask and a shift for powers of two, as % and //."""
-    from gmeta_ds.embedding.plan import modulo
+    from gmeta_ds.embedding.layout import modulo
 
     ids = torch.randint(-2**40, 2**40, (5000,), generator=torch.Generator().manual_seed(world))
     owner, local = modulo(ids, world)

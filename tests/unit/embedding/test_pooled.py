@@ -92,3 +92,23 @@ def test_partition_by_owner_is_a_stable_sort(world):
     values = torch.arange(1000) * 7
     expected = values[torch.argsort(owners, stable=True)]
     assert torch.equal(partition_bags(values, owners, world, torch.bincount(owners, minlength=world)), expected)
+
+
+def test_requests_and_their_buffer_are_the_documented_wire():
+    """`bags`' worked example, built by the strategy: world 2, row i on rank i % 2; rank 0's
+    bags [[4, 9, 6], [9]] are local rows [2, 3, 4, 4] grouped by owner, one (code, length) per
+    (bag, owner), and owner 1's buffer is [4, 4 | 0, 1 | 1, 1] (int32); unpacking gives them back."""
+    from gmeta_ds.embedding.sharding.bags import pack_bags, unpack_bags
+
+    table = TableConfig("t", 10, 4, ("t",), pooling="sum", exchange="pooled", optimizer="sgd")
+    emb = ShardedEmbeddingCollection(plan_tables([table], 2, {"t": "row_wise"}), 0)
+    sent = []
+    emb.strategy["t"].exchange = lambda layout, requests: (sent.append((layout, requests)) or
+                                                           (torch.zeros(len(requests.codes), 4), requests.codes))
+    emb({"t": Jagged(torch.tensor([4, 9, 6, 9]), torch.tensor([0, 3, 4]))})
+    layout, requests = sent[0]
+    assert [r.tolist() for r in requests] == [[2, 3, 4, 4], [0, 0, 1], [2, 1, 1], [2, 2], [1, 2]]
+    buffer = pack_bags(requests, layout.wire_dtype)
+    assert buffer.dtype == torch.int32 and buffer.tolist() == [2, 3, 0, 2, 4, 4, 0, 1, 1, 1]
+    back = unpack_bags(buffer.long(), requests.n_ids, requests.n_pairs)
+    assert all(torch.equal(a, b) for a, b in zip(back, requests))
