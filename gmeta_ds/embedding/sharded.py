@@ -47,6 +47,15 @@ from gmeta_ds.sparse import Jagged
 
 __all__ = ["FieldTables", "Request", "ShardedEmbeddingCollection", "accelerator_device", "resolve_placement"]
 
+SHARDINGS.bind({  # one file each; a strategy's module is imported when a table first needs it
+    "row_wise": "gmeta_ds.embedding.sharding.row_wise:RowWise",
+    "table_wise": "gmeta_ds.embedding.sharding.table_wise:TableWise",
+    "replicated": "gmeta_ds.embedding.sharding.replicated:Replicated",
+    "dynamic": "gmeta_ds.embedding.sharding.dynamic:Dynamic",
+    "owner_pooled": "gmeta_ds.embedding.sharding.owner_pooled:OwnerPooled",
+    "hierarchical_pooled": "gmeta_ds.embedding.sharding.hierarchical:HierarchicalPooled",
+})
+
 
 def accelerator_device() -> torch.device | None:
     """This rank's accelerator (CUDA, by LOCAL_RANK), or None on a machine without one."""
