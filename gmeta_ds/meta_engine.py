@@ -499,9 +499,10 @@ class MetaEngine:
 
 def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorithm: str) -> dict:
     """Tables, fields, algorithm and dense shapes: what a checkpoint must match to load
-    (``fields``, ``algorithm``: as the caller names them; the CLI and the API each keep theirs)."""
+    (``fields``, ``algorithm``: as the caller names them; the CLI and the API each keep theirs),
+    and the dynamic tables' capacities, which bound the bytes a load hashes (`checkpoint.budget`)."""
     return {"tables": checkpoint.table_meta(embeddings), "fields": list(fields),
-            "algorithm": algorithm,
+            "algorithm": algorithm, "capacities": checkpoint.capacities(embeddings),
             "dense_shapes": {n: list(v.shape) for n, v in learner.state_dict().items()}}
 
 

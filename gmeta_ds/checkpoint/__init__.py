@@ -25,14 +25,18 @@ keys are type-checked, its files must be exactly the regular files inside the ch
 directory (no absolute path, no ``..``, no symbolic link, nothing unlisted) with the sizes it
 records, and ``latest`` must name a ``step_*`` directory of its own folder: a damaged or
 forged manifest is a `ConfigError` naming the file and the key, and hashing costs no more
-than reading the checkpoint itself.
+than reading the checkpoint itself. The files must also be ones a save writes (by name) and
+no larger than a save of the model writes them (`budget`: from its tables, dense shapes and
+dynamic capacities), so a large file planted and listed is refused unread.
 
 The package's modules: `layout` (names, ``latest``, `find`), `manifest` (reading and verifying),
+`budget` (the files a save writes and their size bounds),
 `rows` (per-rank embedding rows by global id, resharded on load), `saving`, `loading`,
 `universal` (DeepSpeed's universal conversion, isolated) and `exporting`.
 """
 from __future__ import annotations
 
+from gmeta_ds.checkpoint.budget import capacities
 from gmeta_ds.checkpoint.exporting import export
 from gmeta_ds.checkpoint.layout import (
     FAULT_ENV, FAULT_FILL_ENV, FORMAT_VERSION, LATEST, MANIFEST, MANIFEST_MAX_BYTES, TAG, checkpoint_root, find,
@@ -44,6 +48,6 @@ from gmeta_ds.checkpoint.saving import save
 from gmeta_ds.checkpoint.universal import convert_to_universal, to_universal
 
 __all__ = ["FAULT_ENV", "FAULT_FILL_ENV", "FORMAT_VERSION", "LATEST", "MANIFEST", "MANIFEST_MAX_BYTES", "TAG",
-           "convert_to_universal", "sha256", "check_compatible", "check_pickles", "checkpoint_root", "export", "find", "load",
+           "capacities", "convert_to_universal", "sha256", "check_compatible", "check_pickles", "checkpoint_root", "export", "find", "load",
            "load_shard_state", "rank_files", "read_manifest", "save", "shard_state", "table_meta", "tag_of", "to_universal",
            "verify"]

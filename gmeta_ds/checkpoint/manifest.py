@@ -12,7 +12,9 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from gmeta_ds.checkpoint.budget import budget
 from gmeta_ds.checkpoint.layout import FORMAT_VERSION, MANIFEST, MANIFEST_MAX_BYTES
+from gmeta_ds.config.deepspeed import MAX_WORLD
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.errors import ConfigError
 
@@ -104,7 +106,7 @@ def _is_loader(value) -> bool:
 # key -> (check, what is expected): the manifest keys a resume or an export reads.
 _KEYS = {
     "step": (lambda v: _is_int(v, 0), "an integer >= 0 (the meta-step)"),
-    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "world_size": (lambda v: _is_int(v, 1) and v <= MAX_WORLD, f"an integer >= 1 and <= {MAX_WORLD}"),
     "loader": (_is_loader, "an object (the data position: integer next_step, seed, tasks)"),
     "algorithm": (lambda v: isinstance(v, str), "a string"),
     "fields": (lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of strings"),
@@ -144,10 +146,12 @@ def _bad_name(name) -> bool:
             or name == MANIFEST)
 
 
-def _file_problems(manifest: dict, where: Path, ckpt: Path) -> list[str]:
+def _file_problems(manifest: dict, where: Path, ckpt: Path, model: dict) -> list[str]:
     """The manifest's files and sizes against the checkpoint directory: every name a relative
     path inside it, exactly the regular files found there (no link, nothing else), each of the
-    recorded size, and every rank's file and ``dense.safetensors`` among them."""
+    recorded size, every rank's file and ``dense.safetensors`` among them, and each one a file
+    a save of ``model`` (tables, dense shapes, capacities) writes, no larger than it writes
+    (`budget.Budget`)."""
     files, sizes = manifest["files"], manifest.get("sizes")
     problems = [f"{where}: key 'files': {_show(n)} is not a file inside {ckpt} (an absolute path, "
                 "'..', or not normalised)" for n in files if _bad_name(n)]
@@ -189,24 +193,38 @@ def _file_problems(manifest: dict, where: Path, ckpt: Path) -> list[str]:
                         f"world_size={world} holds: {', '.join(lacking[:4])}{more}")
     problems += [f"{where}: key 'files.{n}': a rank file beyond world_size={world}"
                  for n in files if re.fullmatch(r"rank[0-9]+\.safetensors", n) and n not in required]
-    return problems
+    if problems:
+        return problems
+    return budget(model["tables"], model["dense_shapes"], _capacities(model), world).problems(on_disk, ckpt)
 
 
-def read_manifest(ckpt: Path) -> dict:
+def _capacities(model: dict) -> dict:
+    """``model``'s dynamic tables' rows per rank, as far as it records them validly."""
+    found = model.get("capacities")
+    return {k: v for k, v in found.items() if _is_int(v, 1)} if isinstance(found, dict) else {}
+
+
+def read_manifest(ckpt: Path, meta: dict | None = None) -> dict:
     """The manifest, with every listed file present and matching its SHA-256.
 
     Checked before any file is hashed, each failure a `ConfigError` naming the file and the
-    key: the manifest's keys and types (`_KEYS`), then its files: relative paths inside
+    key: the manifest's keys and types (`_KEYS`), with ``meta`` (what the loading run builds:
+    `check_compatible`) its match to that model, then its files: relative paths inside
     ``ckpt``, exactly the regular files there (a symbolic link or an unlisted file is
     refused), of the sizes it records (manifests written before sizes were recorded are
-    checked by hash alone). So a manifest cannot make a resume read anything but the
-    checkpoint's own files, and never more bytes than they hold."""
+    checked by hash alone), and only files a save writes, each no larger than a save of the
+    model writes it (`budget`: from ``meta``'s tables, dense shapes and capacities, or
+    without ``meta`` from the manifest's own). So a manifest cannot make a resume read
+    anything but the checkpoint's own files, and never more bytes than a save of the model
+    writes."""
     where = ckpt / MANIFEST
     manifest = _load_manifest(where)
     problems = _key_problems(manifest, where)
     if problems:
         raise ConfigError(problems, str(ckpt))
-    problems = _file_problems(manifest, where, ckpt)
+    if meta is not None:
+        check_compatible(manifest, meta, ckpt)
+    problems = _file_problems(manifest, where, ckpt, manifest if meta is None else meta)
     if problems:
         raise ConfigError(problems, str(ckpt))
     problems = [f"{ckpt / name}: contents differ from the manifest's SHA-256 (modified or truncated)"
@@ -250,8 +268,8 @@ def check_compatible(manifest: dict, meta: dict, ckpt: Path) -> None:
 
 
 def verify(ckpt: Path, meta: dict) -> dict:
-    """Hashes, model match and safe pickles; returns the manifest (no state is loaded)."""
-    manifest = read_manifest(ckpt)
-    check_compatible(manifest, meta, ckpt)
+    """Model match, hashes bounded by what a save of ``meta``'s model writes, and safe pickles;
+    returns the manifest (no state is loaded)."""
+    manifest = read_manifest(ckpt, meta)
     check_pickles(ckpt)
     return manifest

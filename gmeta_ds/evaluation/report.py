@@ -120,7 +120,7 @@ def _run_section(summary: dict) -> str:
     return "<h2>Run</h2>" + _table(["", "value"], [[_e(k), _e("n/a" if v is None else v)] for k, v in facts])
 
 
-def _metrics(evaluation: dict) -> list[str]:
+def _metric_names(evaluation: dict) -> list[str]:
     """The metrics of ``evaluation`` (summary.json's ``eval``, or a state's), in `METRIC_ORDER`."""
     return [m for m in METRIC_ORDER if m in evaluation]
 
@@ -135,7 +135,7 @@ def _score_rows(evaluation: dict) -> list[list[str]]:
     """One row per model present in ``evaluation``: its value of each metric."""
     rows = []
     for label, prefix in MODELS:
-        keys = {m: (m + prefix[1:] if prefix.startswith("*") else prefix + m) for m in _metrics(evaluation)}
+        keys = {m: (m + prefix[1:] if prefix.startswith("*") else prefix + m) for m in _metric_names(evaluation)}
         if any(k in evaluation for k in keys.values()):
             rows.append([_e(label), *(_num(evaluation.get(k)) for k in keys.values())])
     return rows
@@ -146,7 +146,7 @@ def _comparison_section(evaluation: dict) -> list[str]:
     if not evaluation or not evaluation.get("tasks"):
         return ["<h2>Comparison with the baselines</h2><p>The run was not evaluated (eval.enabled: false, "
                 "or no held-out user).</p>"]
-    metrics = _metrics(evaluation)
+    metrics = _metric_names(evaluation)
     out = ["<h2>Comparison with the baselines</h2>",
            f"<p>Held-out users: {_e(evaluation['tasks'])}; query rows: {_e(evaluation.get('query_rows'))}.</p>",
            _table(["model", *(METRIC_LABELS[m] for m in metrics)], _score_rows(evaluation))]
@@ -212,7 +212,7 @@ def _states_section(plt, evaluation: dict) -> list[str]:
         return out + ["<p>Not evaluated: the four cold-start states need a log with item release years and "
                       "data.four_state: true (MeLU's warm / user cold / item cold / user and item cold split); "
                       "this run scored its held-out users only.</p>"]
-    metrics = _metrics(evaluation)
+    metrics = _metric_names(evaluation)
     for name, scores in states.items():
         out.append(f"<h3>{_e(STATES.get(name, name))}</h3>")
         if not scores.get("tasks"):

@@ -496,9 +496,9 @@ def results(optuna, setup: Setup, study) -> dict:
     best = None
     if complete:
         b = study.best_trial
-        best = {"number": b.number, "value": b.value, "params": _ordered(b.params, setup.space),
+        best = {"number": b.number, "value": b.value, "params": _in_space_order(b.params, setup.space),
                 "set": set_line(b.params, setup.space), "output_dir": b.user_attrs.get("output_dir")}
-    rows = [{"number": t.number, "state": t.state.name, "params": _ordered(t.params, setup.space),
+    rows = [{"number": t.number, "state": t.state.name, "params": _in_space_order(t.params, setup.space),
              "value": t.value, "seconds": t.user_attrs.get("seconds"), "output_dir": t.user_attrs.get("output_dir"),
              **{k: t.user_attrs[k] for k in ("error", "interrupted", "retry_of") if k in t.user_attrs}}
             for t in trials]
@@ -509,7 +509,7 @@ def results(optuna, setup: Setup, study) -> dict:
                        "seconds": round(sum(r["seconds"] or 0.0 for r in rows), 3)}}
 
 
-def _ordered(params: dict, space: dict) -> dict:
+def _in_space_order(params: dict, space: dict) -> dict:
     return {k: params[k] for k in space if k in params}
 
 

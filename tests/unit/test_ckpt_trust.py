@@ -104,6 +104,7 @@ BAD_KEYS = [
     ({"step": None}, ["key 'step'"]),
     ({"world_size": "2"}, ["key 'world_size'", "an integer >= 1"]),
     ({"world_size": 0}, ["key 'world_size'"]),
+    ({"world_size": 10**12}, ["key 'world_size'", "<= 1048576", "1000000000000"]),
     ({"loader": [1]}, ["key 'loader'"]),
     ({"loader": {"next_step": -1}}, ["key 'loader'"]),
     ({"loader": {"next_step": 2, "seed": "x"}}, ["key 'loader'"]),
@@ -190,6 +191,56 @@ def test_sizes_are_checked_before_hashing_a_huge_file(run_dir, no_hashing):
     os.truncate(extra, 300 << 30)
     _refused(ckpt, str(extra), "not part of the checkpoint (not in the manifest)")
     assert time.perf_counter() - start < 10 and no_hashing == []
+
+
+@pytest.mark.parametrize("name", ["huge.bin", "rank00000.safetensors.bak", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                  "sub/mp_rank_00_model_states.pt", "latest"])
+def test_a_planted_file_listed_with_its_size_is_refused_by_name_unread(run_dir, no_hashing, name):
+    """A file a save never writes (or a rank's file beyond the world size), listed in the
+    manifest with its true size: refused by its name before any byte is hashed, even 300 GB."""
+    ckpt = run_dir / "checkpoints" / TAG
+    manifest = _manifest(ckpt)
+    planted = ckpt / name
+    planted.parent.mkdir(exist_ok=True)
+    planted.touch()
+    os.truncate(planted, 300 << 30)  # sparse: instant, no disk used
+    manifest["files"][name], manifest["sizes"][name] = "0" * 64, 300 << 30
+    _write(ckpt, manifest)
+    start = time.perf_counter()
+    _refused(ckpt, str(planted), "not a file a checkpoint of world_size=1 writes", "refused unread")
+    assert time.perf_counter() - start < 5 and no_hashing == []
+
+
+@pytest.mark.parametrize("name", ["dense.safetensors", "rank00000.safetensors", "mp_rank_00_model_states.pt"])
+def test_a_listed_file_larger_than_a_save_of_the_model_writes_is_refused_unread(run_dir, no_hashing, name):
+    """A real file name grown to 300 GB with the manifest's sizes to match: refused by the
+    model's bound (tables, dense shapes, dynamic capacities) before any byte is hashed."""
+    ckpt = run_dir / "checkpoints" / TAG
+    manifest = _manifest(ckpt) | {"capacities": {"user": 100}}
+    os.truncate(ckpt / name, 300 << 30)
+    manifest["sizes"][name] = 300 << 30
+    _write(ckpt, manifest)
+    start = time.perf_counter()
+    _refused(ckpt, str(ckpt / name), "322122547200 bytes, more than a save of this model writes there")
+    assert time.perf_counter() - start < 5 and no_hashing == []
+
+
+def test_the_bound_follows_the_loading_model_not_the_manifests_claims(run_dir, no_hashing):
+    """A manifest that claims a model big enough for its planted bytes is refused when the
+    loading run's model (``meta``) is smaller: the match is checked before the sizes."""
+    ckpt = run_dir / "checkpoints" / TAG
+    meta = {k: _manifest(ckpt)[k] for k in ("tables", "fields", "algorithm", "dense_shapes")}
+    manifest = _manifest(ckpt) | {"dense_shapes": {"net.w": [10**6, 10**6], "net.b": [8]}}
+    os.truncate(ckpt / "dense.safetensors", 300 << 30)
+    manifest["sizes"]["dense.safetensors"] = 300 << 30
+    _write(ckpt, manifest)
+    with pytest.raises(ConfigError, match=r"dense_shapes: checkpoint has .*1000000.*the config builds"):
+        checkpoint.read_manifest(ckpt, meta)
+    manifest["dense_shapes"] = meta["dense_shapes"]
+    _write(ckpt, manifest)
+    with pytest.raises(ConfigError, match="more than a save of this model writes"):
+        checkpoint.read_manifest(ckpt, meta)
+    assert no_hashing == []
 
 
 def test_the_file_list_is_the_expected_set(run_dir, no_hashing):

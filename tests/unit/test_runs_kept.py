@@ -10,15 +10,18 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gmeta_ds import checkpoint
 from gmeta_ds.run import outputs, run_log, trainer
 from gmeta_ds.meta_engine import NonFiniteLoss
 from gmeta_ds.cli import main
@@ -133,6 +136,37 @@ def test_a_refused_resume_leaves_the_run_byte_identical(run_dir, capsys, change,
     assert train(config, "train.resume=auto", "train.meta_steps=4", *change) == 2
     assert message in capsys.readouterr().err
     assert hashes(out) == before
+
+
+@pytest.mark.parametrize("name", ["planted.bin", "rank00000.safetensors"])
+def test_a_huge_file_listed_in_a_real_checkpoints_manifest_is_refused_unread(run_dir, capsys, name):
+    """A 300 GB (sparse) file planted in the checkpoint, or in place of its rank file, and
+    listed in the manifest with its true size (the hash cannot match): the resume is refused
+    naming the file within seconds, before any byte is hashed (it took 225 s to hash), and
+    nothing of the run changes. The real checkpoint's files fit the bounds of its model."""
+    out, config = run_dir
+    ckpt = out / "checkpoints" / "step_00000002"
+    manifest = checkpoint.read_manifest(ckpt)  # the real checkpoint passes, hashes and all
+    assert manifest["capacities"] == {"item_id": 500}
+    planted = ckpt / name
+    planted.touch()
+    os.truncate(planted, 300 << 30)
+    manifest["files"][name], manifest["sizes"][name] = "0" * 64, 300 << 30
+    (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    before = hashes_unread(out)
+    start = time.perf_counter()
+    assert train(config, "train.resume=auto", "train.meta_steps=4") == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 5
+    assert f"{planted}: " in err and "refused unread" in err, err
+    assert "Traceback" not in err and hashes_unread(out) == before
+
+
+def hashes_unread(folder: Path) -> dict:
+    """`hashes` of ``folder``, with files over 1 MiB stood for by their size and mtime."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file()
+            and p.stat().st_size > 1 << 20 else hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
 
 
 def test_overwrite_removes_the_earlier_run_only_after_every_check(run_dir, tmp_path, capsys):
