@@ -1,6 +1,7 @@
 """``data``: where tasks come from (synthetic or a log on disk), and its own checks."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -19,6 +20,8 @@ def parse_memory(text: str) -> str:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
         raise ValueError(f"data.memory_limit: {text!r} is not a size like 2GB or 512MB") from None
+    if not math.isfinite(value):
+        raise ValueError(f"data.memory_limit: {text!r} is not a finite size; expected one like 2GB or 512MB")
     if value < 64 * 2**20:
         raise ValueError(f"data.memory_limit: {text!r} is below 64MB; DuckDB needs more to sort")
     return f"{int(value // 2**20)}MB"
@@ -111,6 +114,8 @@ class DataConfig:
     new_item_year: int = 1998
     cache_dir: str = "~/.cache/gmeta_ds"   # where task stores are kept (follows $XDG_CACHE_HOME)
     # Memory the out-of-core task build may use (DuckDB's limit; it spills to disk beyond it).
+    # A machine setting like cache_dir: accepted with every source (one list of --set serves
+    # all), read only when a log is built (synthetic data is generated in memory).
     memory_limit: str = "1GB"
 
 
@@ -132,8 +137,22 @@ def validate_log(data: DataConfig, problems: list[str]) -> None:
         parse_memory(data.memory_limit)
     except ValueError as exc:
         problems.append(str(exc))
+    if data.source == "table":
+        _check_separators(data, problems)
     check_positive(problems, "data.min_count", data.min_count)
     _check_task_sizes(data, "data.", problems)
+
+
+def _check_separators(data: DataConfig, problems: list[str]) -> None:
+    """``data.sep`` one character (the CSV reader's delimiter) and each multi-hot column's
+    separator a non-empty string."""
+    if len(data.sep) != 1:
+        problems.append(f"data.sep: {data.sep!r} must be exactly one character (the CSV separator, "
+                        "e.g. ',' or '\\t')")
+    for column, sep in data.schema.multi_hot.items():
+        if not sep:
+            problems.append(f"data.schema.multi_hot.{column}: an empty separator; expected the string "
+                            "that separates the values inside a cell, e.g. '|'")
 
 
 def _check_task_sizes(section, p: str, problems: list[str]) -> None:
@@ -157,6 +176,9 @@ def validate_synthetic(syn: SyntheticConfig, problems: list[str]) -> None:
     if syn.num_users == 1:
         problems.append(f"data.synthetic.num_users: {syn.num_users} must be >= 2 (train and test "
                         "each need a user)")
+    if syn.zipf_exponent < 0:
+        problems.append(f"data.synthetic.zipf_exponent: {syn.zipf_exponent} must be >= 0 (0: every item "
+                        "equally popular; larger: a steeper head)")
     if syn.user_bias_std < 0:
         problems.append(f"data.synthetic.user_bias_std: {syn.user_bias_std} must be >= 0")
     _check_task_sizes(syn, "data.synthetic.", problems)

@@ -106,6 +106,9 @@ def validate_embedding(emb: EmbeddingConfig, problems: list[str]) -> None:
     one_of(problems, "embedding.device", emb.device, TABLE_DEVICES)
     one_of(problems, "embedding.exchange", emb.exchange, EXCHANGES)
     one_of(problems, "embedding.exchange_topology", emb.exchange_topology, EXCHANGE_TOPOLOGIES)
+    if emb.replicate_below_rows < 0:
+        problems.append(f"embedding.replicate_below_rows: {emb.replicate_below_rows!r} must be an integer "
+                        ">= 0 (plan auto replicates tables with fewer rows; 0: none)")
     if isinstance(emb.hosts, bool) or not isinstance(emb.hosts, int) or emb.hosts < 0:
         problems.append(f"embedding.hosts: expected an integer >= 0 (0: the launcher's hosts), got {emb.hosts!r}")
     for name, table in emb.tables.items():

@@ -73,7 +73,11 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is dict or typing.get_origin(tp) is dict:
+    if origin is dict:  # dict[K, V]: every key and value typed (a bare dict: any mapping)
+        key_type, value_type = typing.get_args(tp)
+        return isinstance(value, dict) and all(_type_ok(k, key_type) and _type_ok(v, value_type)
+                                               for k, v in value.items())
+    if tp is dict:
         return isinstance(value, dict)
     if tp is type(None):
         return value is None
@@ -86,6 +90,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(t) for t in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return "dict of {} -> {}".format(*(_type_name(t) for t in typing.get_args(tp)))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -243,6 +249,10 @@ def _validate_run(cfg: RunConfig, problems: list[str]) -> None:
     one_of(problems, "task", cfg.task, WORKLOADS.names())
     if not cfg.output_dir.strip():
         problems.append("output_dir: empty; expected the directory the run writes its files to")
+    if not cfg.data.cache_dir.strip():
+        problems.append("data.cache_dir: empty; expected the folder task stores are kept in (default "
+                        "~/.cache/gmeta_ds, following $XDG_CACHE_HOME); an empty path would write them "
+                        "into the working directory")
     if cfg.seed < 0:
         problems.append(f"seed: {cfg.seed} must be an integer >= 0")
 

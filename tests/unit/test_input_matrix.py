@@ -194,6 +194,44 @@ def test_absurd_batch_keys_and_world_sizes_are_refused_fast(tmp_path, capsys):
                 ["host 'node0' has slots=1000000000; at most 4096 per host"])
 
 
+# ---------------------------------------------------------------- malformed and silent values
+LOG = {"source": "table", "path": "/x"}
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"meta": {"inner_lr_scale": {1: 2.0}}}, "meta.inner_lr_scale: expected dict of str -> float, got {1: 2.0}"),
+    ({"meta": {"inner_lr_scale": [1, 2]}}, "meta.inner_lr_scale: expected dict of str -> float, got [1, 2]"),
+    ({"meta": {"inner_lr_scale": {"mlp.*": None}}}, "meta.inner_lr_scale: expected dict of str -> float"),
+    ({"meta": {"inner_lr_scale": None}}, "meta.inner_lr_scale: expected dict of str -> float, got None"),
+    ({"data": {**LOG, "schema": {"multi_hot": {"genre": 1}}}},
+     "data.schema.multi_hot: expected dict of str -> str, got {'genre': 1}"),
+    ({"data": {**LOG, "schema": {"multi_hot": {"genre": ""}}}},
+     "data.schema.multi_hot.genre: an empty separator; expected the string that separates"),
+    ({"data": {**LOG, "sep": ""}}, "data.sep: '' must be exactly one character (the CSV separator"),
+    ({"data": {**LOG, "sep": "::"}}, "data.sep: '::' must be exactly one character"),
+    ({"data": {"cache_dir": " "}}, "data.cache_dir: empty; expected the folder task stores are kept in"),
+    ({"embedding": {"replicate_below_rows": -5}}, "embedding.replicate_below_rows: -5 must be an integer >= 0"),
+    ({"data": {"synthetic": {"zipf_exponent": -1.0}}}, "data.synthetic.zipf_exponent: -1.0 must be >= 0"),
+    ({"data": {**LOG, "memory_limit": "inf"}}, "data.memory_limit: 'inf' is not a finite size"),
+    ({"data": {**LOG, "memory_limit": "nanGB"}}, "data.memory_limit: 'nanGB' is not a finite size"),
+], ids=["lr_scale-int-key", "lr_scale-list", "lr_scale-null-value", "lr_scale-null", "multi_hot-int-sep",
+        "multi_hot-empty-sep", "sep-empty", "sep-two-chars", "cache_dir-empty", "replicate_below_rows-negative",
+        "zipf-negative", "memory_limit-inf", "memory_limit-nan"])
+def test_a_malformed_or_silent_value_is_refused_naming_the_key(data, words):
+    """Each was a traceback (TypeError, int(nan)), a later reader's crash, or silently did
+    something else (a store written into the working directory, inverted popularity)."""
+    assert words in refused(data)
+
+
+def test_well_formed_values_of_those_keys_still_load():
+    cfg = config_from_dict({"meta": {"inner_lr_scale": {"mlp.*": 2}}})
+    assert cfg.meta.inner_lr_scale == {"mlp.*": 2}
+    cfg = config_from_dict({"data": {**LOG, "sep": "\t", "schema": {"multi_hot": {"genres": "||"}}}})
+    assert cfg.data.sep == "\t" and cfg.data.schema.multi_hot == {"genres": "||"}
+    assert config_from_dict({"embedding": {"replicate_below_rows": 0}}).embedding.replicate_below_rows == 0
+    config_from_dict({"data": {"synthetic": {"zipf_exponent": 0.0}, "memory_limit": "2GB"}})  # a machine setting
+
+
 # ---------------------------------------------------------------- validate agrees with train
 def test_validate_refuses_split_body_true_on_a_model_without_a_split(tmp_path, capsys):
     cfg = {**TINY, "model": {"name": "dcn_v2", "embed_dim": 4, "hidden": [8]},
