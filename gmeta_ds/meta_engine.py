@@ -239,6 +239,7 @@ class MetaEngine:
         self.initial = initial
         self.started = time.perf_counter()  # summary.json's elapsed_s (`run_summary`)
         self.last_query_loss: float | None = None  # the last meta-step's (summary.json's final_query_loss)
+        self.ckpt_meta: dict | None = None  # what a checkpoint must match (`checkpoint_meta`; `start_engine`)
 
     @property
     def learner(self) -> MetaLearner:
@@ -474,10 +475,6 @@ class MetaEngine:
         return self.single_process_learner(state)
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_meta(self) -> dict:
-        """What a checkpoint must match to load into this engine (`api_checkpoint_meta`)."""
-        return api_checkpoint_meta(self.learner, self.embeddings)
-
     def save_checkpoint(self, output_dir: str | Path, keep_last: int = DEFAULTS.train.keep_last) -> Path:
         """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
         files, every rank's table rows by global id and sparse-optimizer state, a manifest
@@ -489,7 +486,8 @@ class MetaEngine:
             problems.append(f"output_dir: {output_dir!r} is not a directory path (str or Path)")
         check(problems, "MetaEngine.save_checkpoint")
         return checkpoint.save(self.engine, self.embeddings, {"step": self.step}, self.step, output_dir,
-                               keep_last, self.checkpoint_meta(), self.checkpoint_extra())
+                               keep_last, self.ckpt_meta or checkpoint_meta(self.learner, self.embeddings),
+                               self.checkpoint_extra())
 
     def checkpoint_extra(self) -> dict[str, torch.Tensor]:
         """This rank's entries of a checkpoint beyond the engine's and the tables' (the outer
@@ -497,26 +495,26 @@ class MetaEngine:
         return self.outer.state() if self.outer is not None else {}
 
 
-def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str], algorithm: str) -> dict:
+def checkpoint_meta(learner: MetaLearner, embeddings, fields: list[str] | None = None,
+                    algorithm: str | None = None) -> dict:
     """Tables, fields, algorithm and dense shapes: what a checkpoint must match to load
     (``fields``, ``algorithm``: as the caller names them; the CLI and the API each keep theirs),
     and the dynamic tables' capacities, which bound the bytes a load hashes (`checkpoint.budget`)."""
+    if fields is None:  # the API's: the model's single-hot fields (the CLI names every field of its data)
+        fields = list(model_hooks(learner.net).row_fields or [])
+    algorithm = algorithm_name(learner) if algorithm is None else algorithm  # the CLI: meta.algorithm
     return {"tables": checkpoint.table_meta(embeddings), "fields": list(fields),
             "algorithm": algorithm, "capacities": checkpoint.capacities(embeddings),
             "dense_shapes": {n: list(v.shape) for n, v in learner.state_dict().items()}}
 
 
-# ---------------------------------------------------------------------------- start-up
 def algorithm_name(learner: MetaLearner) -> str:
     """The learner's algorithm as ``meta.algorithm`` names it: its class name in lower case
     (maml, fomaml, reptile, metasgd; a user's own class by its name)."""
     return type(learner.algorithm).__name__.lower()
 
 
-def api_checkpoint_meta(learner: MetaLearner, embeddings) -> dict:
-    """`checkpoint_meta` as the Python API names fields (``row_fields``) and algorithms."""
-    return checkpoint_meta(learner, embeddings, list(model_hooks(learner.net).row_fields or []),
-                           algorithm_name(learner))
+# ---------------------------------------------------------------------------- start-up
 
 
 def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
@@ -546,6 +544,7 @@ def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
         initial = {k: v.detach().to("cpu", copy=True) for k, v in learner.state_dict().items()}
     engine = ds_engine.initialize(learner, ds_config, resume=found)
     meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite, initial)
+    meta.ckpt_meta = ckpt_meta  # what its checkpoints record (computed before DeepSpeed partitions anything)
     state = None
     if found is not None:
         state = {**checkpoint.load(found, manifest, engine, embeddings, universal), "checkpoint": found}
