@@ -217,9 +217,10 @@ class MetaAlgorithm:
         return InnerLoop(module=module, settings=settings, row_fields=row_fields, prefix=prefix, recipe=recipe)
 
     def run(self, inner: InnerLoop, lrs: LearningRates, theta: Params, support: tuple, query: tuple,
-            query_fast=lambda f: f) -> TaskOutputs:
-        """The T tasks of a micro-batch (with a body split their inputs are features)."""
-        return run_tasks(inner, theta, lrs, support, query, self.vectorize, query_fast)
+            detach_query: bool = False) -> TaskOutputs:
+        """The T tasks of a micro-batch (with a body split their inputs are features);
+        ``detach_query``: the query loss at the adapted params detached (first order, Reptile)."""
+        return run_tasks(inner, theta, lrs, support, query, self.vectorize, detach_query)
 
     def supervised_loss(self, inner: InnerLoop, theta: Params, support: tuple, query: tuple) -> MetaOutput:
         """A warm-up meta-step (``meta.warmup_steps``): no inner loop, the unadapted model's

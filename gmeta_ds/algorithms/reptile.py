@@ -20,7 +20,6 @@ class Reptile(MetaAlgorithm):
     first_order = True
 
     def outer_loss(self, inner, lrs, theta, support, query) -> MetaOutput:
-        detach = lambda fast: {n: p.detach() for n, p in fast.items()}  # noqa: E731
-        out = self.run(inner, lrs, theta, support, query, query_fast=detach)
+        out = self.run(inner, lrs, theta, support, query, detach_query=True)
         surrogate = sum((theta[n] * (theta[n] - out.fast[n].mean(dim=0)).detach()).sum() for n in theta)
         return meta_output(out.query_loss.mean() + surrogate, out)

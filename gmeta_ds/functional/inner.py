@@ -259,32 +259,33 @@ class TaskOutputs:
     fast: Params
 
 
-def _one_task(inner: InnerLoop, theta: Params, lrs: LearningRates, query_fast: Callable,
+def _one_task(inner: InnerLoop, theta: Params, lrs: LearningRates, detach_query: bool,
               adapt: Callable, xs, ys, ms, xq, yq, mq):
     fast, support_loss = adapt(theta, lrs, xs, ys, ms)
-    query_loss = inner.query_loss(inner.query_logits(theta, query_fast(fast), xs, ys, ms, xq), yq, mq)
+    at = {n: p.detach() for n, p in fast.items()} if detach_query else fast
+    query_loss = inner.query_loss(inner.query_logits(theta, at, xs, ys, ms, xq), yq, mq)
     return query_loss, support_loss, fast
 
 
 def vmap_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tuple,
-               query: tuple, query_fast: Callable[[Params], Params] = lambda f: f) -> TaskOutputs:
+               query: tuple, detach_query: bool = False) -> TaskOutputs:
     """Run all T tasks at once with `torch.func.vmap`.
 
     support = (x (T, S, ...), y (T, S), mask (T, S)); query likewise with Q rows.
-    ``query_fast`` maps the adapted params to those used for the query loss (e.g. detached).
+    ``detach_query``: the query loss is taken at the adapted params detached (Reptile).
     """
     def run(xs, ys, ms, xq, yq, mq):
-        return _one_task(inner, theta, lrs, query_fast, inner.adapt_func, xs, ys, ms, xq, yq, mq)
+        return _one_task(inner, theta, lrs, detach_query, inner.adapt_func, xs, ys, ms, xq, yq, mq)
 
     query_loss, support_loss, fast = vmap(run)(*support, *query)
     return TaskOutputs(query_loss, support_loss.detach(), fast)
 
 
 def loop_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tuple,
-               query: tuple, query_fast: Callable[[Params], Params] = lambda f: f) -> TaskOutputs:
+               query: tuple, detach_query: bool = False) -> TaskOutputs:
     """Run the T tasks one after another (`torch.autograd.grad`); same contract as `vmap_tasks`."""
     results = [
-        _one_task(inner, theta, lrs, query_fast, inner.adapt_autograd,
+        _one_task(inner, theta, lrs, detach_query, inner.adapt_autograd,
                   *(select_task(t, i) for t in support), *(select_task(t, i) for t in query))
         for i in range(support[1].shape[0])
     ]
@@ -338,8 +339,7 @@ def choose_vectorize(setting: "bool | str", bytes_per_task: int, tasks: int,
 
 
 def run_tasks(inner: InnerLoop, theta: Params, lrs: LearningRates, support: tuple,
-              query: tuple, vectorize: bool,
-              query_fast: Callable[[Params], Params] = lambda f: f) -> TaskOutputs:
+              query: tuple, vectorize: bool, detach_query: bool = False) -> TaskOutputs:
     """Dispatch to `vmap_tasks` or `loop_tasks` (``meta.vectorize``)."""
     runner = vmap_tasks if vectorize else loop_tasks
-    return runner(inner, theta, lrs, support, query, query_fast)
+    return runner(inner, theta, lrs, support, query, detach_query)
