@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Mapping, Protocol
 
 import torch
@@ -131,6 +132,11 @@ class InnerSettings:
     support_prior: float = 0.0
     rank_weight: float = 0.0
 
+    @cached_property
+    def loss_fn(self) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """The label kind's loss, looked up once per algorithm (not on every micro-batch)."""
+        return LOSSES[self.kind]
+
 
 @dataclass(kw_only=True)
 class InnerLoop:
@@ -157,7 +163,7 @@ class InnerLoop:
         self.tied = unique != every
         self.first_order = self.settings.first_order
         self.kind = self.settings.kind
-        self.loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = LOSSES[self.kind]
+        self.loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = self.settings.loss_fn
 
     def logits(self, fast: Params, x) -> Tensor:
         """Model output of one task with the adapted ("fast") parameters ``fast``; ``x`` is
