@@ -56,7 +56,7 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, choose_vectorize
 from gmeta_ds.models.base import FieldModel
 from gmeta_ds.models.protocol import model_hooks
-from gmeta_ds.meta_engine import BASELINES, MetaEngine, StepResult, checkpoint_meta, start_engine  # noqa: F401
+from gmeta_ds.meta_engine import BASELINES, EngineSpec, MetaEngine, StepResult, start_engine  # noqa: F401
 from gmeta_ds.registry import PLANS, SPARSE_OPTIMIZERS
 
 
@@ -392,8 +392,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
                                "gm.single_fields(data.fields)]) so sharded lookups can find their tables"])
         kinds = {} if sharding == "auto" else {t.name: sharding for t in tables if t.kind != "dynamic"}
         embeddings = ShardedEmbeddingCollection(plan_tables(tables, world, kinds), rank, seed)
-    meta, _ = start_engine(learner, ds_config, plan, embeddings, tables, rank, seed, nonfinite, resume, output_dir,
-                           checkpoint_meta(learner, embeddings), keep_initial=True)
+    meta, _ = start_engine(EngineSpec(learner, ds_config, plan, embeddings, tables, rank, seed, nonfinite, resume,
+                                      output_dir, keep_initial=True))
     return meta
 
 

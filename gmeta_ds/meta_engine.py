@@ -517,20 +517,41 @@ def algorithm_name(learner: MetaLearner) -> str:
 # ---------------------------------------------------------------------------- start-up
 
 
-def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
-                 embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig], rank: int,
-                 seed: int, nonfinite: str, resume: str | None, output_dir, ckpt_meta: dict,
-                 keep_initial: bool = False, sites=None) -> tuple["MetaEngine", dict | None]:
-    """The DeepSpeed engine of ``learner`` wrapped as a `MetaEngine`, restored from the
-    checkpoint ``resume`` names (a directory, or "auto": the newest complete one under
-    ``output_dir``), at any world size: its manifest is verified against ``ckpt_meta`` first,
-    and ZeRO partitions cut for another world size go through DeepSpeed's universal
-    checkpoint. Returns (engine, the resumed checkpoint's state with its ``checkpoint`` path,
-    or None). ``keep_initial``: keep a CPU copy of the learner's weights before training (the
-    non-meta baseline of `MetaEngine.evaluate` starts from it). ``sites``: the ``sites`` config
-    section of a run over several sites (`engine.sites`): the engine synchronises across them
-    (`OuterSync`), resumed with the checkpoint's outer state."""
-    found = checkpoint.find(resume, output_dir) if resume else None
+@dataclass
+class EngineSpec:
+    """What `start_engine` starts: ``learner`` on DeepSpeed (``ds_config``, batch ``plan``), this
+    rank's sharded ``embeddings`` (None: none outside the learner) and the ``tables``' configs.
+    ``resume``: a checkpoint directory or "auto" (the newest complete one under ``output_dir``);
+    ``fields``, ``algorithm``: what checkpoints record, as the caller names them
+    (`checkpoint_meta`; None: the API's names); ``keep_initial``: a CPU copy of the weights
+    before training (the non-meta baseline starts from it); ``sites``: the ``sites`` section."""
+
+    learner: MetaLearner
+    ds_config: dict
+    plan: BatchPlan
+    embeddings: ShardedEmbeddingCollection | None
+    tables: list[TableConfig]
+    rank: int
+    seed: int
+    nonfinite: str = DEFAULTS.train.nonfinite
+    resume: str | None = None
+    output_dir: str | Path | None = None
+    fields: list[str] | None = None
+    algorithm: str | None = None
+    keep_initial: bool = False
+    sites: object = None
+
+
+def start_engine(spec: EngineSpec) -> tuple["MetaEngine", dict | None]:
+    """The DeepSpeed engine of ``spec.learner`` as a `MetaEngine`, restored from the checkpoint
+    ``spec.resume`` names at any world size: its manifest verified first against
+    `checkpoint_meta` (taken before DeepSpeed partitions anything), ZeRO partitions of another
+    world size through DeepSpeed's universal checkpoint; over several sites, with its
+    `OuterSync`. Returns (engine, the resumed checkpoint's state and path, or None)."""
+    learner, ds_config, plan, embeddings, output_dir = (spec.learner, spec.ds_config, spec.plan, spec.embeddings,
+                                                        spec.output_dir)
+    ckpt_meta = checkpoint_meta(learner, embeddings, spec.fields, spec.algorithm)
+    found = checkpoint.find(spec.resume, output_dir) if spec.resume else None
     universal = manifest = None
     if found is not None:
         manifest = checkpoint.verify(found, ckpt_meta)
@@ -540,17 +561,18 @@ def start_engine(learner: MetaLearner, ds_config: dict, plan: BatchPlan,
             universal = checkpoint.to_universal(found, output_dir, manifest)
             ds_config = ds_internals.with_load_universal(ds_config)
     initial = None
-    if keep_initial and not ds_engine.is_partitioned(learner):
+    if spec.keep_initial and not ds_engine.is_partitioned(learner):
         initial = {k: v.detach().to("cpu", copy=True) for k, v in learner.state_dict().items()}
     engine = ds_engine.initialize(learner, ds_config, resume=found)
-    meta = MetaEngine(engine, embeddings, tables, plan, ds_config, rank, seed, nonfinite, initial)
+    meta = MetaEngine(engine, embeddings, spec.tables, plan, ds_config, spec.rank, spec.seed, spec.nonfinite,
+                      initial)
     meta.ckpt_meta = ckpt_meta  # what its checkpoints record (computed before DeepSpeed partitions anything)
     state = None
     if found is not None:
         state = {**checkpoint.load(found, manifest, engine, embeddings, universal), "checkpoint": found}
         meta.step = state["step"]
     if active_sites() is not None:
-        meta.outer = start_outer_sync(meta, sites, found, manifest, output_dir)
+        meta.outer = start_outer_sync(meta, spec.sites, found, manifest, output_dir)
     return meta, state
 
 

@@ -26,7 +26,7 @@ from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.engine import ds_engine
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs, run_phase
-from gmeta_ds.meta_engine import MetaEngine, arm_fault_stop, checkpoint_meta, fault_stop
+from gmeta_ds.meta_engine import EngineSpec, MetaEngine, arm_fault_stop, fault_stop
 from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.engine.memory import host_tensor_mib, peak_rss_per_rank, rss_mib, vmhwm_mib
 from gmeta_ds.run.profiling import PhaseProfiler, phase, write_profile
@@ -37,7 +37,7 @@ from gmeta_ds.run.run_log import Cadence, MetricsLog, StepWindow, dense_allreduc
 
 
 def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: MetricsLog,
-               resume: dict | None = None, ckpt_meta: dict | None = None) -> dict:
+               resume: dict | None = None) -> dict:
     """Run meta-steps up to ``train.meta_steps`` on ``meta`` (a `meta_engine.MetaEngine`) with
     this rank's micro-batches from ``loader`` (from a checkpoint's position when ``resume``
     holds its manifest), checkpointing and logging to ``log`` as `run_log.Cadence` says;
@@ -68,7 +68,7 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             if cadence.checkpoint(step):
                 with run_phase(cfg, f"checkpoint save at step {step}"):
                     checkpoint.save(meta.engine, meta.embeddings, loader.state_dict(), step, cfg.output_dir,
-                                    cfg.train.keep_last, ckpt_meta or {}, meta.checkpoint_extra())
+                                    cfg.train.keep_last, meta.ckpt_meta or {}, meta.checkpoint_extra())
             if cadence.log(step):
                 with run_phase(cfg, f"meta-step {step}"):
                     record = window.record(step)
@@ -108,12 +108,14 @@ def _profile_summary(cfg: RunConfig, profiler: PhaseProfiler, rank: int, plan: B
               f"{table(report)}", flush=True)
 
 
-def start_run_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan, rank: int,
-                 ckpt_meta: dict) -> tuple[MetaEngine, dict | None]:
-    """`meta_engine.start_engine` for this run (``train.resume``, ``output_dir``, the seed and
-    ``train.nonfinite``): (the engine, the resumed checkpoint's state or None)."""
-    return start_meta_engine(built.learner, ds_config, plan, built.sharded, built.tables, rank, cfg.seed,
-                             cfg.train.nonfinite, cfg.train.resume, cfg.output_dir, ckpt_meta, sites=cfg.sites)
+def start_run_engine(cfg: RunConfig, built, ds_config: dict, plan: BatchPlan,
+                     rank: int) -> tuple[MetaEngine, dict | None]:
+    """`meta_engine.start_engine` for this run (``train.resume``, ``output_dir``, the seed,
+    ``train.nonfinite``; its checkpoints name the data's fields and ``meta.algorithm``): (the
+    engine, the resumed checkpoint's state or None)."""
+    return start_meta_engine(EngineSpec(
+        built.learner, ds_config, plan, built.sharded, built.tables, rank, cfg.seed, cfg.train.nonfinite,
+        cfg.train.resume, cfg.output_dir, built.field_names, cfg.meta.algorithm, sites=cfg.sites))
 
 
 def completed_run(cfg: RunConfig) -> str | None:
@@ -167,8 +169,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     replaced = check_earlier_run(cfg)  # the CLI ran it before the first collective already
     out_dir.mkdir(parents=True, exist_ok=True)
     built = workload.build(cfg, rank, plan.world_size, prepared)
-    ckpt_meta = checkpoint_meta(built.learner, built.sharded, built.field_names, cfg.meta.algorithm)
-    meta, resume = start_run_engine(cfg, built, ds_config, plan, rank, ckpt_meta)
+    meta, resume = start_run_engine(cfg, built, ds_config, plan, rank)
     if replaced:  # every check passed: only now is anything of the earlier run removed
         if plan.world_size > 1:  # every rank has loaded what it resumes (it may lie in output_dir)
             with run_phase(cfg, "engine start"):
@@ -178,8 +179,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
     meta.fields = built.extra.get("lookup_fields", [])
     log = MetricsLog(out_dir, rank == 0, cfg.train.tensorboard, resume["step"] if resume else 0)
     try:
-        last = train_loop(cfg, meta, workload.batches(cfg, built, plan, rank), plan, rank, log, resume,
-                          ckpt_meta)
+        last = train_loop(cfg, meta, workload.batches(cfg, built, plan, rank), plan, rank, log, resume)
     except BaseException:
         log.close()
         raise
