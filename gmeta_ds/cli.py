@@ -50,6 +50,7 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 
 from gmeta_ds.config import RunConfig, config_to_dict, load_config  # noqa: E402
 from gmeta_ds.errors import CheckpointWriteError, CollectiveTimeout, ConfigError, DataError  # noqa: E402
+from gmeta_ds.files import not_a_directory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -485,12 +486,10 @@ def check_output_dir(path: str | Path, create: bool = True, key: str = "output_d
     import tempfile
 
     target = Path(path)
-    existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
-    if not existing.is_dir():
-        where = ("exists and is not a directory" if existing == target
-                 else f"is under {str(existing)!r}, a file")
-        raise ConfigError([f"{key}: {str(target)!r} {where}; expected a directory to write the "
-                           "run's files in"])
+    existing = next((p for p in (target, *target.parents) if os.path.lexists(p)), Path("."))
+    if not existing.is_dir():  # a file, or a symbolic link to nothing (mkdir: "File exists")
+        raise ConfigError([f"{key}: {str(target)!r} {not_a_directory(target, existing)}; expected a "
+                           "directory to write the run's files in"])
     try:
         if create:
             target.mkdir(parents=True, exist_ok=True)

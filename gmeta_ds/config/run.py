@@ -24,6 +24,7 @@ from gmeta_ds.config.text import TextConfig, validate_text
 from gmeta_ds.config.train import TrainConfig, validate_train
 from gmeta_ds.config.yaml_io import load_yaml
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.files import not_a_file
 from gmeta_ds.registry import ALGORITHMS, DATA_SOURCES, WORKLOADS
 
 MAX_CONFIG_BYTES = 2**20  # a run config is a few KB; more is a wrong file, or an attack
@@ -376,8 +377,9 @@ def config_from_dict(data: dict, source: str | None = None, config_dir: str = ".
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config file, apply ``--set`` overrides, validate."""
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, expected a YAML file" if path.is_dir() else "does not exist"
+    what = not_a_file(path)
+    if what not in (None, "is empty"):  # an empty file: the message below
+        what = "is a directory, expected a YAML file" if what == "is a folder" else f"{what}; expected a YAML file"
         raise ConfigError([f"config file {str(path)!r} {what}"])
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:

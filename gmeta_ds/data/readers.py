@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from gmeta_ds.data.vocab import MISSING
 from gmeta_ds.errors import DataError
+from gmeta_ds.files import data_file_problem, not_a_file
 from gmeta_ds.registry import DATA_SOURCES
 
 # The 19 0/1 flags ending each u.item line follow this order (that of ml-100k's u.genre).
@@ -119,8 +120,9 @@ def _wrong_separator(path: Path, encoding: str, sep: str, expected: str) -> Data
 
 
 def _require_is_file(path: Path) -> None:
-    if not path.is_file():
-        raise DataError(f"{path}: {'a folder, expected a file' if path.is_dir() else 'file does not exist'}")
+    what = not_a_file(path)
+    if what not in (None, "is empty"):  # an empty file: the reader's own message
+        raise DataError(f"{path}: {data_file_problem(what)}")
 
 
 def _read_csv(path: Path, encoding: str, **kwargs) -> pd.DataFrame:

@@ -13,6 +13,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from gmeta_ds.data.readers import DataError, InteractionLog
+from gmeta_ds.files import data_file_problem, not_a_file
 
 @dataclass
 class Source:
@@ -47,10 +48,10 @@ def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
                        and f.suffix.lower() in (".parquet", ".pq", ".csv", ".tsv", ".txt"))
         if not files:
             raise DataError(f"{p}: the folder holds no .parquet, .pq, .csv, .tsv or .txt file")
-    elif p.is_file():
+    elif not_a_file(p) in (None, "is empty"):
         files = [p]
     else:
-        raise DataError(f"{p}: file does not exist (data.path)")
+        raise DataError(f"{p}: {data_file_problem(not_a_file(p))} (data.path)")
     kinds = {"parquet" if f.suffix.lower() in (".parquet", ".pq") else "csv" for f in files}
     if fmt == "auto":
         if len(kinds) > 1:
@@ -60,8 +61,9 @@ def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
     if fmt not in ("csv", "parquet"):
         raise DataError(f"data.format: {fmt!r} is not one of auto, csv, parquet")
     for f in files:
-        if f.stat().st_size == 0:
-            raise DataError(f"{f}: file is empty")
+        what = not_a_file(f)
+        if what is not None:
+            raise DataError(f"{f}: {data_file_problem(what)}")
     return files, fmt
 
 
@@ -130,6 +132,10 @@ def stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> lis
         missing = [c for c in columns if c not in header]
         if missing:
             raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: {', '.join(header)}")
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            raise DataError(f"{f}: the header names column(s) {', '.join(map(repr, twice))} more than once; "
+                            "expected each column name once (which one would the log mean?)")
         convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in header},
                                        strings_can_be_null=False)
         target = out / f"part-{n:05d}.parquet"

@@ -58,6 +58,10 @@ def env_world() -> tuple[int, int, int]:
     local_name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ else "LOCAL_SIZE"
     local_world = _env_int(local_name, str(world), 1)
     problems = []
+    if world > 1 and "RANK" not in os.environ:
+        problems.append(f"environment variable WORLD_SIZE={world} is set but RANK is not: a launcher sets "
+                        "both for each process (with MASTER_ADDR and MASTER_PORT); set RANK, or unset "
+                        "WORLD_SIZE to run one process")
     if rank >= world:
         problems.append(f"environment variables RANK={rank} and WORLD_SIZE={world}: the rank must be "
                         "below the world size")

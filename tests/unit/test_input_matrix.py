@@ -232,6 +232,47 @@ def test_well_formed_values_of_those_keys_still_load():
     config_from_dict({"data": {"synthetic": {"zipf_exponent": 0.0}, "memory_limit": "2GB"}})  # a machine setting
 
 
+@pytest.mark.parametrize("path, words", [
+    ("/dev/null", ("config file '/dev/null' is not a regular file (a device, pipe or socket, like /dev/null); "
+                   "expected a YAML file")),
+    ("/proc/self/status", "config file '/proc/self/status' is a virtual file (its size reads 0, as in /proc"),
+], ids=["dev-null", "proc-file"])
+def test_a_config_path_that_is_no_file_on_disk_says_what_it_is(capsys, path, words):
+    """Was "does not exist" for /dev/null."""
+    cli_refuses(capsys, ["validate", "--config", path], [words])
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/dev/null", ("/dev/null: is not a regular file (a device, pipe or socket, like /dev/null); expected a CSV "
+                   "or Parquet file on disk (data.path)")),
+    ("/proc/self/status", ("/proc/self/status: is a virtual file (its size reads 0, as in /proc or /sys), not a "
+                           "file on disk")),
+], ids=["dev-null", "proc-file"])
+def test_a_data_path_that_is_no_file_on_disk_says_what_it_is(tmp_path, capsys, path, words):
+    """Were "file does not exist" (/dev/null) and "file is empty" (/proc/self/status)."""
+    cfg = {**TINY, "data": {"source": "table", "path": path}}
+    cli_refuses(capsys, ["train", "--config", write(tmp_path, cfg)], [words])
+
+
+def test_a_duplicated_csv_header_column_is_named(tmp_path, capsys):
+    """Was KeyError: 'Field "item_id" exists 2 times in schema'."""
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,rating,item_id\n" + "".join(f"{u},{i},{(u + i) % 5 + 1},{i}\n"
+                                                             for u in range(30) for i in range(20)))
+    cfg = {**TINY, "data": {"source": "table", "path": str(log)}}
+    cli_refuses(capsys, ["validate", "--config", write(tmp_path, cfg)],
+                [f"{log}: the header names column(s) 'item_id' more than once; expected each column name once"])
+
+
+def test_a_dangling_symbolic_link_as_output_dir_is_named(tmp_path, capsys):
+    """Was "is not writable: File exists"."""
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    cli_refuses(capsys, ["train", "--config", write(tmp_path, TINY)],
+                [f"output_dir: '{link}' is a symbolic link to '{tmp_path / 'gone'}', which does not exist"])
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
 # ---------------------------------------------------------------- validate agrees with train
 def test_validate_refuses_split_body_true_on_a_model_without_a_split(tmp_path, capsys):
     cfg = {**TINY, "model": {"name": "dcn_v2", "embed_dim": 4, "hidden": [8]},
@@ -264,12 +305,17 @@ def launcher_env(monkeypatch):
     ({"MASTER_ADDR": " "}, "environment variable MASTER_ADDR='': expected rank 0's host name or address"),
     ({"RANK": "-1"}, "environment variable RANK='-1': expected an integer >= 0"),
     ({"WORLD_SIZE": str(10**30)}, "expected an integer >= 1 and <= 1048576"),
+    ({"RANK": None, "WORLD_SIZE": "2"}, "environment variable WORLD_SIZE=2 is set but RANK is not"),
 ], ids=["local-world-above-world", "local-size-above-world", "local-rank-word", "local-rank-negative",
-        "local-rank-outside-node", "port-above-65535", "port-word", "empty-addr", "rank-negative", "huge-world"])
+        "local-rank-outside-node", "port-above-65535", "port-word", "empty-addr", "rank-negative", "huge-world",
+        "world-without-rank"])
 def test_bad_launcher_variables_exit_2_before_any_collective(tmp_path, capsys, launcher_env, env, words):
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **env}
     for name, value in env.items():
-        launcher_env.setenv(name, value)
+        if value is None:
+            launcher_env.delenv(name, raising=False)
+        else:
+            launcher_env.setenv(name, value)
     quick = {**TINY, "train": {**TINY["train"], "collective_timeout_s": 5}}  # a regression fails, not hangs
     cli_refuses(capsys, ["train", "--config", write(tmp_path, quick)], ["gmeta-ds train: ", words])
     assert not (tmp_path / "out").exists()
