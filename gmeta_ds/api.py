@@ -416,15 +416,15 @@ def probe_shape(net: nn.Module, tables: list[TableConfig]) -> tuple[list[str], i
     """The fields (single-hot first, in ``row_fields`` order) and dim of the rows ``net`` will
     get: from ``tables``, else from the net's own `EmbeddingCollection`; ([], 0) for a net fed
     otherwise (the text workload)."""
+    hooks = model_hooks(net)
     if tables:
         features = list(dict.fromkeys(f for t in tables for f in t.features))
         dim = tables[0].dim
-    elif isinstance(model_hooks(net).embedding, EmbeddingCollection):
-        own = net.embedding
-        features, dim = list(own.by_feature), next(iter(own.tables.values())).dim
+    elif isinstance(hooks.embedding, EmbeddingCollection):
+        features, dim = list(hooks.embedding.by_feature), next(iter(hooks.embedding.tables.values())).dim
     else:
         return [], 0
-    first = [f for f in model_hooks(net).row_fields or [] if f in features]
+    first = [f for f in hooks.row_fields or [] if f in features]
     return first + [f for f in features if f not in first], dim
 
 

@@ -153,6 +153,29 @@ def test_the_engine_reaches_workloads_only_through_the_learner():
     assert not found, f"gmeta_ds.meta_engine imports {found}"
 
 
+# A model's optional hooks (models/protocol.py's OPTIONAL_HOOKS) and its recipe child.
+MODEL_HOOKS = {"row_fields", "embed_dim", "embedding", "embed", "split_body", "default_adapt", "popularity"}
+
+
+def test_model_hooks_are_read_only_through_model_hooks():
+    """No module but models/protocol.py reads a hook off a model: no ``getattr(m, "<hook>")``,
+    no ``net.<hook>`` / ``model.<hook>`` / ``<x>.net.<hook>`` read (assignments are fine)."""
+    def model_like(value) -> bool:
+        return (isinstance(value, ast.Name) and value.id in ("net", "model")) or \
+            (isinstance(value, ast.Attribute) and value.attr == "net")
+
+    def reads_a_hook(node) -> bool:
+        if isinstance(node, ast.Call):
+            return (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in MODEL_HOOKS)
+        return (isinstance(node, ast.Attribute) and node.attr in MODEL_HOOKS and isinstance(node.ctx, ast.Load)
+                and model_like(node.value))
+
+    found = [f"{name}:{node.lineno}: {ast.unparse(node)}" for name, path in modules() if name != "gmeta_ds.models.protocol"
+             for node in ast.walk(ast.parse(path.read_text())) if reads_a_hook(node)]
+    assert not found, "model hooks read without model_hooks:\n" + "\n".join(found)
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
