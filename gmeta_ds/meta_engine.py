@@ -410,8 +410,7 @@ class MetaEngine:
              "states": states, "synthetic": synthetic, "out": out})
         check(problems, "MetaEngine.evaluate")
         check_task_fields(self.learner.net, tasks.fields, "MetaEngine.evaluate")
-        if out is not None:
-            check(run_folder_problems(Path(out)), "MetaEngine.evaluate")  # before any work
+        check(run_folder_problems(Path(out)) if out is not None else [], "MetaEngine.evaluate")  # before any work
         learner = self.single_process_learner()
         steps = learner.algorithm.inner_steps if inner_steps is None else int(inner_steps)
         settings = EvalSettings(steps, self.seed, tasks_per_batch, bootstrap_resamples, "non_meta" in wanted, True,
@@ -426,13 +425,15 @@ class MetaEngine:
         return result
 
     def write_run(self, out: str | Path, evaluation: dict, per_user: dict | None = None) -> Path | None:
-        """``out/summary.json`` (and ``out/per_user.csv`` from ``per_user``, `per_user_columns`)
-        of this engine's run as ``gmeta-ds train`` writes them (`run_summary`), so that
-        ``gmeta-ds report OUT`` draws it. Collective (the checksums); rank 0 writes. ``out``
-        may be new, empty or a run folder of ours (`run_folder_problems`: anything else is
-        refused, untouched); each file is written beside its place and renamed over the
-        earlier one only when every new file is complete. Returns the summary's path (rank 0)."""
-        summary = self.run_summary(evaluation)
+        """This run's summary.json and per_user.csv as ``gmeta-ds train`` writes them, for
+        ``gmeta-ds report``: collective (the checksums); rank 0 writes (`write_run_files`) and
+        gets summary.json's path, the other ranks None.
+
+        Args:
+            out: a new, empty or earlier run's folder (anything else is refused, untouched).
+            evaluation: `evaluate`'s result (summary.json's ``eval``).
+            per_user: per_user.csv's columns (`per_user_columns`); None: no per_user.csv."""
+        summary = self._run_summary(evaluation)
         if self.rank != 0:
             return None
         files = {"summary.json": json.dumps(summary, indent=2) + "\n"}
@@ -440,23 +441,22 @@ class MetaEngine:
             files = {PER_USER_FILE: per_user_text(per_user), **files}  # the summary last: it names the run
         return write_run_files(Path(out), files) / "summary.json"
 
-    def run_summary(self, evaluation: dict) -> dict:
-        """summary.json's keys of ``gmeta-ds train`` (docs/architecture.md) for this engine's run
-        so far, ``evaluation`` as ``eval`` (collective: the checksums gather every shard)."""
+    def _run_summary(self, evaluation: dict) -> dict:
+        """summary.json's keys of ``gmeta-ds train`` for this run so far (collective: checksums)."""
         dense, embedding = self.checksums()
-        learner, plan = self.learner, self.plan
+        learner = self.learner
         config = {"seed": self.seed, "model": {"name": type(learner.net).__name__},
                   "meta": {"algorithm": algorithm_name(learner), "inner_steps": learner.algorithm.inner_steps,
                            "adapt": list(learner.adapted_names())}}
         return {"task": "api", "world_size": self.world_size, "meta_steps": self.step,
-                "tasks_seen": self.step * plan.tasks_per_meta_step,
+                "tasks_seen": self.step * self.plan.tasks_per_meta_step,
                 "final_query_loss": self.last_query_loss, "dense_checksum": dense, "embedding_checksum": embedding,
                 "eval": evaluation, "ds_config": self.ds_config, "config": config,
                 "elapsed_s": time.perf_counter() - self.started}
 
     def checksums(self) -> tuple[float, float]:
-        """(dense, embedding) float64 sums over every parameter, the tables' shards gathered
-        (collective): summary.json's ``dense_checksum`` / ``embedding_checksum``."""
+        """summary.json's (``dense_checksum``, ``embedding_checksum``): float64 sums of every
+        parameter, the tables' shards gathered (collective)."""
         dense, embedding = ds_engine.checksums(self.engine.module, EMBEDDING_PREFIX)
         if self.embeddings is not None:
             embedding = self.embeddings.checksum()

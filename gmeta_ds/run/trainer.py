@@ -20,10 +20,8 @@ from tqdm import tqdm
 
 from gmeta_ds.files import write_json
 from gmeta_ds import checkpoint
-from gmeta_ds.algorithms.base import EMBEDDING_PREFIX  # the learner's own tables
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
-from gmeta_ds.engine import ds_engine
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs, run_phase
 from gmeta_ds.meta_engine import EngineSpec, MetaEngine, arm_fault_stop, fault_stop
@@ -31,9 +29,6 @@ from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.engine.memory import host_tensor_mib, peak_rss_per_rank, rss_mib, vmhwm_mib
 from gmeta_ds.run.profiling import PhaseProfiler, phase, write_profile
 from gmeta_ds.run.run_log import Cadence, MetricsLog, StepWindow, dense_allreduce_bytes
-
-# Where the learner holds MeLU's tables: MetaLearner.net (MeLU) .embedding (its tables,
-# ``weights.<table>``); the checksums' embedding part and the unsharded names of gathered tables.
 
 
 def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: MetricsLog,
@@ -185,9 +180,7 @@ def train(cfg: RunConfig, ds_config: dict, plan: BatchPlan, rank: int, workload=
         raise
     memory = _after_training_memory()
     with run_phase(cfg, "final gather"):
-        dense, embedding = ds_engine.checksums(meta.engine.module, EMBEDDING_PREFIX)
-        if built.sharded is not None:
-            embedding = built.sharded.checksum()
+        dense, embedding = meta.checksums()
     evaluation, extras = workload.finish(cfg, meta.engine, built, rank, plan.world_size)
     log.write_eval(evaluation, cfg.train.meta_steps)
     log.close()
