@@ -286,8 +286,9 @@ class MetaEngine:
         if self.embeddings is not None:  # the lookup reads the id columns by row_fields
             check_id_columns(self.learner.net, batches[0])
         warming = self.step < self.learner.algorithm.warmup_steps
-        for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
-            learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
+        if warming != self.learner.algorithm.warming_up:  # the warm-up starts or ends (set together on both)
+            for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
+                learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
         result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
         self.step += 1
         self.last_query_loss = result.query_loss
