@@ -53,7 +53,23 @@ def read_summary(path: Path) -> dict:
         raise ConfigError([f"{path}: not valid JSON ({exc})"]) from exc
     if not isinstance(summary, dict) or not isinstance(summary.get("eval") or {}, dict):
         raise ConfigError([f"{path}: expected a JSON object with an 'eval' object (a run's summary.json)"])
+    _check_states(summary.get("eval") or {}, path)
     return summary
+
+
+def _check_states(evaluation: dict, path: Path) -> None:
+    """``eval.states`` (the cold-start chart's held-out sets) an object of objects, and each
+    set's bar metrics numbers or null."""
+    states = evaluation.get("states", {})
+    if not isinstance(states, dict) or not all(isinstance(v, dict) for v in states.values()):
+        raise ConfigError([(f"{path}: key 'eval.states': expected an object (state name -> its metrics "
+                            f"object), got {json.dumps(states)[:120]}")])
+    for name, scores in {"eval": evaluation, **{f"eval.states.{k}": v for k, v in states.items()}}.items():
+        for key, value in scores.items():
+            bar = any(key == b.format(m=m) for b, _ in _BARS for m in ("auc", "mae"))
+            if bar and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError([(f"{path}: key '{name}.{key}': expected a number or null, got "
+                                    f"{json.dumps(value)[:120]}")])
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:

@@ -14,7 +14,6 @@ four-state split, a run from before per_user.csv) is a sentence saying so, not a
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import io
 import json
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.plots import coldstart_chart, few_shot_chart, loss_chart, read_metrics, read_summary
+from gmeta_ds.evaluation.report_inputs import check_summary, read_per_user, read_splits
 
 REPORT_FILE = "report.html"
 # Rows of the comparison table: (model, key prefix of its metrics in summary.json's eval).
@@ -54,6 +54,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ConfigError([f"RUN_DIR {str(run_dir)!r} {what}; expected the output_dir of a 'gmeta-ds train' "
                            "or 'gmeta-ds eval --splits' run"])
     summary = read_summary(summary_path) if summary_path.is_file() else {}
+    check_summary(summary, summary_path)
+    splits = read_splits(splits_path) if splits_path.is_file() else None
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,8 +69,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             body += [*_states_section(plt, evaluation), *_few_shot_section(plt, evaluation.get("few_shot")),
                      *_few_shot_section(plt, evaluation.get("inner_steps_curve"), along="inner_steps"),
                      *_per_user_section(plt, run_dir / "per_user.csv")]
-    if splits_path.is_file():
-        body += _splits_section(plt, json.loads(splits_path.read_text()))
+    if splits is not None:
+        body += _splits_section(plt, splits)
     if summary:
         body += [*_training_section(plt, run_dir), *_config_section(summary.get("config"))]
     page = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>gmeta-ds report: "
@@ -247,14 +249,6 @@ def _few_shot_section(plt, curve: dict | None, interval: str = "95% paired boots
     rows = [[_e(NAMES.get(n, n)), *(_num(v) for v in values[metric])] for n, values in curve["metrics"].items()]
     return out + [f"<p>{METRIC_LABELS[metric]} {meaning}.</p>", _table(header, rows),
                   _chart(plt, few_shot_chart(plt, curve, interval), title.lower())]
-
-
-def read_per_user(path: Path) -> dict[str, list[float]]:
-    """per_user.csv's model columns (``*_auc`` / ``*_mae``): {model: its defined values}."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    columns = [c for c in (rows[0] if rows else {}) if c.endswith(("_auc", "_mae"))]
-    return {c: [float(r[c]) for r in rows if r[c] != ""] for c in columns}
 
 
 def _per_user_section(plt, path: Path) -> list[str]:

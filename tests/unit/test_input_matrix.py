@@ -273,6 +273,21 @@ def test_a_dangling_symbolic_link_as_output_dir_is_named(tmp_path, capsys):
     assert link.is_symlink() and not (tmp_path / "gone").exists()
 
 
+@pytest.mark.parametrize("states, words", [
+    ([1, 2], "key 'eval.states': expected an object (state name -> its metrics object), got [1, 2]"),
+    (3, "key 'eval.states': expected an object (state name -> its metrics object), got 3"),
+    ({"warm": {"auc": "high"}}, "key 'eval.states.warm.auc': expected a number or null, got \"high\""),
+], ids=["list", "number", "text-metric"])
+def test_plot_names_a_malformed_eval_states(tmp_path, capsys, states, words):
+    """Were TypeErrors inside the cold-start chart."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "query_loss": 0.6, "support_loss": 0.7,
+                                                   "tasks_per_s": 9.0}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"eval": {"auc": 0.7, "states": states}}))
+    cli_refuses(capsys, ["plot", str(run)], [f"{run / 'summary.json'}: {words}"])
+
+
 # ---------------------------------------------------------------- validate agrees with train
 def test_validate_refuses_split_body_true_on_a_model_without_a_split(tmp_path, capsys):
     cfg = {**TINY, "model": {"name": "dcn_v2", "embed_dim": 4, "hidden": [8]},
