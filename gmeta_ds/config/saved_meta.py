@@ -61,7 +61,7 @@ ALGORITHM = {
     "inner_steps": lambda v: _integer(v, 0, _STEPS),
     "inner_lr": lambda v: _rate(v, positive=True),
     "adapt": _strings,
-    "vectorize": _one_of(True, False),
+    "vectorize": _one_of(True, False, "auto"),
     "kind": _one_of(*KINDS),
     "split_body": _one_of(True, False, "auto"),
     "inner_lr_scale": _scales,
