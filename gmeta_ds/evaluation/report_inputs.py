@@ -22,7 +22,7 @@ def _json_text(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _finite(value) -> bool:
+def _a_number(value) -> bool:
     """A finite number (not a boolean)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -44,7 +44,7 @@ def _differences(problems: list[str], where: str, key: str, differences) -> None
             name = f"{key}.{baseline}.{metric}"
             if _expect(problems, where, name, metric, metric in METRICS, f"a metric among {', '.join(METRICS)}"):
                 _expect(problems, where, name, d, isinstance(d, dict) and all(
-                    k in d and (d[k] is None or _finite(d[k])) for k in ("diff", "low", "high")),
+                    k in d and (d[k] is None or _a_number(d[k])) for k in ("diff", "low", "high")),
                     "an object with diff, low and high, each a number or null")
 
 
@@ -54,7 +54,7 @@ def _intervals(problems: list[str], where: str, key: str, intervals) -> None:
         return
     if not intervals.get("differences"):
         return
-    _expect(problems, where, f"{key}.level", intervals.get("level"), _finite(intervals.get("level")),
+    _expect(problems, where, f"{key}.level", intervals.get("level"), _a_number(intervals.get("level")),
             "a number (the interval's level, e.g. 0.95)")
     _differences(problems, where, f"{key}.differences", intervals["differences"])
 
@@ -67,7 +67,7 @@ def _curve(problems: list[str], where: str, key: str, curve, along: str) -> None
         return
     points = curve.get(along)
     if not _expect(problems, where, f"{key}.{along}", points, isinstance(points, list) and all(
-            _finite(p) or isinstance(p, str) for p in points), "a list of points (numbers, or 'all')"):
+            _a_number(p) or isinstance(p, str) for p in points), "a list of points (numbers, or 'all')"):
         return
     metrics = curve.get("metrics")
     if _expect(problems, where, f"{key}.metrics", metrics, isinstance(metrics, dict) and all(
@@ -75,7 +75,7 @@ def _curve(problems: list[str], where: str, key: str, curve, along: str) -> None
         for model, values in metrics.items():
             for metric, series in values.items():
                 _expect(problems, where, f"{key}.metrics.{model}.{metric}", series, isinstance(series, list)
-                        and len(series) == len(points) and all(v is None or _finite(v) for v in series),
+                        and len(series) == len(points) and all(v is None or _a_number(v) for v in series),
                         f"a list of {len(points)} numbers or nulls (one per point)")
     intervals = curve.get("intervals", [])
     if _expect(problems, where, f"{key}.intervals", intervals, isinstance(intervals, list) and all(
@@ -93,7 +93,7 @@ def check_summary(summary: dict, path: Path) -> None:
             _expect(problems, where, f"config.{section}", config.get(section), isinstance(
                 config.get(section) or {}, dict), "an object")
     elapsed = summary.get("elapsed_s")
-    _expect(problems, where, "elapsed_s", elapsed, elapsed is None or _finite(elapsed), "a number of seconds")
+    _expect(problems, where, "elapsed_s", elapsed, elapsed is None or _a_number(elapsed), "a number of seconds")
     evaluation = summary.get("eval") or {}
     _intervals(problems, where, "eval.intervals", evaluation.get("intervals") or {})
     for name, scores in (evaluation.get("states") or {}).items():  # a state's: differences only
@@ -127,7 +127,7 @@ def read_splits(path: Path) -> dict:
                     isinstance(split.get("scores"), dict), "an object of metrics")
             _differences(problems, where, f"splits[{n}].differences", split.get("differences"))
     _differences(problems, where, "differences", result.get("differences"))
-    _expect(problems, where, "level", result.get("level"), _finite(result.get("level")), "a number (e.g. 0.95)")
+    _expect(problems, where, "level", result.get("level"), _a_number(result.get("level")), "a number (e.g. 0.95)")
     if result.get("few_shot"):
         _curve(problems, where, "few_shot", result["few_shot"], "support")
     if problems:

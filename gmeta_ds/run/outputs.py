@@ -6,12 +6,14 @@ first collective (``train`` and ``validate`` alike); the removal runs on rank 0 
 meta-step 1."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 from gmeta_ds import checkpoint
-from gmeta_ds.config import RunConfig
+from gmeta_ds.config import RunConfig, config_to_dict
+from gmeta_ds.config.embedding import OLD_SHARDING
 from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
 
@@ -54,6 +56,31 @@ def continues_run(cfg: RunConfig, found: Path | None) -> bool:
     if found is None:
         return False
     return found.resolve().is_relative_to(checkpoint.checkpoint_root(cfg.output_dir).resolve())
+
+
+# The sections that say what a run trains (a requeue with any of them changed is another run).
+MODEL_SECTIONS = ("task", "model", "embedding", "meta", "text")
+
+
+def config_changes(recorded, cfg: RunConfig) -> list[str]:
+    """The dotted keys of `MODEL_SECTIONS` whose value in ``cfg`` differs from ``recorded``
+    (a finished run's summary.json ``config``); keys the recording lacks (written before they
+    existed) and the old spelling of embedding.sharding are no change."""
+    if not isinstance(recorded, dict):
+        return []
+    now, changes = config_to_dict(cfg), []
+
+    def walk(old, new, key: str) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for k in sorted(set(old) & set(new), key=str):
+                walk(old[k], new[k], f"{key}.{k}" if key else str(k))
+        elif old != new and not (key == "embedding.sharding" and {old, new} == {"dense", OLD_SHARDING}):
+            changes.append(f"{key}: {json.dumps(old, default=str)[:40]} -> {json.dumps(new, default=str)[:40]}")
+
+    for section in MODEL_SECTIONS:
+        if section in recorded and section in now:
+            walk(recorded[section], now[section], section)
+    return changes
 
 
 def check_earlier_run(cfg: RunConfig) -> list[str]:

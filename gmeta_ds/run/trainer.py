@@ -23,7 +23,7 @@ from gmeta_ds import checkpoint
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.errors import ConfigError
-from gmeta_ds.run.outputs import check_earlier_run, continues_run, remove_earlier_outputs, run_phase
+from gmeta_ds.run.outputs import check_earlier_run, config_changes, continues_run, remove_earlier_outputs, run_phase
 from gmeta_ds.meta_engine import EngineSpec, MetaEngine, arm_fault_stop, fault_stop
 from gmeta_ds.meta_engine import start_engine as start_meta_engine
 from gmeta_ds.engine.memory import host_tensor_mib, peak_rss_per_rank, rss_mib, vmhwm_mib
@@ -126,13 +126,19 @@ def completed_run(cfg: RunConfig) -> str | None:
         return None
     summary_path = Path(cfg.output_dir) / "summary.json"
     try:  # another run's checkpoint (outside OUTPUT_DIR/checkpoints) finished nothing here
-        finished = continues_run(cfg, found) and json.loads(summary_path.read_text()).get("meta_steps") == step
+        summary = json.loads(summary_path.read_text()) if continues_run(cfg, found) else {}
+        finished = summary.get("meta_steps") == step
     except (OSError, ValueError, AttributeError):
-        finished = False
+        summary, finished = {}, False
     if not finished:
         raise ConfigError([f"train.meta_steps: {cfg.train.meta_steps} is not above the step of the "
                            f"checkpoint to resume ({found}, meta-step {step}) and {summary_path} does "
                            "not record that run as finished; raise train.meta_steps to train further"])
+    changed = config_changes(summary.get("config"), cfg)
+    if changed:
+        raise ConfigError([(f"{summary_path} records a finished run of another configuration ({'; '.join(changed[:5])}"
+                            f"{' ...' if len(changed) > 5 else ''}): this is not a requeue of it; train this "
+                            "configuration in another output_dir (or afresh, without train.resume, with --overwrite)")])
     return (f"the run is already complete: {found} is at meta-step {step} (train.meta_steps="
             f"{cfg.train.meta_steps}) and {summary_path} records it; nothing to do, outputs left as "
             "they are (raise train.meta_steps to train further)")

@@ -169,6 +169,21 @@ def hashes_unread(folder: Path) -> dict:
             for p in sorted(folder.rglob("*"))}
 
 
+def test_a_requeue_with_another_model_config_is_refused_not_called_complete(run_dir, capsys):
+    """A finished run requeued unchanged is complete (exit 0, nothing touched); requeued with
+    a changed model, embedding or meta section it was called complete too (silently keeping
+    the other model): now refused naming the changed keys."""
+    out, config = run_dir
+    before = hashes(out)
+    assert train(config, "train.resume=auto") == 0
+    assert "the run is already complete" in capsys.readouterr().out
+    assert train(config, "train.resume=auto", "model.embed_dim=6", "meta.inner_steps=3") == 2
+    err = capsys.readouterr().err
+    assert "records a finished run of another configuration" in err
+    assert "model.embed_dim: 4 -> 6" in err and "meta.inner_steps: 1 -> 3" in err, err
+    assert hashes(out) == before
+
+
 def test_overwrite_removes_the_earlier_run_only_after_every_check(run_dir, tmp_path, capsys):
     out, config = run_dir
     elsewhere = tmp_path / "elsewhere"
