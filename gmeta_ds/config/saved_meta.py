@@ -82,15 +82,10 @@ TABLE = {"name": lambda v: None if isinstance(v, str) else "expected a string",
          "admit_after": lambda v: _integer(v, 1, MAX_COUNT)}
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."
-
-
 def section_problems(values: dict, checks: dict) -> list[str]:
     """``key value, expected ...`` for each key of ``values`` that ``checks`` refuses (keys
     ``values`` lacks are the loader's to report, as a missing key or a default)."""
-    return [f"{key} {_short(values[key])}, {why}" for key, check in checks.items()
+    return [f"{key} {values[key]!r:.60}, {why}" for key, check in checks.items()
             if key in values and (why := check(values[key])) is not None]
 
 
