@@ -13,6 +13,7 @@ import torch
 
 from gmeta_ds.engine import ds_internals
 from gmeta_ds.engine.dist import all_mean
+from gmeta_ds.errors import ConfigError
 
 
 class MetricsLog:
@@ -26,8 +27,7 @@ class MetricsLog:
         if not enabled:
             return
         if resumed_at and path.is_file():  # keep the records up to the checkpoint
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_at]
+            kept = [line for line, step in _records(path) if step <= resumed_at]
             # Replaced whole (temp file + rename): a write that fails leaves the earlier log.
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
@@ -58,6 +58,25 @@ class MetricsLog:
         if self.board:
             self.board.close()
             self.board = None
+
+
+def _records(path: Path) -> list[tuple[str, int]]:
+    """``metrics.jsonl``'s lines with their steps. The last line may be cut short (a run killed
+    while writing it, the case a resume recovers from): unreadable, it is dropped; any other
+    line that is not a JSON object with an integer ``step`` is a `ConfigError` naming it."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = None
+        if isinstance(step, int) and not isinstance(step, bool):
+            out.append((line, step))
+        elif i < len(lines) - 1:
+            raise ConfigError([(f"{path}:{number}: expected a JSON object with an integer 'step' (one per "
+                                f"logged meta-step), got {line.strip()[:80]!r}; fix or remove the line to resume")])
+    return out
 
 
 def _summary_writer(folder: Path):

@@ -288,6 +288,23 @@ def test_plot_names_a_malformed_eval_states(tmp_path, capsys, states, words):
     cli_refuses(capsys, ["plot", str(run)], [f"{run / 'summary.json'}: {words}"])
 
 
+def test_a_resume_drops_a_torn_last_metrics_line_and_names_a_garbage_one(tmp_path):
+    """metrics.jsonl on resume: a last line cut short (a run killed while writing it) is
+    dropped with the records past the checkpoint; garbage before the end is named by line
+    (both were a JSONDecodeError on rank 0)."""
+    from gmeta_ds.run.run_log import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": s, "query_loss": 0.5}) for s in (1, 2, 3)]
+    path.write_text("\n".join(records) + '\n{"step": 4, "query_lo')
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_at=2)
+    log.close()
+    assert path.read_text() == records[0] + "\n" + records[1] + "\n"
+    path.write_text("\n".join([records[0], "garbage", records[1], records[2]]) + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: expected a JSON object with an integer 'step'.*'garbage'"):
+        MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_at=2)
+
+
 # ---------------------------------------------------------------- validate agrees with train
 def test_validate_refuses_split_body_true_on_a_model_without_a_split(tmp_path, capsys):
     cfg = {**TINY, "model": {"name": "dcn_v2", "embed_dim": 4, "hidden": [8]},
