@@ -193,18 +193,26 @@ def _require_values(table: _Table, columns: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- column conversion
-def _numeric(table: _Table, col: str, what: str, allow_empty: bool = False) -> pd.Series:
-    """``col`` as numbers; the first non-number is reported with its line and value."""
+def _numeric(table: _Table, col: str, what: str, allow_empty: bool = False, finite: bool = False) -> pd.Series:
+    """``col`` as numbers; the first non-number (with ``finite``: or inf, nan or beyond
+    float32) is reported with its line and value."""
     raw = table.frame[col]
     if pd.api.types.is_numeric_dtype(raw) or pd.api.types.is_datetime64_any_dtype(raw):
         values, bad = raw, raw.isna() & (not allow_empty)  # typed Parquet column
     else:
         values = pd.to_numeric(raw.where(raw != ""), errors="coerce")
         bad = values.isna() & ((raw != "") if allow_empty else True)
+    if finite:
+        bad = bad | ~(values.abs() <= 3.4e38)
 
     def problem(pos: int) -> str:
         got = repr(raw.iloc[pos]) if isinstance(raw.iloc[pos], str) else "a missing value"
-        return f"column {col!r} must be {what}, got {got} ({int(bad.sum())} such value(s))"
+        if pd.notna(values.iloc[pos]):  # a number, but inf or beyond float32
+            got, what_ = repr(raw.iloc[pos]) if isinstance(raw.iloc[pos], str) else str(raw.iloc[pos]), (
+                "a finite number within float32 (a label)")
+        else:
+            what_ = what
+        return f"column {col!r} must be {what_}, got {got} ({int(bad.sum())} such value(s))"
     _fail_first(table, bad, problem)
     return values
 
@@ -264,7 +272,7 @@ def _to_log(table: _Table, schema: LogSchema, source: str) -> InteractionLog:
     _require_values(table, [schema.task_key, schema.item_key])
     typed = {schema.label, schema.timestamp, *schema.multi_hot, *schema.dense}
     out = {c: _categorical(table.frame[c]).to_numpy() for c in schema.columns() if c not in typed}
-    out[schema.label] = _numeric(table, schema.label, "a number").to_numpy("float32")
+    out[schema.label] = _numeric(table, schema.label, "a number", finite=True).to_numpy("float32")
     if schema.timestamp:
         out[schema.timestamp] = _int64(table, schema.timestamp).to_numpy()
     out |= {c: _split(table.frame[c], sep) for c, sep in schema.multi_hot.items()}

@@ -57,6 +57,9 @@ class StoreBuild:
         v, bad = number_sql(s.label, types[s.label])
         exprs[s.label] = f"CAST({v} AS FLOAT)"
         checks.append((bad, f"column {s.label!r} must be a number", s.label))
+        # inf or 1e300 would reach the loss, or the store check that blames the store
+        checks.append((f"(NOT isfinite({v}) OR abs({v}) > 3.4e38)",
+                       f"column {s.label!r} must be a finite number within float32 (a label)", s.label))
         if s.timestamp:
             v, bad = number_sql(s.timestamp, types[s.timestamp])
             exprs[s.timestamp] = f"CAST(floor({v}) AS BIGINT)"

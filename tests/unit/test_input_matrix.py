@@ -305,6 +305,27 @@ def test_a_resume_drops_a_torn_last_metrics_line_and_names_a_garbage_one(tmp_pat
         MetricsLog(tmp_path, enabled=True, tensorboard=False, resumed_at=2)
 
 
+@pytest.mark.parametrize("cell", ["inf", "-inf", "1e300"])
+def test_a_label_that_is_not_a_finite_float32_is_named_in_the_log_not_the_store(tmp_path, capsys, cell):
+    """Was accepted into the task store, whose check then called the store damaged (so
+    rebuilding it could not help); now the build names the log's row and column."""
+    from gmeta_ds.data.readers import DataError, LogSchema, read_table
+
+    rows = [f"{u},{i},{(u + i) % 5 + 1}" for u in range(30) for i in range(20)]
+    rows[7] = "0,7," + cell
+    log = tmp_path / "log.csv"
+    log.write_text("user_id,item_id,rating\n" + "\n".join(rows) + "\n")
+    cfg = {**TINY, "data": {"source": "table", "path": str(log), "label": "regression",
+                            "cache_dir": str(tmp_path / "cache")}}
+    cli_refuses(capsys, ["train", "--config", write(tmp_path, cfg)],
+                [(f"{log}: row 8 below the header: column 'rating' must be a finite number within float32 "
+                  f"(a label), got '{cell}'")])
+    # the in-memory reader (MovieLens, RecBole, the API's tables) says the same
+    with pytest.raises(DataError, match=rf"line 9: column 'rating' must be a finite number within float32 "
+                                        rf"\(a label\), got '{cell}'"):
+        read_table(log, LogSchema("user_id", "item_id", "rating", None))
+
+
 # ---------------------------------------------------------------- validate agrees with train
 def test_validate_refuses_split_body_true_on_a_model_without_a_split(tmp_path, capsys):
     cfg = {**TINY, "model": {"name": "dcn_v2", "embed_dim": 4, "hidden": [8]},
