@@ -92,7 +92,33 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
     ratings) is read as clicks as it is; a label set left with one class is a `DataError`
     naming the column. Vocabularies come from the training tasks only (id 0 is
     out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
-    ``stats``), the same at every rank for the same seed and the same for every kind of source."""
+    ``stats``), the same at every rank for the same seed and the same for every kind of source.
+
+    Args:
+        source: a path (CSV / Parquet file, folder of shards or glob) built into the task
+            store, or rows in memory (pandas DataFrame, pyarrow Table, ``datasets.Dataset``,
+            dict of equal-length arrays).
+        task_key: the column whose values are the tasks (users).
+        item_key: the column of item ids.
+        label: the column of labels.
+        timestamp: the column that orders a task's interactions; None: the log's order.
+        user_features: columns of per-task features.
+        item_features: columns of per-item features.
+        multi_hot: column -> separator of the values in its string cells; None: no multi-hot
+            columns.
+        seed: the run seed (the split into train / test / valid tasks), >= 0.
+        **options: ``data.*`` keys of the run config (``label_kind``, ``query_size``,
+            ``min_interactions``, ``threshold``, ``test_fraction``, ``split``,
+            ``cache_dir``...).
+
+    Returns:
+        The `TaskData` of the log.
+
+    Raises:
+        ConfigError: an argument or option of the wrong type or value, naming it.
+        DataError: a log that is missing, unreadable or malformed (naming the file, row or
+            column), or labels left with one class.
+    """
     keys = (("task_key", task_key), ("item_key", item_key), ("label", label))
     problems = [f"{name}: {value!r} is not a column name (str)" for name, value in keys
                 if not isinstance(value, str)]
@@ -155,7 +181,27 @@ def tables_for(fields: list[FieldSpec], dim: int, optimizer: str = DEFAULTS.embe
     ``exchange`` (sharded, multi-hot static fields): ``pooled`` pools each bag on the rows'
     owners and sends one partial sum per bag back, ``rows`` sends every distinct row, ``auto``
     keeps rows here (``gmeta-ds train`` picks by the expected bytes of the data's bags,
-    `gmeta_ds.embedding.plan.choose_exchange`); single-hot fields always exchange rows."""
+    `gmeta_ds.embedding.plan.choose_exchange`); single-hot fields always exchange rows.
+
+    Args:
+        fields: the task set's fields (``data.fields`` of `build_tasks`).
+        dim: the embedding dimension, >= 1.
+        optimizer: the sparse row optimizer (sgd, adagrad, rowwise_adagrad, adam).
+        lr: its learning rate.
+        init_std: the standard deviation of the rows' normal initialisation, >= 0.
+        capacity: rows per rank of a dynamic table (required when a field holds raw ids).
+        admit_after: lookups of a raw id before it gets a row of its own (rarer ids share a
+            default row), >= 1.
+        eviction: ``lru`` or ``lfu``, which row a full dynamic table gives up.
+        exchange: ``pooled``, ``rows`` or ``auto``, for the multi-hot static fields.
+
+    Returns:
+        One `TableConfig` per field, in the fields' order.
+
+    Raises:
+        ConfigError: an argument of the wrong type or value, or raw-id fields without
+            ``capacity``.
+    """
     problems = []
     if not isinstance(fields, (list, tuple)) or not all(isinstance(f, FieldSpec) for f in fields):
         problems.append("fields: expected the FieldSpec list of a task set (data.fields from gm.build_tasks)")
@@ -223,7 +269,34 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
     ``warmup_steps``: the engine's first meta-steps train the model on every row of their tasks
     without adaptation (plain supervised training), then meta-training starts from there.
     ``init_weight`` (a): the outer loss + a x the unadapted model's loss on every row of the
-    tasks, so meta-training keeps the initialisation's own ranking while it learns to adapt."""
+    tasks, so meta-training keeps the initialisation's own ranking while it learns to adapt.
+
+    Args:
+        model: the network (a ``torch.nn.Module`` taking a batch's rows).
+        algorithm: ``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`
+            (then the inner-loop arguments below are its own and are not read).
+        inner_steps: SGD steps on each task's support set, >= 1.
+        inner_lr: the inner steps' learning rate.
+        adapt: globs over parameter names, parameters of ``model`` or
+            ``"embedding.<field>"``; None: the model's ``default_adapt``, else ``mlp.*``.
+        loss: ``binary``, ``regression`` or ``multiclass``.
+        vectorize: True (vmap over tasks), False (one by one) or ``"auto"``.
+        split_body: True, False or ``"auto"`` (under ZeRO-3 only).
+        inner_lr_scale: glob over adapted names -> multiplier of ``inner_lr``; None: none.
+        inner_loss_prior: the prior rows added to the support loss's divisor (0: the mean).
+        offset_first: λ of the popularity offset's MAP start; None: off.
+        support_level: λ of the support-level shift after the inner steps; None: off.
+        rank_weight: weight of the pairwise ranking loss in the query loss (0: pointwise).
+        warmup_steps: first meta-steps trained without adaptation, >= 0.
+        init_weight: weight of the unadapted model's loss added to the outer loss.
+
+    Returns:
+        The `MetaLearner` (``model`` and its algorithm).
+
+    Raises:
+        ConfigError: an argument of the wrong type or value, or an ``adapt`` glob that
+            matches no parameter, naming it.
+    """
     where = "gmeta_ds.meta_learner"
     if not isinstance(model, nn.Module):
         raise ConfigError([f"model: expected a torch.nn.Module, got {type(model).__name__}"], where)
@@ -358,7 +431,31 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     and then also tears it down at interpreter exit. ``threads``: torch's intra-op threads on
     this rank, set before the process group starts; "auto" (as ``train.threads``) is the
     host's cores / its ranks unless OMP_NUM_THREADS is set or torch already has fewer
-    (`engine.dist.choose_threads`); rank 0 prints the choice once, on stderr."""
+    (`engine.dist.choose_threads`); rank 0 prints the choice once, on stderr.
+
+    Args:
+        learner: the `MetaLearner` of `meta_learner`.
+        config: a DeepSpeed config dict or the path of its JSON file.
+        tables: the embedding tables (`tables_for`); None: the model embeds its own ids.
+        sharding: ``row_wise``, ``table_wise``, ``replicated``, ``auto`` or ``dense``.
+        tasks_per_micro_batch: tasks per micro-batch per rank, or ``"auto"``.
+        tasks_per_meta_step: tasks per meta-step over all ranks, or ``"auto"``.
+        lr: the outer (dense) learning rate.
+        seed: the run seed (initial rows, task order).
+        resume: a checkpoint directory, ``"auto"`` (the newest under ``output_dir``) or None.
+        output_dir: where checkpoints and the run log go; None: nowhere.
+        nonfinite: ``abort`` (an error naming the step, ranks and tasks) or ``skip`` a
+            meta-step whose outer loss is NaN or inf.
+        collective_timeout_s: seconds a collective may wait before it fails.
+        threads: torch's intra-op threads on this rank, or ``"auto"``.
+
+    Returns:
+        The `MetaEngine` that trains ``learner``.
+
+    Raises:
+        ConfigError: an argument, the DeepSpeed config or the model of the wrong kind,
+            naming it; a process group whose size differs from ``WORLD_SIZE``.
+    """
     plans = (*PLANS.names(), "auto", "dense")
     if not isinstance(sharding, str) or sharding not in plans:
         raise ConfigError([f"sharding: {sharding!r} is not one of {', '.join(plans)}"])

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A run configuration is invalid; ``problems`` lists every problem found, one per line,
-    each naming the dotted key, the value given and what is allowed."""
+    each naming the dotted key, the value given and what is allowed.
+
+    Args:
+        problems: one line per problem.
+        source: where the configuration came from (a file, or the function that checked
+            it), named in the message; None: not named.
+    """
 
     def __init__(self, problems: list[str], source: str | None = None):
         self.problems = list(problems)

@@ -104,6 +104,18 @@ class ShardedEmbeddingCollection:
     construction is collective too when a table is placed on the host next to a default
     group that is not gloo, or explicitly (it creates the host tables' gloo group).
     ``strategy[name]``: table ``name``'s `Sharding`; ``strategies``: one per strategy name.
+
+    Args:
+        plan: the `ShardingPlan` of every table over the ranks (`plan_tables`).
+        rank: this process's rank in the default group.
+        seed: the seed of the rows' initialisation (the same rows as an unsharded twin's).
+        bad_ids: an out-of-range id is an ``error`` (naming feature, table and id) or
+            ``hash``ed by modulo into the table's rows.
+        dedup: look up each distinct id once per call (rows and gradients are the same).
+        device: where looked-up rows are returned; None: this rank's accelerator if any,
+            else the host.
+        timeout_s: seconds the creation of the host-topology groups may wait (plans of
+            several hosts with a hierarchical exchange); None: the default group's timeout.
     """
 
     def __init__(self, plan: ShardingPlan, rank: int, seed: int = 0, bad_ids: str = "error",
@@ -186,6 +198,20 @@ class ShardedEmbeddingCollection:
         return self.forward(features)
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
+        """Every feature's rows through the three stages (input_dist, lookup, output_dist);
+        collective: every rank calls it once per micro-batch with its own ids.
+
+        Args:
+            features: feature name -> its ids as a `Jagged` (one bag per sample).
+
+        Returns:
+            feature -> rows on ``device``: (N, d) pooled by the feature's table (sum or mean;
+            single-hot ids give their row), or (nnz, d) for ``pooling="none"``.
+
+        Raises:
+            ValueError: an id out of range of its table with ``bad_ids="error"``, naming the
+                feature, the table and the id.
+        """
         by_rows, by_owner = self._split_pooled(features)
         requests = self._requests(by_rows)
         out = self._per_feature(by_rows, requests, self._rows(requests))
@@ -210,6 +236,19 @@ class ShardedEmbeddingCollection:
         deterministic; this one is, and equals its one-thread result.) Bags keep the
         per-feature path; fields sharing a table (with each other or a bag), unknown features,
         dynamic tables or tables of different dimensions take `tables.lookup_fields` as a whole.
+
+        Args:
+            ids: this rank's (..., F) single-hot ids (column f: field ``fields[f]``).
+            fields: the names of the F columns of ``ids``.
+            multi: bags of multi-hot features (feature -> `Jagged`, prod(...) bags); None: none.
+
+        Returns:
+            Rows (..., F + M, d) on ``device``: the F single-hot fields, then ``multi``'s M
+            pooled features in its order.
+
+        Raises:
+            ValueError: a width of ``ids`` other than len(fields), or (``bad_ids="error"``)
+                an id outside its table.
         """
         multi = multi or {}
         check_width(ids, fields)
@@ -281,7 +320,11 @@ class ShardedEmbeddingCollection:
         """Average row gradients over ranks, each strategy for its tables: sharded rows arrived
         summed over ranks (divided by the world size); replicated tables are all-reduced
         together, one collective per group. Sharded tables in ``leave`` keep their summed,
-        uncoalesced gradient (`step` scales it)."""
+        uncoalesced gradient (`step` scales it).
+
+        Args:
+            leave: names of sharded tables whose gradient stays summed and uncoalesced.
+        """
         if self.world == 1:
             return
         for strategy in self.strategies.values():
@@ -342,14 +385,25 @@ class ShardedEmbeddingCollection:
 
     def load_state(self, files: list[dict[str, Tensor]]) -> None:
         """Every table's rows and optimizer state from every saved rank's `state` (any old world
-        size or plan: each strategy takes the rows its layout gives this rank); not collective."""
+        size or plan: each strategy takes the rows its layout gives this rank); not collective.
+
+        Args:
+            files: the `state` dicts of every rank of the saved run, in rank order.
+        """
         for name in self.plan.tables:
             self.strategy[name].load_state(name, files)
 
     # ------------------------------------------------------------------ export
     def gather_tables(self, everywhere: bool = False) -> dict[str, Tensor]:
         """Full static tables on rank 0 (every rank with ``everywhere``; {} elsewhere);
-        collective. Dynamic tables are in `gather_state`."""
+        collective. Dynamic tables are in `gather_state`.
+
+        Args:
+            everywhere: return the tables on every rank, not only on rank 0.
+
+        Returns:
+            Table name -> its full (num_rows, dim) rows; {} on ranks that get nothing.
+        """
         full = {}
         for name, strategy in self.strategy.items():
             table = strategy.gather_table(name, everywhere)
@@ -360,7 +414,15 @@ class ShardedEmbeddingCollection:
     def gather_state(self, everywhere: bool = False) -> dict[str, Tensor]:
         """Every table as `EmbeddingCollection` state-dict entries (``weights.<table>``; dynamic
         tables: ``dynamic.<table>.ids`` (sorted admitted ids), ``.rows`` and ``.defaults``, every
-        rank's default row), on rank 0 or everywhere; collective."""
+        rank's default row), on rank 0 or everywhere; collective.
+
+        Args:
+            everywhere: return the state on every rank, not only on rank 0.
+
+        Returns:
+            State-dict key -> tensor, as an `EmbeddingCollection` of the same tables holds
+            them; {} on ranks that get nothing.
+        """
         state = {f"weights.{name}": t for name, t in self.gather_tables(everywhere).items()}
         for strategy in self.strategies.values():
             state.update(strategy.gather_state(everywhere))

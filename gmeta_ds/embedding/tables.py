@@ -37,7 +37,25 @@ class TableConfig:
     ``kind="dynamic"`` (sharded mode only; `gmeta_ds.embedding.dynamic`): any int64 id, no
     vocabulary; each rank holds ``capacity`` rows for the ids it owns (plus a default row),
     gives an id its own row after ``admit_after`` lookups and evicts by ``eviction`` (lru | lfu)
-    when full. ``num_rows`` is then ignored (set to ``capacity``)."""
+    when full. ``num_rows`` is then ignored (set to ``capacity``).
+
+    Args:
+        name: the table's name.
+        num_rows: rows of a static table (ids 0..num_rows-1).
+        dim: the rows' width d.
+        features: the features looked up in this table.
+        pooling: how a multi-hot bag's rows combine: ``sum``, ``mean`` or ``none``.
+        init_std: the standard deviation of the rows' N(0, init_std^2) start.
+        optimizer: the sparse optimizer of its rows (sgd, adagrad, rowwise_adagrad, adam).
+        lr: that optimizer's learning rate.
+        kind: ``static`` or ``dynamic``.
+        capacity: a dynamic table's rows per rank (None for a static table).
+        admit_after: lookups of a dynamic id before it gets a row of its own.
+        eviction: ``lru`` or ``lfu``, which row a full dynamic table gives up.
+        device: where sharded rows live: ``host``, ``accelerator`` or ``auto``.
+        exchange: what a sharded lookup of pooled features sends back: ``rows``, ``pooled``
+            or ``auto``.
+    """
 
     name: str
     num_rows: int
@@ -256,6 +274,12 @@ class EmbeddingCollection(nn.Module):
 
     forward(features: {feature: Jagged}) -> {feature: (N, d) pooled or (nnz, d) for none}.
     `lookup_fields` is the single-hot shortcut the CTR model uses.
+
+    Args:
+        tables: one `TableConfig` per table.
+        seed: the seed of the rows' initialisation (the same rows as a sharded twin's).
+        bad_ids: an out-of-range id is an ``error`` (naming feature, table and id) or
+            ``hash``ed by modulo into the table's rows.
     """
 
     def __init__(self, tables: list[TableConfig], seed: int = 0, bad_ids: str = "error"):
@@ -270,6 +294,19 @@ class EmbeddingCollection(nn.Module):
         self.dynamic = nn.ModuleDict({t.name: DynamicRows(t, seed) for t in tables if t.kind == "dynamic"})
 
     def forward(self, features: dict[str, Jagged]) -> dict[str, Tensor]:
+        """Every feature's rows, each from its table, pooled per sample.
+
+        Args:
+            features: feature name -> its ids as a `Jagged` (one bag per sample).
+
+        Returns:
+            feature -> rows: (N, d) pooled by the feature's table (sum or mean; single-hot
+            ids give their row), or (nnz, d) for ``pooling="none"``.
+
+        Raises:
+            ValueError: an id out of range of its table with ``bad_ids="error"``, naming the
+                feature, the table and the id.
+        """
         out = {}
         for feature, jagged in features.items():
             table = self.by_feature[feature]
@@ -282,7 +319,21 @@ class EmbeddingCollection(nn.Module):
         return out
 
     def lookup_fields(self, ids: Tensor, fields: list[str], multi: dict | None = None) -> Tensor:
-        """Single-hot ids (..., F) for ``fields`` (+ pooled multi-hot bags) -> rows (..., F + M, d)."""
+        """Single-hot ids (..., F) for ``fields`` (+ pooled multi-hot bags) -> rows (..., F + M, d).
+
+        Args:
+            ids: (..., F) single-hot ids, column f of field ``fields[f]``.
+            fields: the F single-hot fields, in the columns' order.
+            multi: multi-hot feature -> `Jagged` with one bag per row of ``ids``; None: none.
+
+        Returns:
+            (..., F + M, d) rows: the single-hot fields first, then the M pooled bags in
+            ``multi``'s order.
+
+        Raises:
+            ValueError: ``ids`` without one column per field, or an id out of range with
+                ``bad_ids="error"``.
+        """
         return lookup_fields(self, ids, fields, multi)
 
 
