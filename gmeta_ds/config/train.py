@@ -26,6 +26,7 @@ class TrainConfig:
     resume: Union[str, None] = None
     # A new (not resumed) run into an output_dir holding an earlier run's outputs: refused unless
     # true (CLI --overwrite); then they are removed once every check passed, before meta-step 1.
+    # Refused when its checkpoints/ or tensorboard/ holds anything a run does not write there.
     overwrite: bool = False
     # Per-phase time per rank (gmeta_ds/run/profiling.py): profile this many meta-steps after
     # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).

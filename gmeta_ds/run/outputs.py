@@ -83,6 +83,29 @@ def config_changes(recorded, cfg: RunConfig) -> list[str]:
     return changes
 
 
+def _ours_inside(name: str, entry: str) -> bool:
+    """Whether ``entry``, found in the earlier run's folder ``name``, is one gmeta-ds writes
+    there: checkpoint steps, ``latest`` and the universal conversion under ``checkpoints``,
+    TensorBoard's event files under ``tensorboard``."""
+    if name == "checkpoints":
+        return (checkpoint.TAG.fullmatch(entry) is not None or entry in (checkpoint.LATEST, "universal")
+                or entry == checkpoint.LATEST + ".tmp")
+    return entry.startswith("events.out.tfevents.")
+
+
+def foreign_outputs(out_dir: Path, held: list[str]) -> list[str]:
+    """The entries of ``held``'s folders (`earlier_outputs`) that no gmeta-ds run writes: what
+    ``--overwrite`` would remove that is not ours (a user's own ``checkpoints/`` folder)."""
+    foreign = []
+    for name in (h.rstrip("/") for h in held if h.endswith("/")):
+        try:
+            foreign += [f"{name}/{e.name}" for e in sorted((out_dir / name).iterdir(), key=lambda e: e.name)
+                        if not _ours_inside(name, e.name)]
+        except OSError as exc:
+            foreign.append(f"{name}/ (unreadable: {exc.strerror or exc})")
+    return foreign
+
+
 def check_earlier_run(cfg: RunConfig) -> list[str]:
     """A run that does not continue ``output_dir``'s own checkpoint (no ``train.resume``,
     ``auto`` finding none, or a checkpoint elsewhere) is refused when the folder holds an
@@ -92,6 +115,12 @@ def check_earlier_run(cfg: RunConfig) -> list[str]:
     (`remove_earlier_outputs`), [] when nothing."""
     found = checkpoint.find(cfg.train.resume, cfg.output_dir) if cfg.train.resume else None
     held = [] if continues_run(cfg, found) else earlier_outputs(Path(cfg.output_dir))
+    foreign = foreign_outputs(Path(cfg.output_dir), held) if cfg.train.overwrite else []
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise ConfigError([(f"output_dir: {str(cfg.output_dir)!r}: --overwrite replaces only what a "
+                            f"gmeta-ds run wrote, and these are not: {shown}; nothing was changed. "
+                            "Move them away or choose another output_dir")])
     if not held or cfg.train.overwrite:
         return held
     root = checkpoint.checkpoint_root(cfg.output_dir)

@@ -286,3 +286,24 @@ def test_tensorboard_that_cannot_start_names_its_folder(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert f"could not access {tmp_path / 'tensorboard'}: No space left on device" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("planted", ["checkpoints/my_notes.txt", "checkpoints/best_model",
+                                     "tensorboard/my_plots.png"])
+def test_overwrite_refuses_a_folder_holding_what_no_run_wrote(run_dir, planted, capsys):
+    """--overwrite removes the earlier run's checkpoints/ and tensorboard/ whole: anything in
+    them that gmeta-ds did not write (a user's own folder of that name) is refused, untouched."""
+    out, config = run_dir
+    path = out / planted
+    if "." in path.name:
+        path.write_text("mine")
+    else:
+        path.mkdir()
+        (path / "weights.bin").write_bytes(b"\0" * 8)
+    before = hashes(out)
+    for command in ("validate", "train"):
+        assert main([command, "--config", config, "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert f"--overwrite replaces only what a gmeta-ds run wrote, and these are not: {planted}" in err
+        assert "nothing was changed" in err and "Traceback" not in err
+        assert hashes(out) == before
