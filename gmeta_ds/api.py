@@ -107,7 +107,7 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
         multi_hot: column -> separator of the values in its string cells; None: no multi-hot
             columns.
         seed: the run seed (the split into train / test / valid tasks), >= 0.
-        **options: ``data.*`` keys of the run config (``label_kind``, ``query_size``,
+        **options (Any): ``data.*`` keys of the run config (``label_kind``, ``query_size``,
             ``min_interactions``, ``threshold``, ``test_fraction``, ``split``,
             ``cache_dir``...).
 

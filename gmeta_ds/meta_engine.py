@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -94,7 +95,14 @@ class NonFiniteLoss(RuntimeError):
 @dataclass
 class StepResult:
     """One meta-step on this rank: mean query / support loss over its micro-batches
-    (``nan`` when ``skipped``: a non-finite loss with ``nonfinite="skip"``)."""
+    (``nan`` when ``skipped``: a non-finite loss with ``nonfinite="skip"``).
+
+    Args:
+        query_loss: the mean outer (query) loss of this rank's micro-batches.
+        support_loss: the mean inner (support) loss of this rank's micro-batches.
+        skipped: the step was skipped for a non-finite loss (``nonfinite="skip"``).
+        padding_efficiency: real rows / padded rows of the micro-batches (1.0: no padding).
+    """
 
     query_loss: float
     support_loss: float
@@ -130,7 +138,8 @@ class _AnyRank:
 
 
 def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-                       batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite) -> StepResult:
+                       batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite,
+                       micro: ds_engine.MicroStep | None = None) -> StepResult:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
@@ -138,10 +147,12 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
     Losses stay on the engine's device until the end (one host sync per meta-step for the
     statistics). At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``:
     DeepSpeed would otherwise flatten every gradient into a buffer and all-reduce it over one
-    rank, an exact identity (`ds_engine.reduction_is_identity`)."""
+    rank, an exact identity (`ds_engine.reduction_is_identity`). ``micro``: how the engine's
+    micro-steps run (`ds_engine.MicroStep`), decided once per engine (`MetaEngine.micro_step`);
+    None: decided here."""
     if engine.device.type != "cpu":  # batches are collated on the host
         batches = [ds_engine.to_device(b, engine.device) for b in batches]
-    local = ds_engine.reduction_is_identity(engine)
+    micro = micro if micro is not None else ds_engine.MicroStep.of(engine)
     guard = _NonfiniteGuard(nonfinite, step)
     query, support = [], []
     for i, batch in enumerate(batches):
@@ -151,14 +162,14 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
             if sharded is not None:
                 ids, multi = fused_ids(batch)
                 rows = split_rows(sharded.lookup_fields(ids, fields, multi), batch)
-        with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
+        with micro.gathered():  # ZeRO-3: what this micro-step needs
             with phase("inner_loop"):
                 out = engine(batch, rows)
             skip = guard.check(out.loss, last)
             if not skip:
                 if last:
                     fault_stop(f"{step + 1}:{_rank()}")
-                with phase("outer_backward"), (engine.no_sync() if local else contextlib.nullcontext()):
+                with phase("outer_backward"), (engine.no_sync() if micro.skip_reduction else contextlib.nullcontext()):
                     engine.backward(out.loss)
         if skip:
             if sharded is not None:
@@ -223,7 +234,22 @@ class MetaEngine:
 
     ``engine``: the DeepSpeed engine (its ``module`` is the `MetaLearner`); ``embeddings``:
     this rank's `ShardedEmbeddingCollection` (None with ``sharding="dense"``); ``plan``: the
-    `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``."""
+    `BatchPlan` (tasks per micro-batch, accumulation steps, world size); ``rank``.
+
+    Args:
+        engine (deepspeed.DeepSpeedEngine): the DeepSpeed engine whose ``module`` is the
+            `MetaLearner`.
+        embeddings: this rank's `ShardedEmbeddingCollection`; None when the tables are in the
+            model (``sharding="dense"``) or there are none.
+        tables: the tables' configs (an unsharded copy is made from them for evaluation).
+        plan: the `BatchPlan`.
+        ds_config: the resolved DeepSpeed config (written to summary.json).
+        rank: this process's rank.
+        seed: the run seed (task order, resampling, the baselines, fresh tables).
+        nonfinite: ``abort`` or ``skip`` a meta-step whose outer loss is NaN or inf.
+        initial: CPU copies of the learner's weights before training, which the non-meta
+            baseline starts from; None: not kept.
+    """
 
     def __init__(self, engine, embeddings: ShardedEmbeddingCollection | None, tables: list[TableConfig],
                  plan: BatchPlan, ds_config: dict, rank: int, seed: int, nonfinite: str = DEFAULTS.train.nonfinite,
@@ -241,6 +267,13 @@ class MetaEngine:
         self.last_query_loss: float | None = None  # the last meta-step's (summary.json's final_query_loss)
         self.ckpt_meta: dict | None = None  # what a checkpoint must match (`checkpoint_meta`; `start_engine`)
 
+    @cached_property
+    def micro_step(self) -> ds_engine.MicroStep:
+        """How this engine's micro-steps run (ZeRO-3's gathering; DeepSpeed's reduction skipped
+        where it is an identity), decided at the first meta-step: neither changes while the
+        engine trains, so no meta-step asks DeepSpeed again."""
+        return ds_engine.MicroStep.of(self.engine)
+
     @property
     def learner(self) -> MetaLearner:
         return self.engine.module
@@ -256,7 +289,23 @@ class MetaEngine:
         ``plan.tasks_per_meta_step`` tasks is the same at every world size (a seeded
         permutation per epoch), split over (micro-batch, rank). ``resample``: episode
         resampling (``data.resample``), each task's support and query redrawn from its rows,
-        keyed by (seed, step); ``resample_support``: as ``data.resample_support``."""
+        keyed by (seed, step); ``resample_support``: as ``data.resample_support``.
+
+        Args:
+            tasks: the training tasks (``data.train``).
+            step: the meta-step, >= 0 (its epoch and place in the seeded permutation).
+            bucket_by_length: sort each meta-batch by task length (less padding).
+            resample: redraw each task's support and query from its rows.
+            resample_support: ``full`` (the task's own support size) or, with ``resample``,
+                ``random`` (a log-uniform size in [1, the support size]).
+
+        Returns:
+            This rank's ``plan.grad_accum_steps`` `TaskBatch` micro-batches.
+
+        Raises:
+            ConfigError: an argument of the wrong type or value, or tasks whose fields do not
+                match the model's.
+        """
         from gmeta_ds.data.loader import task_lengths
 
         problems = [] if isinstance(tasks, TaskSet) else [f"tasks: expected a gm.TaskSet (data.train), got "
@@ -275,7 +324,20 @@ class MetaEngine:
     def meta_step(self, batches: list[TaskBatch]) -> StepResult:
         """One outer step on this rank's micro-batches (collective): fused lookups of support
         and query rows, inner loops, ``engine.backward`` of each outer loss, DeepSpeed's step
-        (averaged over ranks and micro-batches) and the sparse row optimizers' step."""
+        (averaged over ranks and micro-batches) and the sparse row optimizers' step.
+
+        Args:
+            batches: this rank's micro-batches of the step (`batches`), one per gradient
+                accumulation step.
+
+        Returns:
+            The `StepResult` on this rank.
+
+        Raises:
+            ValueError: a number of micro-batches other than the gradient accumulation steps.
+            ConfigError: batches of another type than the learner's.
+            NonFiniteLoss: a NaN or inf outer loss on any rank with ``nonfinite="abort"``.
+        """
         if len(batches) != self.plan.grad_accum_steps:
             raise ValueError(f"meta_step: got {len(batches)} micro-batches, expected "
                              f"{self.plan.grad_accum_steps} (gradient_accumulation_steps) per rank")
@@ -289,7 +351,8 @@ class MetaEngine:
         if warming != self.learner.algorithm.warming_up:  # the warm-up starts or ends (set together on both)
             for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
                 learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
-        result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
+        result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite,
+                                    self.micro_step)
         self.step += 1
         self.last_query_loss = result.query_loss
         if self.outer is not None and self.outer.due(self.step):
@@ -317,7 +380,14 @@ class MetaEngine:
         return state
 
     def save_weights(self, path: str | Path) -> Path | None:
-        """`state_dict` as safetensors, written by rank 0 (collective; None on other ranks)."""
+        """`state_dict` as safetensors, written by rank 0 (collective; None on other ranks).
+
+        Args:
+            path: the safetensors file to write (its folder is created).
+
+        Returns:
+            The file written on rank 0; None on other ranks.
+        """
         state = self.state_dict()
         if self.rank != 0:
             return None
@@ -331,7 +401,19 @@ class MetaEngine:
         tables and the algorithm's settings (model.json, with each file's SHA-256). Written by
         rank 0 beside ``path`` and renamed into place (collective; None on other ranks).
         ``path`` may be new, empty or an earlier saved model; anything else is refused, on
-        every rank, before the collective."""
+        every rank, before the collective.
+
+        Args:
+            path: the model's folder: new, empty or an earlier saved model.
+            data: the `TaskData` the model was trained on (its fields and vocabularies).
+
+        Returns:
+            The folder on rank 0; None on other ranks.
+
+        Raises:
+            ConfigError: a ``path`` or ``data`` of the wrong kind, or a folder that holds
+                anything but a saved model.
+        """
         from gmeta_ds.saved import target_problems
 
         where = "MetaEngine.save_model"
@@ -356,7 +438,14 @@ class MetaEngine:
 
     def single_process_learner(self, state: dict | None = None) -> MetaLearner:
         """A plain copy of the learner holding every weight (its tables inside the model, as
-        ``model.embedding``): for evaluation, serving or export. Collective without ``state``."""
+        ``model.embedding``): for evaluation, serving or export. Collective without ``state``.
+
+        Args:
+            state: every weight in full (`state_dict`'s keys); None: gathered now.
+
+        Returns:
+            A `MetaLearner` on the CPU, outside DeepSpeed.
+        """
         state = self.state_dict() if state is None else state
         template = single_process_template(self.learner)
         learner = copy.deepcopy(template)
@@ -403,7 +492,37 @@ class MetaEngine:
         ``steps_curve`` (``inner_steps_curve``), the fine-tune search on ``valid`` users
         (``finetune_search``, with ``"non_meta"``: ``baseline_finetune_tuned_*``), the cold-start
         ``states`` ({name: TaskSet}). ``out``: a folder for the run's ``summary.json`` and
-        ``per_user.csv`` as ``gmeta-ds train`` writes them (`write_run`), for ``gmeta-ds report``."""
+        ``per_user.csv`` as ``gmeta-ds train`` writes them (`write_run`), for ``gmeta-ds report``.
+
+        Args:
+            tasks: the held-out tasks (``data.test``).
+            inner_steps: inner steps on each support, >= 0; None: the algorithm's.
+            tasks_per_batch: tasks adapted together, >= 1.
+            baselines: any of ``"non_meta"`` and ``"popularity"`` (a str is one name).
+            train: the training tasks, which the baselines need.
+            baseline_epochs: the non-meta baseline's epochs over the training rows.
+            baseline_lr: its Adam learning rate.
+            baseline_batch_size: its batch size, in rows.
+            bootstrap_resamples: paired-bootstrap resamples of each interval (0: none).
+            few_shot: support sizes (>= 1) of the few-shot curve; empty: no curve.
+            steps_curve: inner steps (>= 0) of the inner-steps curve; empty: no curve.
+            finetune_search: tune the non-meta baseline's fine-tuning on ``valid``.
+            valid: the validation tasks (``data.valid``), for ``finetune_search``.
+            states: cold-start state name -> its tasks (``data.states``); None: none.
+            synthetic: the tasks come from the synthetic generator (item 0 is a real item
+                for the popularity baseline).
+            out: a folder for summary.json and per_user.csv; None: nothing written.
+
+        Returns:
+            The scores, the same dict on every rank: metric -> value (None where undefined,
+            with the reason under ``warnings``), the baselines' metrics, ``intervals`` and
+            the curves asked for.
+
+        Raises:
+            ConfigError: an argument of the wrong type or value (each named), tasks whose
+                fields do not match the model's, a baseline without ``train``, or an ``out``
+                folder that holds anything but a run.
+        """
         problems, wanted = evaluate_problems(
             tasks, inner_steps, tasks_per_batch, bootstrap_resamples, baselines, train,
             (baseline_epochs, baseline_lr, baseline_batch_size), self.initial is not None,
@@ -480,7 +599,20 @@ class MetaEngine:
         """Checkpoint meta-step `step` under ``output_dir/checkpoints`` (collective): DeepSpeed's
         files, every rank's table rows by global id and sparse-optimizer state, a manifest
         with every file's SHA-256; ``latest`` moves only once all of it is on disk.
-        ``keep_last``: complete checkpoints kept (0: all)."""
+        ``keep_last``: complete checkpoints kept (0: all).
+
+        Args:
+            output_dir: the run's folder; checkpoints go under its ``checkpoints``.
+            keep_last: complete checkpoints kept, >= 0 (0: all).
+
+        Returns:
+            The checkpoint's folder.
+
+        Raises:
+            ConfigError: ``output_dir`` or ``keep_last`` of the wrong kind.
+            CheckpointWriteError: a file could not be written on some rank (every rank raises
+                it, naming the rank, the file and the cause; ``latest`` is unchanged).
+        """
         problems = []
         int_at_least(problems, "keep_last", keep_last, 0)
         if not (isinstance(output_dir, Path) or isinstance(output_dir, str) and output_dir.strip()):

@@ -40,7 +40,14 @@ EMBEDDING_PREFIX = f"{NET_PREFIX}{EMBEDDING_ATTR}."  # those of the model's own 
 class MetaOutput:
     """One micro-batch's result. loss: scalar to backpropagate; the rest are detached:
     query_loss / support_loss: mean over tasks (support before adaptation);
-    task_query_loss: (T,) per task, for diagnostics."""
+    task_query_loss: (T,) per task, for diagnostics.
+
+    Args:
+        loss: the scalar the engine backpropagates.
+        query_loss: the mean query loss over the tasks (detached).
+        support_loss: the mean support loss before adaptation (detached).
+        task_query_loss: (T,) each task's query loss (detached).
+    """
 
     loss: Tensor
     query_loss: Tensor
@@ -129,7 +136,28 @@ class MetaAlgorithm:
 
     Subclasses set ``first_order`` and may override `learning_rates`, `meta_parameters` and
     `outer_loss`. The methods take data (parameters, rates, tasks' tensors, the model's hooks),
-    never the `MetaLearner`, which calls them.
+    never the `MetaLearner`, which calls them. `gmeta_ds.meta_learner` builds one from a name.
+
+    Args:
+        inner_steps: SGD steps on each task's support set (``meta.inner_steps``).
+        inner_lr: their learning rate (``meta.inner_lr``).
+        adapt: globs over the parameter names (and ``embedding.<field>``) the inner loop adapts.
+        vectorize: run a micro-batch's tasks under vmap (True) or one by one (False).
+        kind: the labels: ``binary`` (BCE on logits), ``regression`` (MSE) or ``multiclass``.
+        split_body: run the non-adapted body once per micro-batch: True, False or ``"auto"``.
+        inner_lr_scale: glob over adapted names -> multiplier of ``inner_lr`` (first match);
+            None: x1 everywhere.
+        inner_loss_prior: rows added to the support loss's divisor, >= 0 (0: the mean).
+        offset_first: the prior λ of the per-task popularity offset set before the inner
+            steps (binary or regression); None: off.
+        support_level: the prior λ of the level shift after the inner steps; None: off.
+        rank_weight: weight of the pairwise ranking term of the query loss, >= 0.
+        warmup_steps: first meta-steps trained without adaptation, >= 0.
+        init_weight: weight of the unadapted model's loss added to the outer loss, >= 0.
+
+    Raises:
+        ConfigError: a negative prior or weight, a ranking loss on labels without an order, or
+            an offset prior on labels other than binary or regression, naming the ``meta.*`` key.
     """
 
     first_order = False
@@ -189,18 +217,43 @@ class MetaAlgorithm:
                         embed_dim) -> dict[str, nn.Module]:
         """Algorithm-owned meta-parameters for the learner, by attribute name (none by default):
         ``params`` the model's parameters, ``adapted`` the adapted ones' names, ``rows`` the
-        adapted rows' names (``embedding.<field>``), ``embed_dim`` the model's (or None)."""
+        adapted rows' names (``embedding.<field>``), ``embed_dim`` the model's (or None).
+
+        Args:
+            params: the model's parameters by name.
+            adapted: the names of the adapted dense parameters.
+            rows: the names of the adapted rows (``embedding.<field>``).
+            embed_dim (int | None): the model's embedding dimension, or None when it states none.
+
+        Returns:
+            Attribute name -> module the learner holds (and DeepSpeed trains); {} here.
+        """
         return {}
 
     def rate(self, name: str) -> float:
         """The inner learning rate of the adapted ``name``: ``inner_lr`` times the multiplier of
-        the first ``inner_lr_scale`` glob that matches it (x1 when none does)."""
+        the first ``inner_lr_scale`` glob that matches it (x1 when none does).
+
+        Args:
+            name: an adapted parameter's (or row's) name.
+
+        Returns:
+            Its inner learning rate.
+        """
         scales = (s for p, s in self.inner_lr_scale.items() if fnmatch.fnmatchcase(name, p))
         return self.inner_lr * next(scales, 1.0)
 
     def learning_rates(self, names: list[str], owned: "dict[str, nn.Module] | None" = None) -> LearningRates:
         """The inner learning rate of each adapted name in ``names``; ``owned``: the learner's
-        algorithm-owned modules (`meta_parameters`)."""
+        algorithm-owned modules (`meta_parameters`).
+
+        Args:
+            names: the adapted names (`MetaLearner.adapted_names`).
+            owned: the learner's algorithm-owned modules; not read here.
+
+        Returns:
+            Name -> its rate (`rate`).
+        """
         return {n: self.rate(n) for n in names}
 
     def inner_loop(self, net: nn.Module, *, row_fields: dict[int, str], recipe: TaskRecipe | None = None,
@@ -208,7 +261,19 @@ class MetaAlgorithm:
                    first_order: bool | None = None) -> InnerLoop:
         """The inner loop on ``net`` (adapted rows of ``row_fields``, the model's ``recipe``), or
         on the head of the body ``split``, whose inputs are the body's features; ``steps`` and
-        ``first_order`` override this algorithm's (evaluation adapts first order)."""
+        ``first_order`` override this algorithm's (evaluation adapts first order).
+
+        Args:
+            net: the single-device model.
+            row_fields: field position -> name of the fields whose looked-up rows adapt.
+            recipe: the model's inner-loop hooks (the popularity offset); None: none.
+            split: a body split whose head alone runs in the inner loop; None: the whole net.
+            steps: inner steps; None: ``inner_steps``.
+            first_order: detach the inner gradients; None: this algorithm's ``first_order``.
+
+        Returns:
+            The `InnerLoop`.
+        """
         module, prefix = (net, "") if split is None else (HeadModule(net, split), HeadModule.PREFIX)
         settings = self.inner
         if steps is not None or first_order is not None:
@@ -219,13 +284,35 @@ class MetaAlgorithm:
     def run(self, inner: InnerLoop, lrs: LearningRates, theta: Params, support: tuple, query: tuple,
             detach_query: bool = False) -> TaskOutputs:
         """The T tasks of a micro-batch (with a body split their inputs are features);
-        ``detach_query``: the query loss at the adapted params detached (first order, Reptile)."""
+        ``detach_query``: the query loss at the adapted params detached (first order, Reptile).
+
+        Args:
+            inner: the inner loop (`inner_loop`).
+            lrs: adapted name -> inner learning rate (`learning_rates`).
+            theta: the adapted meta-parameters by name (dense parameters and rows).
+            support: the support inputs (x, labels (T, S), mask (T, S)) of the T tasks.
+            query: the query inputs (x, labels (T, Q), mask (T, Q)).
+            detach_query: detach the query loss's graph from the adapted parameters.
+
+        Returns:
+            The `TaskOutputs`: (T,) query and support losses and the adapted parameters.
+        """
         return run_tasks(inner, theta, lrs, support, query, self.vectorize, detach_query)
 
     def supervised_loss(self, inner: InnerLoop, theta: Params, support: tuple, query: tuple) -> MetaOutput:
         """A warm-up meta-step (``meta.warmup_steps``): no inner loop, the unadapted model's
         loss over every row of the tasks (support and query), as the non-meta baseline trains;
-        its gradient is plain supervised training's, through the same engine and optimizers."""
+        its gradient is plain supervised training's, through the same engine and optimizers.
+
+        Args:
+            inner: the inner loop, whose model and loss are used (no step is taken).
+            theta: the meta-parameters by name, as the model's.
+            support: the support inputs (x, labels (T, S), mask (T, S)) of the T tasks.
+            query: the query inputs (x, labels (T, Q), mask (T, Q)).
+
+        Returns:
+            The `MetaOutput`; its loss is the mean over every row.
+        """
         loss, support_loss, query_loss = supervised_tasks(inner, theta, support, query, self.vectorize)
         return MetaOutput(loss.mean(), query_loss.detach().mean(), support_loss.detach().mean(),
                           query_loss.detach())
@@ -234,7 +321,18 @@ class MetaAlgorithm:
                       query: tuple) -> MetaOutput:
         """`outer_loss`, plus ``init_weight`` x `supervised_loss` when that is set: the
         unadapted model is asked to predict every row of its tasks too, so meta-training cannot
-        trade the initialisation's own ranking for adaptability."""
+        trade the initialisation's own ranking for adaptability.
+
+        Args:
+            inner: passed to `outer_loss` and `supervised_loss`.
+            lrs: passed to `outer_loss`.
+            theta: the adapted meta-parameters, the same for both losses.
+            support: the tasks' support inputs, for both losses.
+            query: the tasks' query inputs, for both losses.
+
+        Returns:
+            The `MetaOutput` of `outer_loss`, its loss with the anchor added.
+        """
         out = self.outer_loss(inner, lrs, theta, support, query)
         if not self.init_weight:
             return out
@@ -244,7 +342,18 @@ class MetaAlgorithm:
     def outer_loss(self, inner: InnerLoop, lrs: LearningRates, theta: Params, support: tuple,
                    query: tuple) -> MetaOutput:
         """Default (MAML family): the mean query loss after adaptation. ``theta``: the
-        meta-parameters that adapt (dense parameters and deduplicated rows)."""
+        meta-parameters that adapt (dense parameters and deduplicated rows).
+
+        Args:
+            inner: the inner loop (`inner_loop`).
+            lrs: adapted name -> inner learning rate.
+            theta: the adapted meta-parameters by name.
+            support: the support inputs (x, labels (T, S), mask (T, S)) of the T tasks.
+            query: the query inputs (x, labels (T, Q), mask (T, Q)).
+
+        Returns:
+            The `MetaOutput`; its loss is the mean query loss after adaptation.
+        """
         out = self.run(inner, lrs, theta, support, query)
         return meta_output(out.query_loss.mean(), out)
 
@@ -308,6 +417,14 @@ class MetaLearner(nn.Module):
     loop on the head only (None: the whole model in the inner loop); ``runner``, a callable
     ``runner(learner, batch, rows) -> MetaOutput`` that `forward` runs instead of `meta_forward`
     (None: `meta_forward`).
+
+    Args:
+        net: the single-device model (`gmeta_ds.models.protocol`'s contract).
+        algorithm: the `MetaAlgorithm` that adapts and scores it.
+
+    Raises:
+        ConfigError: an ``adapt`` or ``inner_lr_scale`` glob that matches nothing, or
+            settings the model cannot take (its ``row_fields``, its popularity offset).
     """
 
     batch_type: ClassVar[type] = TaskBatch  # the micro-batch `forward` takes (the engine checks its input by it)
@@ -345,7 +462,16 @@ class MetaLearner(nn.Module):
     def inner_loop(self, steps: int | None = None, first_order: bool | None = None,
                    split: BodySplit | None = None) -> InnerLoop:
         """The algorithm's inner loop on the net with its adapted rows and its recipe's hooks
-        (`MetaAlgorithm.inner_loop`); ``split``: on that body split's head."""
+        (`MetaAlgorithm.inner_loop`); ``split``: on that body split's head.
+
+        Args:
+            steps: inner steps; None: the algorithm's.
+            first_order: detach the inner gradients; None: the algorithm's.
+            split: a body split whose head alone adapts; None: the whole net.
+
+        Returns:
+            The `InnerLoop`.
+        """
         recipe = model_hooks(self.net).task_recipe(self.algorithm.settings())
         return self.algorithm.inner_loop(self.net, row_fields=self.adapted_fields, recipe=recipe, split=split,
                                          steps=steps, first_order=first_order)
@@ -355,7 +481,18 @@ class MetaLearner(nn.Module):
         """theta (adapted meta-parameters), support and query tuples for the inner loop. With
         a recipe (the item-popularity offset, ``net.popularity``) each input is (x, side input:
         the statistic); ``training``: the batch's users are in the popularity counts, so each
-        row is left out of its own item's counts (models/popularity.py)."""
+        row is left out of its own item's counts (models/popularity.py).
+
+        Args:
+            batch: the micro-batch of T tasks.
+            rows_s: the support rows (T, S, F, d).
+            rows_q: the query rows (T, Q, F, d).
+            training: the batch's users are counted in the popularity statistic.
+
+        Returns:
+            The adapted meta-parameters by name (theta), then the support and the query,
+            each as (x, labels, mask).
+        """
         params = dict(self.net.named_parameters())
         theta = {n: params[n] for n in self.adapted}
         xs, xq = rows_s, rows_q
@@ -373,13 +510,32 @@ class MetaLearner(nn.Module):
     def forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None = None) -> MetaOutput:
         """``rows``: support and query rows looked up outside (sharded tables); by default the
         net's own embedding module looks them up. Runs `meta_forward`, or the ``runner`` set
-        from outside."""
+        from outside.
+
+        Args:
+            batch: the micro-batch of T tasks.
+            rows: support (T, S, F, d) and query (T, Q, F, d) rows; None: looked up here.
+
+        Returns:
+            The `MetaOutput`.
+        """
         if self.runner is not None:
             return self.runner(self, batch, rows)
         return self.meta_forward(batch, rows)
 
     def meta_forward(self, batch: TaskBatch, rows: tuple[Tensor, Tensor] | None) -> MetaOutput:
-        """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows)."""
+        """The algorithm's outer loss on one micro-batch (MeLU inputs: looked-up rows).
+
+        Args:
+            batch: the micro-batch of T tasks.
+            rows: support and query rows looked up outside; None: by the net's own tables.
+
+        Returns:
+            The `MetaOutput`.
+
+        Raises:
+            ConfigError: the batch's id columns do not match the model's ``row_fields``.
+        """
         if rows is None:
             check_id_columns(self.net, batch)
         rows_s, rows_q = rows if rows is not None else embed_batch(embedder(self.net), batch)
@@ -394,7 +550,17 @@ class MetaLearner(nn.Module):
         """The algorithm's outer loss. With half-precision parameters (DeepSpeed bf16 / fp16)
         the adapted fast weights, their inner-loop updates and every loss stay float32 (an
         inner step of lr x grad is often below bf16's resolution of a weight) while the
-        model's matrix products run in the parameters' dtype under autocast."""
+        model's matrix products run in the parameters' dtype under autocast.
+
+        Args:
+            theta: the adapted meta-parameters by name.
+            support: the support inputs (x, labels, mask) (`task_inputs`).
+            query: the query inputs (x, labels, mask).
+
+        Returns:
+            The `MetaOutput` (a warm-up step's `MetaAlgorithm.supervised_loss`, else
+            `MetaAlgorithm.anchored_loss`).
+        """
         first = next(iter(theta.values()))
         inner, lrs = self.inner_loop(split=self.active_split), self.learning_rates()
         algorithm = self.algorithm
@@ -407,7 +573,15 @@ class MetaLearner(nn.Module):
 
     def split_inputs(self, support: tuple, query: tuple) -> tuple[tuple, tuple]:
         """With an active body split, the support and query inputs replaced by the body's
-        features (one body call on every task's rows); else as they are."""
+        features (one body call on every task's rows); else as they are.
+
+        Args:
+            support: the support inputs (x, labels, mask).
+            query: the query inputs (x, labels, mask).
+
+        Returns:
+            (support, query), x replaced by the body's features under a split.
+        """
         split = self.active_split
         if split is None:
             return support, query

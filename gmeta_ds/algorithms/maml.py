@@ -12,12 +12,13 @@ from gmeta_ds.algorithms.base import MetaAlgorithm
 
 
 class MAML(MetaAlgorithm):
-    """Second-order MAML."""
+    """Second-order MAML; built with `MetaAlgorithm`'s arguments (documented there)."""
 
     first_order = False
 
 
 class FOMAML(MAML):
-    """First-order MAML: same outer loss, inner gradients detached."""
+    """First-order MAML: same outer loss, inner gradients detached; built with
+    `MetaAlgorithm`'s arguments (documented there)."""
 
     first_order = True

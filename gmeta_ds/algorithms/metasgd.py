@@ -21,11 +21,27 @@ def _key(name: str) -> str:
 
 
 class MetaSGD(MetaAlgorithm):
-    """Second-order MAML with meta-learned per-element inner learning rates."""
+    """Second-order MAML with meta-learned per-element inner learning rates; built with
+    `MetaAlgorithm`'s arguments (documented there)."""
 
     first_order = False
 
     def meta_parameters(self, *, params, adapted, rows, embed_dim) -> dict[str, nn.Module]:
+        """The learned rates: one per element of each adapted parameter, one per embedding
+        dimension for the adapted rows, each starting at `rate`.
+
+        Args:
+            params (dict[str, Tensor]): the model's parameters by name.
+            adapted (list[str]): the names of the adapted dense parameters.
+            rows (list[str]): the names of the adapted rows (``embedding.<field>``).
+            embed_dim (int | None): the model's embedding dimension (needed with ``rows``).
+
+        Returns:
+            ``{"inner_lrs": ParameterDict}`` of the rates (names with ``.`` -> ``__``).
+
+        Raises:
+            ConfigError: adapted rows and a model that states no int ``embed_dim``.
+        """
         rates = {_key(n): torch.full_like(params[n], self.rate(n)) for n in adapted}
         # Deduplicated rows vary in number per micro-batch: one rate per embedding dimension.
         if rows and not (isinstance(embed_dim, int) and embed_dim > 0):
@@ -37,5 +53,16 @@ class MetaSGD(MetaAlgorithm):
         return {"inner_lrs": nn.ParameterDict({k: nn.Parameter(v) for k, v in rates.items()})}
 
     def learning_rates(self, names, owned=None):
+        """The learned rates (parameters of the learner) of the adapted names.
+
+        Args:
+            names (list[str]): the adapted names.
+            owned (dict[str, nn.Module]): the learner's algorithm-owned modules; its
+                ``inner_lrs`` holds the rates.
+
+        Returns:
+            rates (dict[str, Tensor]): name -> its rate tensor (the parameter's shape, or (d,)
+                for rows).
+        """
         rates = owned["inner_lrs"]
         return {n: rates[_key(n)] for n in names}

@@ -15,11 +15,25 @@ from gmeta_ds.algorithms.base import MetaAlgorithm, MetaOutput, meta_output
 
 
 class Reptile(MetaAlgorithm):
-    """First-order Reptile with the surrogate outer loss described above."""
+    """First-order Reptile with the surrogate outer loss described above; built with
+    `MetaAlgorithm`'s arguments (documented there)."""
 
     first_order = True
 
     def outer_loss(self, inner, lrs, theta, support, query) -> MetaOutput:
+        """The query loss at the adapted parameters (detached from them) plus the surrogate
+        whose gradient is ``theta - mean_t(phi_t)``.
+
+        Args:
+            inner (InnerLoop): the first-order inner loop.
+            lrs (LearningRates): adapted name -> inner learning rate.
+            theta (Params): the adapted meta-parameters, whose average move is the gradient.
+            support (tuple): the T tasks' support inputs (x, labels, mask).
+            query (tuple): the T tasks' query inputs (x, labels, mask).
+
+        Returns:
+            The `MetaOutput` whose loss is the mean query loss plus the surrogate.
+        """
         out = self.run(inner, lrs, theta, support, query, detach_query=True)
         surrogate = sum((theta[n] * (theta[n] - out.fast[n].mean(dim=0)).detach()).sum() for n in theta)
         return meta_output(out.query_loss.mean() + surrogate, out)
