@@ -178,7 +178,7 @@ def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
     `gmeta_ds.engine.parallelize.parallelize`. ZeRO-3 partitions the parameters themselves.
     With a body split (`gmeta_ds.functional.split`) DeepSpeed's module hooks stay on the body
     only, which is gathered layer by layer in its forward and backward; the rest runs inside
-    `gathered_for_step`. Without one, the learner's forward runs through a hook-free skeleton
+    `MicroStep.gathered`. Without one, the learner's forward runs through a hook-free skeleton
     of it and every micro-step runs with all parameters gathered."""
     import deepspeed
 
@@ -200,7 +200,7 @@ def initialize(module: nn.Module, ds_config: dict, resume: Path | None = None):
 
 def is_partitioned(module: nn.Module) -> bool:
     """Whether ZeRO-3 partitions this module's parameters (it partitions all of them, so the
-    first one tells; checked on every micro-step)."""
+    first one tells)."""
     first = next(iter(module.parameters()), None)
     return first is not None and ds_internals.is_zero3_param(first)
 
@@ -209,7 +209,7 @@ def is_partitioned(module: nn.Module) -> bool:
 def gathered(module: nn.Module, params: list | None = None):
     """Full parameters of a ZeRO-3 module (``params``: those only; default every one) for the
     duration of the block (read-only: nothing is broadcast back); a no-op for ZeRO 0-2. One
-    micro-step's forward and ``engine.backward`` run inside `gathered_for_step`, so the
+    micro-step's forward and ``engine.backward`` run inside `MicroStep.gathered`, so the
     gradients land on full parameters and DeepSpeed's hooks reduce-scatter them into their
     partitions (the outer reduction stays DeepSpeed's)."""
     if not is_partitioned(module):
@@ -221,11 +221,35 @@ def gathered(module: nn.Module, params: list | None = None):
         yield
 
 
-def gathered_for_step(module: nn.Module):
-    """What one micro-step's forward and backward of the `MetaLearner` ``module`` need gathered
-    under ZeRO-3 (a no-op for ZeRO 0-2): `parallelize.step_parameters` (with a body split all
-    but the body, which DeepSpeed gathers layer by layer; else every parameter)."""
-    return gathered(module, step_parameters(module) if is_partitioned(module) else None)
+@dataclasses.dataclass(frozen=True)
+class MicroStep:
+    """How every micro-step on one DeepSpeed engine runs, decided once (`of`): neither part
+    changes while the engine trains (ZeRO partitions the parameters in `initialize`, after
+    `parallelize` has set the learner's body split).
+
+    ``gather``: what one micro-step's forward and backward of the `MetaLearner` need gathered
+    under ZeRO-3, `parallelize.step_parameters` (with a body split all but the body, which
+    DeepSpeed gathers layer by layer; else every parameter); None under ZeRO 0-2.
+    ``skip_reduction``: `reduction_is_identity`, so the backward runs in ``engine.no_sync()``."""
+
+    gather: tuple[nn.Parameter, ...] | None
+    skip_reduction: bool
+
+    @staticmethod
+    def of(engine) -> MicroStep:
+        """The micro-steps of ``engine`` (its ``module``: the `MetaLearner`)."""
+        partitioned = is_partitioned(engine.module)
+        return MicroStep(tuple(step_parameters(engine.module)) if partitioned else None,
+                         reduction_is_identity(engine))
+
+    def gathered(self):
+        """``gather``'s parameters in full for the block (read-only, as `gathered`); under
+        ZeRO 0-2 a no-op."""
+        if self.gather is None:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.gather))
 
 
 def to_device(obj, device):
@@ -373,7 +397,8 @@ def _few(items: list[str], n: int = 3) -> str:
 def reduction_is_identity(engine) -> bool:
     """Whether DeepSpeed's gradient reduction would leave every gradient as it is: one rank,
     ZeRO-0 (no partitioning, so ``engine.no_sync()`` is allowed) and fp32 gradients (no cast to
-    a communication dtype and back). `meta_engine.step_micro_batches` then skips it."""
+    a communication dtype and back). `meta_engine.step_micro_batches` then skips it
+    (`MicroStep.skip_reduction`)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
