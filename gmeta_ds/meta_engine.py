@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -137,7 +138,8 @@ class _AnyRank:
 
 
 def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, fields: list[str],
-                       batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite) -> StepResult:
+                       batches: list[TaskBatch], step: int = 0, nonfinite: str = DEFAULTS.train.nonfinite,
+                       micro: ds_engine.MicroStep | None = None) -> StepResult:
     """One outer step: every micro-batch of this rank through backward, then the updates
     (DeepSpeed's at its accumulation boundary; the sparse optimizers' after the last one).
 
@@ -145,10 +147,12 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
     Losses stay on the engine's device until the end (one host sync per meta-step for the
     statistics). At world 1 under ZeRO-0 in fp32 the backward runs in ``engine.no_sync()``:
     DeepSpeed would otherwise flatten every gradient into a buffer and all-reduce it over one
-    rank, an exact identity (`ds_engine.reduction_is_identity`)."""
+    rank, an exact identity (`ds_engine.reduction_is_identity`). ``micro``: how the engine's
+    micro-steps run (`ds_engine.MicroStep`), decided once per engine (`MetaEngine.micro_step`);
+    None: decided here."""
     if engine.device.type != "cpu":  # batches are collated on the host
         batches = [ds_engine.to_device(b, engine.device) for b in batches]
-    local = ds_engine.reduction_is_identity(engine)
+    micro = micro if micro is not None else ds_engine.MicroStep.of(engine)
     guard = _NonfiniteGuard(nonfinite, step)
     query, support = [], []
     for i, batch in enumerate(batches):
@@ -158,14 +162,14 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
             if sharded is not None:
                 ids, multi = fused_ids(batch)
                 rows = split_rows(sharded.lookup_fields(ids, fields, multi), batch)
-        with ds_engine.gathered_for_step(engine.module):  # ZeRO-3: what this micro-step needs
+        with micro.gathered():  # ZeRO-3: what this micro-step needs
             with phase("inner_loop"):
                 out = engine(batch, rows)
             skip = guard.check(out.loss, last)
             if not skip:
                 if last:
                     fault_stop(f"{step + 1}:{_rank()}")
-                with phase("outer_backward"), (engine.no_sync() if local else contextlib.nullcontext()):
+                with phase("outer_backward"), (engine.no_sync() if micro.skip_reduction else contextlib.nullcontext()):
                     engine.backward(out.loss)
         if skip:
             if sharded is not None:
@@ -263,6 +267,13 @@ class MetaEngine:
         self.last_query_loss: float | None = None  # the last meta-step's (summary.json's final_query_loss)
         self.ckpt_meta: dict | None = None  # what a checkpoint must match (`checkpoint_meta`; `start_engine`)
 
+    @cached_property
+    def micro_step(self) -> ds_engine.MicroStep:
+        """How this engine's micro-steps run (ZeRO-3's gathering; DeepSpeed's reduction skipped
+        where it is an identity), decided at the first meta-step: neither changes while the
+        engine trains, so no meta-step asks DeepSpeed again."""
+        return ds_engine.MicroStep.of(self.engine)
+
     @property
     def learner(self) -> MetaLearner:
         return self.engine.module
@@ -340,7 +351,8 @@ class MetaEngine:
         if warming != self.learner.algorithm.warming_up:  # the warm-up starts or ends (set together on both)
             for learner in {id(m): m for m in (self.learner, single_process_template(self.learner))}.values():
                 learner.algorithm.warming_up = warming  # under ZeRO-3 the forward runs a copy's algorithm
-        result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite)
+        result = step_micro_batches(self.engine, self.embeddings, self.fields, batches, self.step, self.nonfinite,
+                                    self.micro_step)
         self.step += 1
         self.last_query_loss = result.query_loss
         if self.outer is not None and self.outer.due(self.step):
