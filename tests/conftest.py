@@ -22,8 +22,9 @@ def pytest_sessionfinish(session, exitstatus):
 def _keep_out_of_home() -> None:
     """The suite writes no cache into the home folder: task stores (data.cache_dir's default
     follows $XDG_CACHE_HOME), Hugging Face's and matplotlib's caches go to one folder per
-    session, removed at exit. DeepSpeed's JIT-built ops keep their usual folder (rebuilding
-    them costs ~40 s), pinned before XDG_CACHE_HOME moves it."""
+    session, removed at exit. DeepSpeed's JIT-built ops are kept in the checkout's
+    ``.torch_extensions`` (as .ci/run does; git ignores it), built once and reused by later
+    sessions (rebuilding them costs ~40 s); a TORCH_EXTENSIONS_DIR already set is kept."""
     import atexit
     import shutil
     import tempfile
@@ -31,8 +32,7 @@ def _keep_out_of_home() -> None:
     if os.environ.get("GMETA_DS_TEST_CACHE"):  # a subprocess of the suite: the session's folder
         return
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "torch_extensions")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(__file__).resolve().parents[1] / ".torch_extensions")
     folder = tempfile.mkdtemp(prefix="gmeta-test-cache-")
     atexit.register(shutil.rmtree, folder, True)
     os.environ.update(GMETA_DS_TEST_CACHE=folder, XDG_CACHE_HOME=folder, HF_HOME=os.path.join(folder, "huggingface"),
