@@ -5,11 +5,11 @@
 pooled on the owner; `registry.SHARDINGS` names them, `sharding.base.strategy_name` picks a
 table's). One forward call (support and query ids of a micro-batch together):
 
-1. input_dist — every table's ids checked and deduplicated (`sharding.requests`: one unique
-   across tables where that is linear); each strategy sends its tables' ids to their owners by
-   adding them to the lookup's one `RowExchange` (`sharding.exchange`: two all-to-alls of
-   counts and ids for all tables of one dimension, placement and process group together), or
-   looks them up where they are asked for (replicated);
+1. input_dist — every table's ids checked and deduplicated (`sharding.exchange`'s requests:
+   one unique across tables where that is linear); each strategy sends its tables' ids to
+   their owners by adding them to the lookup's one `RowExchange` (`sharding.exchange`: two
+   all-to-alls of counts and ids for all tables of one dimension, placement and process group
+   together), or looks them up where they are asked for (replicated);
 2. lookup — each owner reads its shards through the table's strategy (dynamic tables map ids
    to rows first, admitting and evicting);
 3. output_dist — rows go back by all-to-all and are scattered to every occurrence through the
@@ -37,8 +37,7 @@ from torch import Tensor, nn
 from gmeta_ds.embedding.optim import apply_update, build_sparse_optimizer, fast_update
 from gmeta_ds.embedding.plan import ShardingPlan
 from gmeta_ds.embedding.sharding.base import Request, ShardContext, Sharding, strategy_name
-from gmeta_ds.embedding.sharding.exchange import RowExchange
-from gmeta_ds.embedding.sharding.requests import FieldTables, field_requests, table_requests
+from gmeta_ds.embedding.sharding.exchange import FieldTables, RowExchange, field_requests, table_requests
 from gmeta_ds.engine.dist import on_wire
 from gmeta_ds.engine.hosts import topology_groups
 from gmeta_ds.embedding.tables import check_fields, check_width, feature_tables, lookup_fields, pool

@@ -8,10 +8,10 @@
   world size by `Sharding.state` / `load_state`;
 - ``bags.py`` — the wire of exchanges that pool on the owners (`BagRequests`, one buffer per
   owner), which the flat and the hierarchical owner-pooled exchanges share;
-- ``requests.py`` — the first step of input_dist common to every strategy that looks rows up:
-  check and deduplicate each table's ids (one unique across tables where that is linear);
-- ``exchange.py`` — `RowExchange`: one all-to-all per group of tables (same dimension,
-  placement, process group) for every strategy that adds to it, support and query together;
+- ``exchange.py`` — the ids to their owners and the rows back, for every strategy that looks
+  rows up: each table's ids checked and deduplicated (one unique across tables where that is
+  linear), then `RowExchange`: one all-to-all per group of tables (same dimension, placement,
+  process group) for every strategy that adds to it, support and query together;
   ``hierarchical_rows.py`` its two-level form across hosts (each distinct id of a host crosses
   once);
 - ``row_wise.py``, ``table_wise.py``, ``replicated.py``, ``dynamic.py``, ``owner_pooled.py``,

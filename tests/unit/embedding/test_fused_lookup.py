@@ -137,7 +137,7 @@ def test_row_requests_take_one_unique_per_group_where_linear_and_equal_torch_uni
     """`_requests`: with small tables next to the ids, one unique of the group (flags) gives
     each table exactly ``torch.unique(ids, return_inverse=True)``; otherwise one per table."""
     from gmeta_ds.embedding.plan import plan_tables
-    from gmeta_ds.embedding.sharding import requests as sharded
+    from gmeta_ds.embedding.sharding import exchange as sharded
 
     specs = [TableConfig("a", 13, 4, ("a1", "a2")), TableConfig("b", 29, 4, ("b1",)), TableConfig("c", 5, 4, ("c1",))]
     coll = ShardedEmbeddingCollection(plan_tables(specs, 1, {}), 0)
