@@ -161,7 +161,19 @@ def write_model(folder: str | Path, state: dict[str, Tensor], model: nn.Module, 
 class SavedModel:
     """What `load_model` returns: ``model`` (its tables as ``model.embedding``), ``learner``
     (the meta-learner rebuilt with the saved algorithm and weights; None for a user's own
-    algorithm class), ``fields``, ``tables``, ``vocab`` (field -> `Vocabulary`), ``path``."""
+    algorithm class), ``fields``, ``tables``, ``vocab`` (field -> `Vocabulary`), ``path``.
+
+    Args:
+        model: the model holding the saved weights, its tables as ``model.embedding``.
+        learner: the `MetaLearner` rebuilt with the saved algorithm; None for a user's own
+            algorithm class.
+        fields: the fields the model was trained on.
+        tables: the tables' configs.
+        vocab: field -> its `Vocabulary` (raw value -> id).
+        algorithm: the saved algorithm's settings (model.json's ``algorithm``); None: none
+            saved.
+        path: the folder it was loaded from.
+    """
 
     model: nn.Module
     learner: Any
@@ -176,7 +188,19 @@ class SavedModel:
         values (a multi-hot field to N lists of values); returns (ids (N, F_single) int64 in
         the fields' order, {multi-hot field: Jagged}). A value outside the vocabulary gets
         id 0 (the out-of-vocabulary row); a field of raw ids (dynamic tables) keeps its
-        values' ids."""
+        values' ids.
+
+        Args:
+            columns: field name -> N raw values (a multi-hot field: N lists of values).
+
+        Returns:
+            The ids, (N, F_single) int64 in the single-hot fields' order, and the bags,
+            multi-hot field -> `Jagged` of N bags.
+
+        Raises:
+            ConfigError: a field without values, fields of different lengths, or a multi-hot
+                field whose rows are not lists.
+        """
         from gmeta_ds.sparse import value_id
 
         missing = [f.name for f in self.fields if f.name not in columns]
@@ -212,7 +236,17 @@ class SavedModel:
 
     @torch.no_grad()
     def logits(self, columns: dict[str, Any]) -> Tensor:
-        """The model's logits for raw rows (`encode`), without adaptation: (N,) or (N, C)."""
+        """The model's logits for raw rows (`encode`), without adaptation: (N,) or (N, C).
+
+        Args:
+            columns: field name -> N raw values, as `encode` takes them.
+
+        Returns:
+            (N,) logits, or (N, C) for C classes.
+
+        Raises:
+            ConfigError: ``columns`` that `encode` refuses.
+        """
         from gmeta_ds.algorithms.base import embedder
         from gmeta_ds.models.popularity import net_logits
 
@@ -323,7 +357,21 @@ def load_model(folder: str | Path, model: nn.Module | Callable[[list[FieldSpec]]
     """Load a folder written by `MetaEngine.save_model` (module docstring) into ``model`` (the
     same architecture; or a function building it from the saved fields, e.g.
     ``lambda fields: gm.DCNv2(fields, embed_dim=8)``). Its tables are attached as
-    ``model.embedding`` when it has none; every weight must match by name and shape."""
+    ``model.embedding`` when it has none; every weight must match by name and shape.
+
+    Args:
+        folder: the saved model's folder.
+        model: the same architecture, or a function of the saved fields that builds it.
+
+    Returns:
+        The `SavedModel`: the model with its weights, the learner, fields, tables and
+        vocabularies.
+
+    Raises:
+        ConfigError: a folder that is missing or is not a saved model, a file whose SHA-256
+            differs from model.json's, numbers out of bounds, or weights whose names or
+            shapes do not match the model, each naming the file and what was expected.
+    """
     folder = Path(folder)
     meta = read_meta(folder)
     tensors = _read_files(folder, meta)

@@ -20,7 +20,15 @@ class FieldSpec:
     """One categorical feature field: ids are in ``[0, num_ids)``; ``side`` is user or item;
     ``multi_hot`` fields hold a bag of ids per interaction (e.g. a movie's genres). ``raw``
     fields (``data.raw_ids``, for dynamic tables) hold the column's own int64 values instead,
-    with no vocabulary; their ``num_ids`` counts the distinct values of the training rows."""
+    with no vocabulary; their ``num_ids`` counts the distinct values of the training rows.
+
+    Args:
+        name: the field's name (its column).
+        num_ids: ids are in [0, num_ids); id 0 is out-of-vocabulary.
+        side: ``user`` or ``item``.
+        multi_hot: a bag of ids per interaction instead of one id.
+        raw: the column's own int64 values, for a dynamic table (no vocabulary).
+    """
 
     name: str
     num_ids: int
@@ -30,10 +38,26 @@ class FieldSpec:
 
 
 def single_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
+    """The single-hot fields, in their order (the id columns of a `TaskBatch`).
+
+    Args:
+        fields: a task set's fields.
+
+    Returns:
+        Those that are not ``multi_hot``.
+    """
     return [f for f in fields if not f.multi_hot]
 
 
 def multi_fields(fields: list[FieldSpec]) -> list[FieldSpec]:
+    """The multi-hot fields, in their order (the bags of a `TaskBatch`).
+
+    Args:
+        fields: a task set's fields.
+
+    Returns:
+        Those that are ``multi_hot``.
+    """
     return [f for f in fields if f.multi_hot]
 
 
@@ -46,7 +70,16 @@ def model_field_order(fields: list[FieldSpec]) -> list[FieldSpec]:
 class Jagged:
     """Ids of one feature for N samples: values (nnz,) int64, offsets (N + 1,) int64.
     ``one_per_sample``: known to hold exactly one id per sample (`single`), so pooling is the
-    identity and `pool` skips it."""
+    identity and `pool` skips it.
+
+    Example: bags [3, 5], [], [7] are ``values = [3, 5, 7]``, ``offsets = [0, 2, 2, 3]``
+    (N = 3); pooled by a table of width d they give (3, d).
+
+    Args:
+        values: (nnz,) int64 ids of every bag, one bag after the other.
+        offsets: (N + 1,) int64, bag i is ``values[offsets[i]:offsets[i + 1]]``.
+        one_per_sample: every bag holds exactly one id.
+    """
 
     values: Tensor
     offsets: Tensor
@@ -85,7 +118,14 @@ def string_id(value: str) -> int:
     """The stable non-negative int64 id of a string: the first 8 bytes of the MD5 of its UTF-8
     bytes, little-endian, top bit cleared (an id, not a security hash). DuckDB computes the
     same as ``(md5_number(s) & ((1::UHUGEINT << 63) - 1))::BIGINT``, so out-of-core builds and
-    in-memory ones agree."""
+    in-memory ones agree.
+
+    Args:
+        value: the string.
+
+    Returns:
+        Its id, in [0, 2**63).
+    """
     return int.from_bytes(hashlib.md5(value.encode()).digest()[:8], "little") & _MASK63
 
 
@@ -99,5 +139,12 @@ def value_id(text: str) -> int:
 
 
 def hash_strings(values: Iterable[str]) -> Tensor:
-    """`string_id` of every string, as an int64 tensor."""
+    """`string_id` of every string, as an int64 tensor.
+
+    Args:
+        values: the strings (other values are taken as ``str(value)``).
+
+    Returns:
+        (len(values),) int64 ids.
+    """
     return torch.tensor([string_id(str(v)) for v in values], dtype=torch.long)

@@ -32,6 +32,15 @@ class TaskSet:
     support_len: int64 (U,) — the first ``support_len[t]`` rows of task t are its support;
     task_keys: int64 (U,) — e.g. the user id of each task;
     multi: multi-hot field -> (values int32 (nnz,), row offsets int64 (N+1,)).
+
+    Args:
+        fields: the fields of the ids, single-hot and multi-hot.
+        ids: (N, F_single) int32 ids of the N rows, one column per single-hot field.
+        labels: (N,) float32 labels.
+        offsets: (U + 1,) int64, task t is rows ``offsets[t]:offsets[t + 1]``.
+        support_len: (U,) int64 support rows of each task, at least 1 and fewer than its rows.
+        task_keys: (U,) int64 key of each task (e.g. its user id).
+        multi: multi-hot field -> (values (nnz,), row offsets (N + 1,)); {} without such fields.
     """
 
     fields: list[FieldSpec]
@@ -59,13 +68,27 @@ class TaskSet:
         return int(self.offsets[-1])
 
     def split(self, task: int) -> tuple[slice, slice]:
-        """Row slices of the support and query parts of one task."""
+        """Row slices of the support and query parts of one task.
+
+        Args:
+            task: the task's index, in [0, len(self)).
+
+        Returns:
+            (support rows, query rows) as slices of the N rows.
+        """
         start, end = int(self.offsets[task]), int(self.offsets[task + 1])
         mid = start + int(self.support_len[task])
         return slice(start, mid), slice(mid, end)
 
     def subset(self, tasks: np.ndarray) -> "TaskSet":
-        """A new TaskSet holding only ``tasks`` (in that order)."""
+        """A new TaskSet holding only ``tasks`` (in that order).
+
+        Args:
+            tasks: (K,) int indices of the tasks to keep (repeats allowed).
+
+        Returns:
+            A `TaskSet` of K tasks with copies of their rows.
+        """
         lengths = np.diff(self.offsets)[tasks]
         rows = np.concatenate([np.arange(self.offsets[t], self.offsets[t + 1]) for t in tasks]) \
             if len(tasks) else np.zeros(0, dtype=np.int64)
@@ -76,7 +99,14 @@ class TaskSet:
 
     def first_support(self, k: int) -> "TaskSet":
         """A new TaskSet whose tasks keep only the first ``k`` rows of their support (all of a
-        shorter one) and every query row: what adaptation on fewer interactions sees."""
+        shorter one) and every query row: what adaptation on fewer interactions sees.
+
+        Args:
+            k: support rows kept per task, >= 1.
+
+        Returns:
+            A `TaskSet` with the same tasks, keys and query rows.
+        """
         support = np.asarray(self.support_len, dtype=np.int64)
         kept = np.minimum(support, k)
         lengths = np.diff(self.offsets) - support + kept
@@ -117,6 +147,17 @@ class TaskBatch:
     task_ids: int64 (T,) — indices into the TaskSet, for error messages and logs.
     Masks are 1.0 on real rows and 0.0 on padding; padded ids are 0 (a valid row), and
     `PAD_ID` in raw-id columns (dynamic tables look it up as their default row, uncounted).
+
+    Args:
+        support_ids: int64 (T, S, F_single) support ids.
+        support_y: float32 (T, S) support labels.
+        support_mask: float32 (T, S), 1.0 on real support rows.
+        query_ids: int64 (T, Q, F_single) query ids.
+        query_y: float32 (T, Q) query labels.
+        query_mask: float32 (T, Q), 1.0 on real query rows.
+        task_ids: int64 (T,) the tasks' indices in their `TaskSet`.
+        support_multi: multi-hot field -> `Jagged` of T*S bags (padding rows: empty bags).
+        query_multi: multi-hot field -> `Jagged` of T*Q bags.
     """
 
     support_ids: torch.Tensor
@@ -203,7 +244,17 @@ def collate(task_set: TaskSet, tasks: np.ndarray | list[int],
     ``resample`` (``data.resample``): a key of non-negative ints, e.g. (run seed, meta-step);
     each task's support and query are then redrawn from all its rows (`resampled_split`, same
     sizes, or with ``support`` "random" a support of random size: `resampled_split`), the same
-    for the same key and task whatever the batch or world size."""
+    for the same key and task whatever the batch or world size.
+
+    Args:
+        task_set: the tasks.
+        tasks: the indices of the T tasks to pad, in batch order.
+        resample: the resampling key; None: each task's own split.
+        support: ``full`` or ``random`` (with ``resample`` only), the resampled support's size.
+
+    Returns:
+        The `TaskBatch` of the T tasks.
+    """
     tasks = np.asarray(tasks, dtype=np.int64)
     if not isinstance(task_set.ids, np.ndarray):
         sub = task_set.subset(tasks)
@@ -300,7 +351,18 @@ def single_hot_overlap(task_set: TaskSet, tasks_per_micro_batch: int, ranks_per_
 
 @dataclass
 class TaskData:
-    """Fields, training and held-out tasks, and what building them dropped or mapped."""
+    """Fields, training and held-out tasks, and what building them dropped or mapped.
+
+    Args:
+        fields: the fields of every task set.
+        train: the training tasks.
+        test: the held-out (cold-start) tasks.
+        stats: counts of the build (rows and tasks kept, dropped, out of vocabulary...).
+        states: cold-start state -> its tasks (``warm``, ``user_cold``, ``item_cold``,
+            ``user_item_cold``) with the four-state split; {} otherwise.
+        valid: the validation tasks (empty unless ``data.valid_fraction`` > 0); None: not built.
+        vocab: field -> its `Vocabulary` (raw value -> id), for every field that has one.
+    """
 
     fields: list[FieldSpec]
     train: TaskSet

@@ -36,7 +36,20 @@ def value_text(value) -> str:
 class Vocabulary:
     """The values of one field in id order (id = position + 1; id 0 = out of vocabulary).
 
-    ``data``: uint8 (the values' UTF-8 bytes back to back), ``offsets``: int64 (V + 1,)."""
+    ``data``: uint8 (the values' UTF-8 bytes back to back), ``offsets``: int64 (V + 1,).
+
+    Example: values ``["ab", "c"]`` are ``data = b"abc"``, ``offsets = [0, 2, 3]``; "ab" is
+    id 1, "c" id 2.
+
+    Args:
+        data: 1-D uint8, the V values' UTF-8 bytes back to back.
+        offsets: 1-D int64 (V + 1,), rising from 0 to len(data); value i is
+            ``data[offsets[i]:offsets[i + 1]]``.
+
+    Raises:
+        ValueError: arrays of another dtype or rank, or offsets that do not rise from 0 to
+            len(data).
+    """
 
     def __init__(self, data: np.ndarray, offsets: np.ndarray):
         data, offsets = np.asarray(data), np.asarray(offsets)
@@ -86,7 +99,15 @@ class Vocabulary:
         return f"Vocabulary({len(self)} values: {shown}{', ...' if len(self) > 3 else ''})"
 
     def values(self, start: int = 0, stop: int | None = None) -> list[str]:
-        """The values of ids ``start + 1 .. stop`` (positions ``start:stop``)."""
+        """The values of ids ``start + 1 .. stop`` (positions ``start:stop``).
+
+        Args:
+            start: the first position (id - 1).
+            stop: the position after the last (cut to the vocabulary's size); None: the end.
+
+        Returns:
+            The values' strings, in id order.
+        """
         stop = len(self) if stop is None else min(stop, len(self))
         raw = bytes(self.data[self.offsets[start]:self.offsets[stop]]) if stop > start else b""
         base = int(self.offsets[start]) if stop > start else 0
@@ -94,13 +115,31 @@ class Vocabulary:
                 for a, b in zip(self.offsets[start:stop], self.offsets[start + 1:stop + 1])]
 
     def value(self, row: int) -> str | None:
-        """The raw value of row id ``row`` (None for 0, out of vocabulary)."""
+        """The raw value of row id ``row`` (None for 0, out of vocabulary).
+
+        Args:
+            row: a row id in 0..len(self).
+
+        Returns:
+            Its value's string, or None for id 0.
+
+        Raises:
+            IndexError: ``row`` outside 0..len(self).
+        """
         if not 0 <= row <= len(self):
             raise IndexError(f"row id {row} outside 0..{len(self)}")
         return None if row == 0 else self.values(row - 1, row)[0]
 
     def encode(self, values: Iterable) -> np.ndarray:
-        """int64 row ids of raw ``values`` (0 for a value not in the vocabulary)."""
+        """int64 row ids of raw ``values`` (0 for a value not in the vocabulary).
+
+        Args:
+            values: raw values, matched by their string forms (an integral float as its
+                integer: 3.0 is "3").
+
+        Returns:
+            (len(values),) int64 ids.
+        """
         if self._ids is None:
             self._ids = {v: i + 1 for i, v in enumerate(self.values())}
         ids = self._ids

@@ -104,7 +104,21 @@ class ShardingPlan:
     """A `TablePlan` per table, all for the same world size; the run's hosts (`Topology`; None:
     one host) and how tables pooled on their owners and the deduplicated row exchange cross
     them (``flat`` or ``hierarchical`` each, `with_topology`), with the cross-host bytes per bag
-    each was chosen by (rows: and the ids' expected overlap between the ranks of a host)."""
+    each was chosen by (rows: and the ids' expected overlap between the ranks of a host).
+
+    Args:
+        tables: table name -> its `TablePlan`, in the tables' order.
+        world_size: the ranks the tables are placed on.
+        topology: the run's hosts; None: one host.
+        exchange_topology: ``flat`` or ``hierarchical``, how tables pooled on their owners
+            exchange across hosts.
+        cross_host: its estimate, (flat, hierarchical) cross-host bytes per bag; None: not
+            estimated.
+        row_exchange_topology: ``flat`` or ``hierarchical``, how the deduplicated row
+            exchange crosses hosts.
+        cross_host_rows: its estimate, (flat, hierarchical) cross-host bytes per bag and the
+            ids' overlap between a host's ranks; None: not estimated.
+    """
 
     tables: dict[str, TablePlan]
     world_size: int
@@ -185,7 +199,26 @@ def plan_tables(tables: list[TableConfig], world_size: int, kinds: dict[str, str
                 default_exchange: str = "auto") -> ShardingPlan:
     """Plan every table. ``kinds`` maps table name -> plan kind or ``auto``; missing = auto.
     ``bag_stats`` (table name -> `BagStats`) lets ``exchange: auto`` tables choose by bytes;
-    ``default_exchange`` applies to tables left at ``auto`` (``pooled``: those that can pool)."""
+    ``default_exchange`` applies to tables left at ``auto`` (``pooled``: those that can pool).
+
+    Args:
+        tables: every table's `TableConfig`.
+        world_size: the ranks to place them on, >= 1.
+        kinds: table name -> ``row_wise``, ``table_wise``, ``replicated``, ``dynamic`` or
+            ``auto`` (a static table under ``replicate_below_rows`` rows is replicated, else
+            row-wise; a dynamic table is always ``dynamic``).
+        row_owner: ``modulo`` (id i on rank i mod W) or ``block`` (contiguous blocks of ids).
+        replicate_below_rows: the rows under which ``auto`` replicates a table.
+        bag_stats: table name -> its `BagStats`, for ``exchange: auto``; None: none.
+        default_exchange: ``auto``, ``rows`` or ``pooled``, for tables left at ``auto``.
+
+    Returns:
+        The `ShardingPlan` (table-wise tables balanced over the ranks by size).
+
+    Raises:
+        ValueError: a world size under 1, a table ``kinds`` names that does not exist, or a
+            plan kind a table cannot take (a dynamic table's must be ``auto``).
+    """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     unknown = set(kinds) - {t.name for t in tables}

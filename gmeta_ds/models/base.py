@@ -69,6 +69,13 @@ class FieldModel(nn.Module):
     `activation_floats` (floats of activations per input row, for ``meta.vectorize: auto``).
     ``default_adapt``: the ``meta.adapt`` globs used when the run leaves ``meta.adapt`` at its
     default (``["mlp.*"]``) or `gmeta_ds.meta_learner` gets no ``adapt``.
+
+    Args:
+        fields: the task set's fields; the model's input puts the single-hot ones first,
+            then the multi-hot ones (`model_field_order`).
+        embed_dim: d, the width of every field's rows.
+        embedding: the model's own tables (`EmbeddingCollection`); None when the tables are
+            sharded outside it and the engine passes looked-up rows.
     """
 
     default_adapt: tuple[str, ...] = ("mlp.*",)
@@ -87,6 +94,18 @@ class FieldModel(nn.Module):
         self.embedding = embedding
 
     def embed(self, ids: Tensor, multi: dict | None = None) -> Tensor:
+        """The rows of ids through the model's own tables (`EmbeddingCollection.lookup_fields`).
+
+        Args:
+            ids: (..., F_single) single-hot ids, in ``row_fields`` order.
+            multi: multi-hot field -> `Jagged` of prod(...) bags; None: none.
+
+        Returns:
+            (..., F, d) rows, single-hot fields first.
+
+        Raises:
+            RuntimeError: a model without its own tables (they are sharded: pass rows).
+        """
         if self.embedding is None:
             raise RuntimeError(f"this {type(self).__name__} has no embedding module: its tables are "
                                "sharded, so pass looked-up rows instead of ids")

@@ -21,7 +21,15 @@ from gmeta_ds.models.base import FieldModel, mlp, mlp_width
 
 
 class DCNv2(FieldModel):
-    """rows (N, F, d) -> logits (N,): cross network + deep MLP -> linear decision layer."""
+    """rows (N, F, d) -> logits (N,): cross network + deep MLP -> linear decision layer.
+
+    Args:
+        fields: the fields whose rows it crosses (F).
+        embed_dim: d; the cross layers are F x d wide.
+        hidden: widths of the deep MLP beside the cross network.
+        cross_layers: how many cross layers ``x0 * W x + x``.
+        embedding: the model's own tables, or None for rows looked up outside.
+    """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, *, hidden: list[int] = (64, 32),
                  cross_layers: int = 2, embedding: EmbeddingCollection | None = None):
@@ -41,6 +49,14 @@ class DCNv2(FieldModel):
         return self.num_fields * self.embed_dim * (1 + 2 * len(self.cross)) + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """Cross network and deep MLP over the same flattened rows, then one linear layer.
+
+        Args:
+            rows: (N, F, d) field rows.
+
+        Returns:
+            (N,) logits.
+        """
         x0 = rows.flatten(start_dim=-2)
         x = x0
         for layer in self.cross:

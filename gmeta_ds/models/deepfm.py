@@ -29,7 +29,14 @@ def fm_second_order(rows: Tensor) -> Tensor:
 
 
 class DeepFM(FieldModel):
-    """rows (N, F, d) -> logits (N,): first order + FM + deep."""
+    """rows (N, F, d) -> logits (N,): first order + FM + deep.
+
+    Args:
+        fields: the fields whose pairwise interactions the FM term sums (F).
+        embed_dim: d of each field's row (the FM's factor size).
+        hidden: the deep part's hidden widths.
+        embedding: tables owned by the model; None: sharded, rows passed in.
+    """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, *, hidden: list[int] = (64, 32),
                  embedding: EmbeddingCollection | None = None):
@@ -47,5 +54,13 @@ class DeepFM(FieldModel):
         return self.num_fields * self.embed_dim * 2 + self.embed_dim + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """The first-order, FM second-order and deep terms, summed.
+
+        Args:
+            rows: the (N, F, d) embeddings of the fields.
+
+        Returns:
+            (N,) logits, one per row.
+        """
         x = rows.flatten(start_dim=-2)
         return (self.linear(x) + self.mlp(x)).squeeze(-1) + fm_second_order(rows)

@@ -27,7 +27,15 @@ from gmeta_ds.models.base import FieldModel, mlp
 
 
 class DLRM(FieldModel):
-    """rows (N, F, d) -> logits (N,): per-field bottom projection, pairwise dots, top MLP."""
+    """rows (N, F, d) -> logits (N,): per-field bottom projection, pairwise dots, top MLP.
+
+    Args:
+        fields: the fields (F); the top MLP sees their F(F-1)/2 pairwise dots.
+        embed_dim: d, the rows' width and the bottom projection's output.
+        hidden: the top MLP's hidden widths.
+        bottom_hidden: the bottom projection's hidden widths (empty: one linear layer).
+        embedding: the model's tables; None for tables sharded by the engine.
+    """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, *, hidden: list[int] = (64, 32),
                  bottom_hidden: list[int] = (), embedding: EmbeddingCollection | None = None):
@@ -49,6 +57,14 @@ class DLRM(FieldModel):
         return f * (d * 2 + sum(self.bottom_hidden)) + f * f + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """Bottom-projected rows and their pairwise dot products through the top MLP.
+
+        Args:
+            rows: (N, F, d) per-field rows.
+
+        Returns:
+            (N,) logits of the top MLP.
+        """
         z = self.bottom(rows)                                  # (N, F, d)
         dots = z @ z.transpose(-1, -2)                         # (N, F, F)
         pairs = dots[..., self._pairs[0], self._pairs[1]]      # (N, F(F-1)/2)

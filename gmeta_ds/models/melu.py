@@ -30,6 +30,12 @@ class MeLU(FieldModel):
     `embed`: single-hot ids (..., F_single) and multi-hot bags -> rows (..., F, d), single-hot
     fields first (needs an embedding module). `forward`: rows (N, F, d) -> logits (N,).
     Parameter names: ``embedding.weights.<field>`` (when owned) and ``mlp.<i>.weight|bias``.
+
+    Args:
+        fields: the task set's fields (F of them).
+        embed_dim: d of every field's rows; the MLP's input is F x d wide.
+        hidden: the MLP's hidden widths, before its one-logit output layer.
+        embedding: its own tables; None when they are sharded outside the model.
     """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, hidden: list[int] = (64, 32),
@@ -46,13 +52,28 @@ class MeLU(FieldModel):
         return self.num_fields * self.embed_dim + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """The click logit of each row's concatenated field embeddings.
+
+        Args:
+            rows: (N, F, d) looked-up rows.
+
+        Returns:
+            (N,) logits of the MLP.
+        """
         return self.mlp(rows.flatten(start_dim=-2)).squeeze(-1)
 
     def split_body(self, adapted: list[str]) -> BodySplit | None:
         """The decision layers before the first adapted one as the body (`functional.split`):
         with ``meta.adapt: ["mlp.4.*"]`` (hidden [64, 32]) the body is ``mlp[:4]``, the head
         ``mlp[4:]``. None when an adapted parameter is not a decision layer's, or the first
-        layer adapts."""
+        layer adapts.
+
+        Args:
+            adapted: the names of the adapted parameters (``mlp.<i>.weight|bias``).
+
+        Returns:
+            The `BodySplit`, or None when the model cannot be split there.
+        """
         layers = set()
         for name in adapted:
             parts = name.split(".")

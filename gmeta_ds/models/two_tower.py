@@ -24,7 +24,17 @@ from gmeta_ds.models.base import FieldModel, mlp
 
 
 class TwoTower(FieldModel):
-    """rows (N, F, d) -> logits (N,): user tower · item tower + bias."""
+    """rows (N, F, d) -> logits (N,): user tower · item tower + bias.
+
+    Args:
+        fields: the fields, each on the ``user`` or ``item`` side (at least one of each).
+        embed_dim: d of each field's row.
+        tower_hidden: each tower's widths; the last is the width of the two vectors dotted.
+        embedding: the model's own tables; None when rows come from sharded tables.
+
+    Raises:
+        ConfigError: no user-side or no item-side field, or an empty ``tower_hidden``.
+    """
 
     default_adapt = ("user_tower.*",)
 
@@ -53,6 +63,14 @@ class TwoTower(FieldModel):
         return self.num_fields * self.embed_dim + 2 * sum(self.tower_hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """The dot product of the user tower's and the item tower's vectors, plus the bias.
+
+        Args:
+            rows: (N, F, d); the user-side and item-side fields feed their towers.
+
+        Returns:
+            (N,) logits.
+        """
         user = self.user_tower(rows[..., self.user_positions, :].flatten(start_dim=-2))
         item = self.item_tower(rows[..., self.item_positions, :].flatten(start_dim=-2))
         return (user * item).sum(dim=-1) + self.bias

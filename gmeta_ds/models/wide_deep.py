@@ -22,7 +22,14 @@ from gmeta_ds.models.base import FieldModel, mlp
 
 
 class WideDeep(FieldModel):
-    """rows (N, F, d) -> logits (N,): wide linear + deep MLP."""
+    """rows (N, F, d) -> logits (N,): wide linear + deep MLP.
+
+    Args:
+        fields: the input fields (F); both parts read all of them.
+        embed_dim: the rows' width d.
+        hidden: hidden widths of the deep part (the wide part is one linear layer).
+        embedding: own tables of the model (None: looked up outside it).
+    """
 
     def __init__(self, fields: list[FieldSpec], embed_dim: int, *, hidden: list[int] = (64, 32),
                  embedding: EmbeddingCollection | None = None):
@@ -40,5 +47,13 @@ class WideDeep(FieldModel):
         return self.num_fields * self.embed_dim + sum(self.hidden)
 
     def forward(self, rows: Tensor) -> Tensor:
+        """Wide and deep logits of the flattened rows, added.
+
+        Args:
+            rows: (N, F, d), one row per field.
+
+        Returns:
+            The (N,) summed logits.
+        """
         x = rows.flatten(start_dim=-2)
         return (self.wide(x) + self.mlp(x)).squeeze(-1)
