@@ -30,7 +30,6 @@ from gmeta_ds.algorithms.base import EMBEDDING_PREFIX, check_id_columns, check_t
 from gmeta_ds.config.arguments import check, int_at_least
 from gmeta_ds.config import DEFAULTS
 from gmeta_ds.config.sites import DELTA_DTYPES
-from gmeta_ds.data.loader import padding_efficiency
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.config.data import SUPPORT_SIZES
 from gmeta_ds.data.tasks import TaskBatch, TaskData, TaskSet, collate
@@ -175,7 +174,7 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
             if sharded is not None:
                 for p in sharded.parameters():
                     p.grad = None
-            return StepResult(float("nan"), float("nan"), True, padding_efficiency(batch))
+            return StepResult(float("nan"), float("nan"), True, batch.padding_efficiency)
         guard.raise_if_any(batches)
         with phase("optimizer_step"):
             engine.step()
@@ -184,7 +183,7 @@ def step_micro_batches(engine, sharded: ShardedEmbeddingCollection | None, field
     if sharded is not None:
         with phase("sparse_step"):
             sharded.step()
-    padding = sum(padding_efficiency(b) for b in batches) / len(batches)
+    padding = sum(b.padding_efficiency for b in batches) / len(batches)
     losses = torch.stack([torch.stack(query), torch.stack(support)]).float().mean(dim=1).tolist()
     return StepResult(losses[0], losses[1], False, padding)
 

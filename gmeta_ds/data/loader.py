@@ -16,12 +16,6 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.data.tasks import TaskBatch, TaskSet, collate
 
 
-def padding_efficiency(batch: TaskBatch) -> float:
-    """Real rows / padded rows of a batch (support and query together), in (0, 1]."""
-    real = batch.support_mask.sum() + batch.query_mask.sum()
-    return float(real / (batch.support_mask.numel() + batch.query_mask.numel()))
-
-
 class TaskLoader:
     """Iterates meta-steps: each item is this rank's list of GAS `TaskBatch` micro-batches.
 

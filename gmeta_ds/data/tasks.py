@@ -158,6 +158,7 @@ class TaskBatch:
         task_ids: int64 (T,) the tasks' indices in their `TaskSet`.
         support_multi: multi-hot field -> `Jagged` of T*S bags (padding rows: empty bags).
         query_multi: multi-hot field -> `Jagged` of T*Q bags.
+        padding_efficiency: real rows / padded rows of the batch; None: measured from the masks.
     """
 
     support_ids: torch.Tensor
@@ -170,6 +171,14 @@ class TaskBatch:
     # multi-hot field -> Jagged over the T*S (T*Q) padded rows, row-major; padding rows are empty bags
     support_multi: dict = field(default_factory=dict)
     query_multi: dict = field(default_factory=dict)
+    # real rows / padded rows (support and query together), in (0, 1]: measured from the masks
+    # once, when the batch is made (on the host, where it is padded), for the step's statistics
+    padding_efficiency: float | None = None
+
+    def __post_init__(self):
+        if self.padding_efficiency is None:
+            real = self.support_mask.sum() + self.query_mask.sum()
+            self.padding_efficiency = float(real / (self.support_mask.numel() + self.query_mask.numel()))
 
     @property
     def num_tasks(self) -> int:

@@ -89,6 +89,7 @@ class TextEpisodes:
     query_attention: Tensor
     query_y: Tensor
     task_ids: Tensor
+    padding_efficiency: float = 1.0  # every row is real (`TaskBatch.padding_efficiency`)
 
     @property
     def support_mask(self) -> Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gmeta_ds.config import SyntheticConfig
-from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
+from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic
 from gmeta_ds.errors import ConfigError
@@ -29,8 +29,8 @@ def test_bucketing_keeps_each_meta_steps_tasks_and_cuts_padding(tasks):
         a, b = plain.next(), bucketed.next()
         assert sorted(torch.cat([x.task_ids for x in a]).tolist()) == \
             sorted(torch.cat([x.task_ids for x in b]).tolist())
-        eff_plain += [padding_efficiency(x) for x in a]
-        eff_bucket += [padding_efficiency(x) for x in b]
+        eff_plain += [x.padding_efficiency for x in a]
+        eff_bucket += [x.padding_efficiency for x in b]
     assert np.mean(eff_bucket) > np.mean(eff_plain) + 0.1
 
 
