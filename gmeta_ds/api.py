@@ -51,7 +51,8 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.dynamic import EVICTIONS
 from gmeta_ds.embedding.tables import EXCHANGES, EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine
-from gmeta_ds.engine.dist import choose_threads, destroy_process_group, env_world, init_process_group
+from gmeta_ds.engine.dist import (choose_threads, destroy_process_group, env_world, existing_group,
+                                  init_process_group)
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, choose_vectorize
 from gmeta_ds.models.base import FieldModel
@@ -428,10 +429,12 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     else 32 tasks per micro-batch and one micro-batch per rank. ``resume``: a checkpoint directory or
     ``"auto"`` (the newest complete one under ``output_dir``), at any world size.
     Starts the process group when none is (the launcher's RANK / WORLD_SIZE, or one process),
-    and then also tears it down at interpreter exit. ``threads``: torch's intra-op threads on
-    this rank, set before the process group starts; "auto" (as ``train.threads``) is the
-    host's cores / its ranks unless OMP_NUM_THREADS is set or torch already has fewer
-    (`engine.dist.choose_threads`); rank 0 prints the choice once, on stderr.
+    and then also tears it down at interpreter exit; a group already started (your own
+    ``init_process_group``, Accelerate's ``Accelerator()``) gives the ranks and stays yours.
+    ``threads``: torch's intra-op threads on this rank, set before the process group starts;
+    "auto" (as ``train.threads``) is the host's cores / its ranks unless OMP_NUM_THREADS is
+    set or torch already has fewer (`engine.dist.choose_threads`); rank 0 prints the choice
+    once, on stderr.
 
     Args:
         learner: the `MetaLearner` of `meta_learner`.
@@ -454,7 +457,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
 
     Raises:
         ConfigError: an argument, the DeepSpeed config or the model of the wrong kind,
-            naming it; a process group whose size differs from ``WORLD_SIZE``.
+            naming it; a process group whose size differs from ``WORLD_SIZE``; an existing
+            process group whose backend does not fit this host's device.
     """
     plans = (*PLANS.names(), "auto", "dense")
     if not isinstance(sharding, str) or sharding not in plans:
@@ -463,7 +467,9 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     tables = _check_engine_inputs(learner, tables, lr, resume, output_dir)
     run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
                       nonfinite, collective_timeout_s)
-    ds_config, plan = resolve_ds_config(run, env_world()[1])
+    joined = existing_group(collective_timeout_s)  # a group the user started: its ranks, no second start
+    first, size = joined or env_world()[:2]
+    ds_config, plan = resolve_ds_config(run, size, "the existing process group" if joined else "the launch")
     ds_engine.check_device_support(ds_config)
     ds_engine.check_ds_config(ds_config)
     net = learner.net
@@ -471,8 +477,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
     if not ds_engine.is_partitioned(learner):  # local: before any collective
         probe_model(learner, *probe_shape(net, tables), "gmeta_ds.initialize")
-    _set_threads(count, why)
-    if not dist.is_initialized():
+    _set_threads(count, why, first)
+    if joined is None:
         init_process_group(collective_timeout_s)
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
         # threads are destroyed unjoined after all-to-alls and torch aborts ("terminate called
@@ -502,10 +508,11 @@ def _threads_for(threads: int | str) -> tuple[int, str]:
     return choose_threads(threads)
 
 
-def _set_threads(count: int, why: str) -> None:
-    """torch's intra-op threads for this rank, said once on rank 0."""
+def _set_threads(count: int, why: str, rank: int | None = None) -> None:
+    """torch's intra-op threads for this rank, said once on rank 0 (``rank``: the process
+    group's; None: the launcher's)."""
     torch.set_num_threads(count)
-    if env_world()[0] == 0:
+    if (env_world()[0] if rank is None else rank) == 0:
         print(f"gmeta_ds.initialize: {count} torch thread(s) per rank ({why})", file=sys.stderr)
 
 

@@ -148,9 +148,10 @@ def _ds_where(source: str) -> str:
 
 
 def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str],
-                   source: str = "deepspeed (inline)") -> BatchPlan | None:
+                   source: str = "deepspeed (inline)", world_from: str = "the launch") -> BatchPlan | None:
     """The batch plan; each problem names where its keys come from: ``meta.*`` from the run
-    config (file + ``--set``), ``deepspeed.*`` from the DeepSpeed config (``source``)."""
+    config (file + ``--set``), ``deepspeed.*`` from the DeepSpeed config (``source``), the
+    world size from ``world_from``."""
     where = _ds_where(source)
     ds_mb, ds_tb, ds_gas = (_as_int(ds.get(key), key, problems, where) for key in (
         "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"))
@@ -180,12 +181,13 @@ def _resolve_batch(cfg: RunConfig, ds: dict, world: int, problems: list[str],
                     f"(e.g. {_largest_divisor(b // world, t)})")
         problems.append(f"meta.tasks_per_meta_step ({b}) must be a multiple of "
                         f"meta.tasks_per_micro_batch ({t}) x world size ({world}) = {t * world} "
-                        f"({origin}, W from the launch); {fix}")
+                        f"({origin}, W from {world_from}); {fix}")
         return None
     gas = b // (t * world)
     if ds_gas is not None and ds_gas != gas:
         problems.append(f"deepspeed.gradient_accumulation_steps ({ds_gas}) contradicts "
-                        f"{b} tasks/meta-step / ({t} tasks/micro-batch x {world} ranks) = {gas}; "
+                        f"{b} tasks/meta-step / ({t} tasks/micro-batch x {world} ranks of {world_from}) = "
+                        f"{gas}; "
                         f"set it to 'auto' (deepspeed.* {where}, the tasks from {RUN_CONFIG}'s meta.*)")
     return BatchPlan(t, gas, world)
 
@@ -205,8 +207,10 @@ def _fill_optimizer(ds: dict, lr: float) -> None:
         params["lr"] = lr
 
 
-def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]:
-    """The DeepSpeed config to pass to ``deepspeed.initialize``, with every "auto" filled.
+def resolve_ds_config(cfg: RunConfig, world_size: int,
+                      world_from: str = "the launch") -> tuple[dict, BatchPlan]:
+    """The DeepSpeed config to pass to ``deepspeed.initialize``, with every "auto" filled;
+    ``world_from`` says where ``world_size`` came from, in the batch keys' errors.
 
     Raises `ConfigError` listing every contradiction; called on every rank before any
     collective so a bad config fails everywhere the same way.
@@ -216,7 +220,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int) -> tuple[dict, BatchPlan]
     ds, source = load_ds_config(cfg)
     _check_sections(ds, source)
     problems: list[str] = []
-    plan = _resolve_batch(cfg, ds, world_size, problems, source)
+    plan = _resolve_batch(cfg, ds, world_size, problems, source, world_from)
     stage = zero_stage(ds)
     if stage not in SUPPORTED_ZERO_STAGES:
         problems.append(f"deepspeed.zero_optimization.stage: {stage!r} is not supported; "

@@ -95,8 +95,11 @@ def _check_rendezvous_env() -> None:
 
 def core_share() -> tuple[int, int, int]:
     """(threads, cores, ranks): this rank's share of the node's cores, ``cores // ranks`` (at
-    least 1), with ``ranks`` the launcher's ranks on this node (1 without a launcher)."""
+    least 1), with ``ranks`` the launcher's ranks on this node (1 without a launcher; every
+    rank of a process group started without one: never more threads than the cores hold)."""
     _, _, local_world = env_world()
+    if dist.is_initialized() and not ({"LOCAL_WORLD_SIZE", "LOCAL_SIZE"} & set(os.environ)):
+        local_world = dist.get_world_size()  # a group started without a launcher: assume one host
     cores = os.cpu_count() or 1
     return max(1, cores // max(1, local_world)), cores, local_world
 
@@ -130,6 +133,34 @@ def choose_threads(threads: int | str) -> tuple[int, str]:
     if current < share:
         return current, f"torch's setting kept, under the share of {cores} cores / {ranks} rank(s) on this host"
     return share, f"{cores} cores / {ranks} rank(s) on this host; threads=N or OMP_NUM_THREADS to choose"
+
+
+def existing_group(timeout_s: int) -> tuple[int, int] | None:
+    """(rank, world size) of a default process group started before gmeta_ds was asked (the
+    user's own ``init_process_group``, Accelerate's ``Accelerator()``, a test harness), made
+    ready for DeepSpeed without a second start; None when no group is up (then
+    `init_process_group` starts one). The group, not the environment, gives the world:
+    a group started with ``init_method="tcp://..."`` or a store sets no RANK / WORLD_SIZE.
+
+    Its backend must be the one `init_process_group` would choose (NCCL for CUDA tensors on
+    a GPU host, gloo on CPU), else a `ConfigError` naming both. DeepSpeed reads LOCAL_RANK
+    from the environment: set here when missing (the current CUDA device, 0 on CPU). Later
+    groups get ``timeout_s`` (`inherit_timeout`), and DeepSpeed's shared-memory op is not
+    built, as for a group started here."""
+    if not dist.is_initialized():
+        return None
+    device, want = ("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo")
+    config = str(dist.get_backend_config())  # "cpu:gloo,cuda:gloo", "cuda:nccl", "gloo"
+    per_device = dict(part.split(":", 1) if ":" in part else (device, part) for part in config.split(","))
+    if per_device.get(device) != want:
+        raise ConfigError([(f"the existing process group's backend is {config!r}, but {device} tensors on "
+                            f"this host need {want!r}: start it with init_process_group(backend={want!r}) "
+                            "or let gmeta_ds.initialize start it")])
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device == "cuda" else 0)
+    inherit_timeout(datetime.timedelta(seconds=timeout_s))
+    skip_deepspeed_shm_op()
+    return dist.get_rank(), dist.get_world_size()
 
 
 def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
