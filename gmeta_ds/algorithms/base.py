@@ -24,8 +24,8 @@ from gmeta_ds.errors import ConfigError
 from gmeta_ds.algorithms.contract import (  # noqa: F401 - the contract checks, re-exported here
     CONTRACT_ERRORS, PROBE_ROWS, check_id_columns, check_row_fields, check_task_fields, model_contract, probe_model)
 from gmeta_ds.functional.inner import (
-    InnerLoop, InnerSettings, LearningRates, Params, TaskOutputs, TaskRecipe, run_tasks, supervised_tasks)
-from gmeta_ds.functional.rows import ROW_PREFIX, row_param_name, unique_rows
+    ROW_PREFIX, InnerLoop, InnerSettings, LearningRates, Params, TaskOutputs, TaskRecipe, row_param_name,
+    run_tasks, supervised_tasks, unique_rows)
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features
 from gmeta_ds.models import popularity
 from gmeta_ds.models.protocol import EMBEDDING_ATTR, model_hooks
@@ -59,7 +59,7 @@ def adapt_candidates(net: nn.Module) -> tuple[list[str], list[str]]:
     """What ``meta.adapt`` globs may select: (dense parameter names, single-hot field names).
 
     Candidates are the dense parameters (e.g. ``mlp.0.weight``) and, per feature field, its
-    looked-up rows (``embedding.<field>``, see functional/rows.py). Whole tables
+    looked-up rows (``embedding.<field>``, see functional/inner.py). Whole tables
     (``embedding.weights.*``) are never candidates: they are looked up before the inner loop.
     """
     dense = [n for n, _ in net.named_parameters() if not n.startswith(ROW_PREFIX)]

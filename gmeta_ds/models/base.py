@@ -87,7 +87,7 @@ class FieldModel(nn.Module):
         self.field_names = [f.name for f in ordered]
         self.field_sides = [f.side for f in ordered]
         self.num_fields = len(ordered)
-        # Fields whose looked-up rows may adapt per task (functional/rows.py): single-hot ones,
+        # Fields whose looked-up rows may adapt per task (functional/inner.py): single-hot ones,
         # at positions 0..len-1 of the model input.
         self.row_fields = [f.name for f in single_fields(fields)]
         self.embed_dim = embed_dim

@@ -25,8 +25,7 @@ from torch.func import vmap
 
 from gmeta_ds.algorithms.base import MetaLearner, embed_batch, embedder
 from gmeta_ds.data.tasks import TaskBatch
-from gmeta_ds.functional.inner import PREDICTIONS
-from gmeta_ds.functional.rows import row_param_name, unique_rows
+from gmeta_ds.functional.inner import PREDICTIONS, row_param_name, unique_rows
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.saved import saved_learner
 from gmeta_ds.serving.export import Export

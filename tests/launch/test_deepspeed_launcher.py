@@ -62,7 +62,7 @@ SHARDED = {"sharding": "sharded", "plan": "row_wise",
                       "age": {"optimizer": "rowwise_adagrad"}, "region": {"optimizer": "sgd"}}}
 
 
-# Item rows adapt per task too (deduplicated rows of the fused lookup, functional/rows.py).
+# Item rows adapt per task too (deduplicated rows of the fused lookup, functional/inner.py).
 ROW_ADAPT = {"adapt": ["mlp.*", "embedding.item_id"]}
 
 

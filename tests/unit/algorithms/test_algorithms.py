@@ -9,10 +9,9 @@ from helpers import tiny_batch, tiny_melu
 
 from gmeta_ds.algorithms import ALGORITHMS, FOMAML, MAML, MetaLearner, MetaSGD, Reptile
 from gmeta_ds.algorithms.base import embed_batch
-from gmeta_ds.functional.rows import compose_rows, select_task
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import masked_bce
-from gmeta_ds.functional.inner import masked_pairwise
+from gmeta_ds.functional.inner import compose_rows, masked_pairwise, select_task
 
 
 def make_learner(cls, steps=2, lr=0.3, vectorize=True, adapt=("mlp.*",), seed=0, kind="binary"):
@@ -232,7 +231,7 @@ def test_regression_kind_uses_mse_and_matches_finite_differences():
 def test_row_adaptation_with_pooled_multi_hot_columns():
     """Rows carry pooled multi-hot columns after the single-hot ones (W > F): deduplicating the
     adapted field's rows and composing them back reproduces every column."""
-    from gmeta_ds.functional.rows import unique_rows
+    from gmeta_ds.functional.inner import unique_rows
 
     g = torch.Generator().manual_seed(0)
     t, s, q, f, width, d = 2, 5, 3, 2, 3, 4
