@@ -79,46 +79,38 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
                 seed: int = DEFAULTS.seed, **options) -> TaskData:
     """Cold-start tasks (one per ``task_key`` value) from an interaction log.
 
-    ``source``: a CSV / Parquet file, a folder of shards (as ``gmeta-ds data synthesize`` and
-    Spark write them) or a glob, built out of core into the task store under ``cache_dir``
-    (default ``~/.cache/gmeta_ds``, or ``$XDG_CACHE_HOME/gmeta_ds`` when that is set; bounded
-    memory, reused by later calls) as ``gmeta-ds train`` builds ``data.path``; or
-    rows in memory: a pandas DataFrame, a pyarrow Table, a Hugging Face ``datasets.Dataset``
-    or a dict of equal-length arrays, one row per interaction. ``multi_hot``: column ->
-    separator of its values in a string cell (list cells are taken as they are).
-    ``options``: any ``data.*`` key of the run config (``label`` is the label kind there:
-    pass ``label_kind=``; ``query_size``, ``min_interactions``, ``threshold``,
-    ``test_fraction``, ``split``, ``cache_dir``...). Labels (``label_kind="binary"``): a click
-    is ``label >= threshold``; a 0/1 column with ``threshold`` left at its default (4.0, for
-    ratings) is read as clicks as it is; a label set left with one class is a `DataError`
-    naming the column. Vocabularies come from the training tasks only (id 0 is
-    out-of-vocabulary); returns `TaskData` (``fields``, ``train``, ``test``, ``valid``,
-    ``stats``), the same at every rank for the same seed and the same for every kind of source.
+    Labels (``label_kind="binary"``): a click is ``label >= threshold``; a 0/1 column with
+    ``threshold`` left at its default (4.0, for ratings) is read as clicks as it is.
+    Vocabularies come from the training tasks only (id 0 is out-of-vocabulary). The result is
+    the same at every rank for the same seed and the same for every kind of source.
 
     Args:
-        source: a path (CSV / Parquet file, folder of shards or glob) built into the task
-            store, or rows in memory (pandas DataFrame, pyarrow Table, ``datasets.Dataset``,
-            dict of equal-length arrays).
+        source: a CSV / Parquet file, a folder of shards (as ``gmeta-ds data synthesize`` and
+            Spark write them) or a glob, built out of core into the task store under
+            ``cache_dir`` (default ``~/.cache/gmeta_ds``, or ``$XDG_CACHE_HOME/gmeta_ds`` when
+            that is set; bounded memory, reused by later calls) as ``gmeta-ds train`` builds
+            ``data.path``; or rows in memory: a pandas DataFrame, a pyarrow Table, a Hugging
+            Face ``datasets.Dataset`` or a dict of equal-length arrays, one row per interaction.
         task_key: the column whose values are the tasks (users).
         item_key: the column of item ids.
         label: the column of labels.
         timestamp: the column that orders a task's interactions; None: the log's order.
         user_features: columns of per-task features.
         item_features: columns of per-item features.
-        multi_hot: column -> separator of the values in its string cells; None: no multi-hot
-            columns.
+        multi_hot: column -> separator of its values in a string cell (list cells are taken
+            as they are); None: no multi-hot columns.
         seed: the run seed (the split into train / test / valid tasks), >= 0.
-        **options (Any): ``data.*`` keys of the run config (``label_kind``, ``query_size``,
-            ``min_interactions``, ``threshold``, ``test_fraction``, ``split``,
-            ``cache_dir``...).
+        **options (Any): any ``data.*`` key of the run config (``label`` is the label kind
+            there: pass ``label_kind=``; ``query_size``, ``min_interactions``, ``threshold``,
+            ``test_fraction``, ``split``, ``cache_dir``...).
 
     Returns:
-        The `TaskData` of the log.
+        The `TaskData`: ``fields``, ``train``, ``test``, ``valid``, ``stats``, ``vocab``.
 
     Raises:
         ConfigError: an argument or option of the wrong type or value, naming it.
         DataError: a log that is missing, unreadable or malformed (naming the file, row or
-            column), or labels left with one class.
+            column), or labels left with one class (naming the column).
     """
     keys = (("task_key", task_key), ("item_key", item_key), ("label", label))
     problems = [f"{name}: {value!r} is not a column name (str)" for name, value in keys
@@ -242,54 +234,48 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
                  init_weight: float = DEFAULTS.meta.init_weight) -> MetaLearner:
     """``model`` wrapped as a meta-learner: the inner loop adapts what ``adapt`` names for
     ``inner_steps`` SGD steps of ``inner_lr`` on each task's support set; the outer loss is the
-    algorithm's (``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`).
-
-    ``adapt``: globs over the model's parameter names (``"head.*"``), parameters of the
-    model themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot field;
-    None: the model's ``default_adapt`` (the zoo models of ``gmeta_ds.models``), else ``mlp.*``.
-    ``loss``: binary (masked BCE on logits), regression (masked MSE) or multiclass.
-    ``vectorize``: run a micro-batch's tasks under vmap (True), one by one (False), or "auto"
-    (``meta.vectorize``'s default): vmap unless a zoo model's activation estimate
-    (``FieldModel.activation_floats()``) for `DEFAULT_MICRO_BATCH` tasks of
-    ``data.max_interactions`` rows exceeds a quarter of the rank's memory; a model of your own
-    is vmapped.
-    ``split_body``: run the model's non-adapted body once per micro-batch and the inner loop
-    on its head only, for a model with ``split_body(adapted) -> BodySplit``
-    (`gmeta_ds.functional.split`): "auto" under ZeRO-3 (the body then stays partitioned),
-    True at every ZeRO stage, False never. ``inner_lr_scale``: globs over the adapted names ->
-    multipliers of ``inner_lr`` (the first matching glob; e.g. ``{"popularity.*": 4.0}``).
-    ``inner_loss_prior``: the support loss is sum / (rows + prior) instead of the mean, so
-    tasks with few support rows adapt less (0: the mean). ``offset_first`` (λ, with the
-    popularity offset of ``gmeta_ds.models`` and ``popularity.bias`` adapted): each task's
-    offset is first set to the MAP of its support (prior precision λ), then the inner steps run.
-    ``support_level`` (λ, with the popularity offset): after the inner steps each task's logits
-    are shifted so their support mean equals popularity + the task's MAP offset (prior λ).
-    ``rank_weight`` (w, binary or regression labels): the query loss is the pointwise loss + w x
-    the mean pairwise logistic loss over each task's query pairs that its labels order, so the
-    outer loss asks for each user's order of items, not only their level (0: pointwise only).
-    ``warmup_steps``: the engine's first meta-steps train the model on every row of their tasks
-    without adaptation (plain supervised training), then meta-training starts from there.
-    ``init_weight`` (a): the outer loss + a x the unadapted model's loss on every row of the
-    tasks, so meta-training keeps the initialisation's own ranking while it learns to adapt.
+    algorithm's.
 
     Args:
-        model: the network (a ``torch.nn.Module`` taking a batch's rows).
-        algorithm: ``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm`
-            (then the inner-loop arguments below are its own and are not read).
+        model: the network (a ``torch.nn.Module``).
+        algorithm: ``maml``, ``fomaml``, ``reptile``, ``metasgd``, or a `MetaAlgorithm` (whose
+            own settings then stand: the inner-loop arguments below are not read).
         inner_steps: SGD steps on each task's support set, >= 1.
         inner_lr: the inner steps' learning rate.
-        adapt: globs over parameter names, parameters of ``model`` or
-            ``"embedding.<field>"``; None: the model's ``default_adapt``, else ``mlp.*``.
-        loss: ``binary``, ``regression`` or ``multiclass``.
-        vectorize: True (vmap over tasks), False (one by one) or ``"auto"``.
-        split_body: True, False or ``"auto"`` (under ZeRO-3 only).
-        inner_lr_scale: glob over adapted names -> multiplier of ``inner_lr``; None: none.
-        inner_loss_prior: the prior rows added to the support loss's divisor (0: the mean).
-        offset_first: λ of the popularity offset's MAP start; None: off.
-        support_level: λ of the support-level shift after the inner steps; None: off.
-        rank_weight: weight of the pairwise ranking loss in the query loss (0: pointwise).
-        warmup_steps: first meta-steps trained without adaptation, >= 0.
-        init_weight: weight of the unadapted model's loss added to the outer loss.
+        adapt: globs over the model's parameter names (``"head.*"``), parameters of the model
+            themselves, or ``"embedding.<field>"`` for the looked-up rows of a single-hot
+            field; None: the model's ``default_adapt`` (the zoo models of
+            ``gmeta_ds.models``), else ``mlp.*``.
+        loss: ``binary`` (masked BCE on logits), ``regression`` (masked MSE) or ``multiclass``.
+        vectorize: run a micro-batch's tasks under vmap (True), one by one (False), or
+            ``"auto"`` (``meta.vectorize``'s default): vmap unless a zoo model's activation
+            estimate (``FieldModel.activation_floats()``) for `DEFAULT_MICRO_BATCH` tasks of
+            ``data.max_interactions`` rows exceeds a quarter of the rank's memory; a model of
+            your own is vmapped.
+        split_body: run the model's non-adapted body once per micro-batch and the inner loop
+            on its head only, for a model with ``split_body(adapted) -> BodySplit``
+            (`gmeta_ds.functional.split`): ``"auto"`` under ZeRO-3 (the body then stays
+            partitioned), True at every ZeRO stage, False never.
+        inner_lr_scale: globs over the adapted names -> multipliers of ``inner_lr`` (the first
+            matching glob; e.g. ``{"popularity.*": 4.0}``); None: none.
+        inner_loss_prior: the support loss is sum / (rows + prior) instead of the mean, so
+            tasks with few support rows adapt less (0: the mean).
+        offset_first: λ, with the popularity offset of ``gmeta_ds.models`` and
+            ``popularity.bias`` adapted: each task's offset is first set to the MAP of its
+            support (prior precision λ), then the inner steps run; None: off.
+        support_level: λ, with the popularity offset: after the inner steps each task's
+            logits are shifted so their support mean equals popularity + the task's MAP
+            offset (prior λ); None: off.
+        rank_weight: w, with binary or regression labels: the query loss is the pointwise
+            loss + w x the mean pairwise logistic loss over each task's query pairs that its
+            labels order, so the outer loss asks for each user's order of items, not only
+            their level (0: pointwise only).
+        warmup_steps: the engine's first meta-steps train the model on every row of their
+            tasks without adaptation (plain supervised training), then meta-training starts
+            from there.
+        init_weight: a: the outer loss + a x the unadapted model's loss on every row of the
+            tasks, so meta-training keeps the initialisation's own ranking while it learns to
+            adapt.
 
     Returns:
         The `MetaLearner` (``model`` and its algorithm).
