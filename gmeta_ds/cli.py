@@ -134,6 +134,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("export", help="the folder gmeta-ds export --config (or engine.save_model) wrote")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--grpc-port", type=_at_least(0), default=None, metavar="PORT",
+                   help="also serve OIP v2 over gRPC (KServe's and Triton's inference.GRPCInferenceService) on "
+                        "this port, beside HTTP (0: any free port; default: no gRPC)")
     p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                    help="a function fields -> model, for an export saved through the Python API")
     p.add_argument("--max-batch", type=_at_least(1), default=64, help="users adapted together (default 64)")
@@ -431,7 +434,12 @@ def _cmd_export_serving(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from gmeta_ds.serving.server import ServerOptions, serve
-    except ModuleNotFoundError as exc:  # the serve extra (FastAPI, uvicorn, orjson...) is optional
+        services = ()
+        if args.grpc_port is not None:
+            from gmeta_ds.serving.grpc_server import grpc_service
+
+            services = (grpc_service(args.host, args.grpc_port),)
+    except ModuleNotFoundError as exc:  # the serve extra (FastAPI, uvicorn, orjson, grpcio...) is optional
         raise ConfigError([f"gmeta-ds serve needs the serve extra, which is not installed ({exc}); install it "
                            "with pip install 'gmeta-ds[serve]'"]) from None
 
@@ -440,7 +448,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads,
                             allow_reload=args.allow_reload, model_roots=tuple(args.model_roots),
                             header_timeout_s=args.header_timeout)
-    serve(args.export, args.host, args.port, options)
+    serve(args.export, args.host, args.port, options, services)
     return 0
 
 

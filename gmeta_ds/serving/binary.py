@@ -73,7 +73,8 @@ def fill_inputs(body, tensors: bytes) -> dict:
             raise RequestError(f"inputs[{i}].parameters.binary_data_size",
                                f"{_name(tensor)}: {size} bytes from byte {offset}, past the "
                                f"{len(tensors)} bytes that follow the JSON header")
-        tensor["data"] = _decode(tensors[offset:offset + size], tensor, i)
+        where = f"inputs[{i}].parameters.binary_data_size"
+        tensor["data"] = decode_tensor(tensors[offset:offset + size], tensor, i, where)
         offset += size
     if offset != len(tensors):
         raise RequestError("inputs", f"the binary inputs' binary_data_size add up to {offset} bytes, but "
@@ -95,14 +96,15 @@ def _binary_size(i: int, tensor) -> int | None:
     return size
 
 
-def _decode(raw: bytes, tensor: dict, i: int) -> list:
-    """The flat values of one input's raw bytes, checked against its shape and datatype."""
+def decode_tensor(raw: bytes, tensor: dict, i: int, where: str) -> list:
+    """The flat values of input ``i``'s raw bytes, checked against its shape and datatype;
+    ``where`` names the bytes in an error (its ``binary_data_size`` here, gRPC's
+    ``raw_input_contents[i]`` in `gmeta_ds.serving.grpc_server`)."""
     shape, datatype = tensor.get("shape"), tensor.get("datatype")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise RequestError(f"inputs[{i}].shape", f"{_name(tensor)}: {shape!r}; expected a list of "
                                                  "non-negative integers")
     count = math.prod(shape)
-    where = f"inputs[{i}].parameters.binary_data_size"
     if datatype == "BYTES":
         return _decode_bytes(raw, count, where, _name(tensor))
     dtype = NUMPY_TYPES.get(datatype)

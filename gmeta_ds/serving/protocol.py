@@ -231,3 +231,16 @@ def oip_metadata(name: str, version: str, fields: list[FieldSpec]) -> dict:
     inputs.insert(len(fields) * 2, {"name": "support.label", "datatype": "FP32", "shape": [-1]})
     return {"name": name, "versions": [version], "platform": "gmeta_ds", "inputs": inputs,
             "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1]}]}
+
+
+def oip_server_metadata() -> dict:
+    """``GET /v2`` (and gRPC's ServerMetadata): the server's name, version and extensions."""
+    from gmeta_ds import __version__
+
+    return {"name": "gmeta-ds", "version": __version__, "extensions": ["model_repository"]}
+
+
+def oip_repository_index(name: str, version: str) -> list[dict]:
+    """The repository extension's index (HTTP ``POST /v2/repository/index``, gRPC's
+    RepositoryIndex): the one model this server serves, ready."""
+    return [{"name": name, "version": version, "state": "READY"}]

@@ -25,6 +25,9 @@ Endpoints:
 - ``GET /metrics``: Prometheus text (requests, batch sizes, adapt and score seconds, cache
   hits, unknown values, the model's version).
 
+With ``--grpc-port``, the same `App` also answers OIP v2 over gRPC on the same event loop
+(`gmeta_ds.serving.grpc_server`, one of `create_app`'s ``services``).
+
 A connection whose request head is not whole ``--header-timeout`` seconds after it connected
 or began its request is closed (`access.header_deadline_protocol`).
 """
@@ -34,7 +37,7 @@ import asyncio
 import json
 import os
 import threading
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -48,7 +51,15 @@ from gmeta_ds.serving.access import Refused, ReloadPolicy, header_deadline_proto
 from gmeta_ds.serving.batching import Batcher, ModelHolder
 from gmeta_ds.serving.encoding import RequestError
 from gmeta_ds.serving.model import ServedModel
-from gmeta_ds.serving.protocol import json_response, oip_metadata, oip_response, parse_json, parse_oip
+from gmeta_ds.serving.protocol import (
+    json_response,
+    oip_metadata,
+    oip_repository_index,
+    oip_response,
+    oip_server_metadata,
+    parse_json,
+    parse_oip,
+)
 
 
 @dataclass
@@ -156,8 +167,9 @@ class Metrics:
         self.answered: dict[tuple[str, int], object] = {}  # (endpoint, status) -> its requests counter
         self.loaded(model, None)
 
-    def count(self, endpoint: str, status: int) -> None:
-        """One request answered (its labelled counter looked up once: ``labels`` costs microseconds)."""
+    def count(self, endpoint: str, status: int | str) -> None:
+        """One request answered (its labelled counter looked up once: ``labels`` costs microseconds);
+        ``status``: the HTTP status, or a gRPC call's status code name (``INVALID_ARGUMENT``)."""
         counter = self.answered.get((endpoint, status))
         if counter is None:
             counter = self.answered[endpoint, status] = self.requests.labels(endpoint, str(status))
@@ -243,12 +255,16 @@ class App:
         """Parse one user's body (`body`'s arguments) with ``parse`` (`protocol.parse_json` /
         `parse_oip`) and score it."""
         body = await self.body(length, chunks, header_length=header_length)
-        model = self.holder.model
-        user = parse(body, model.fields, self.options.max_rows)
+        return body, *await self.score_body(body, parse)
+
+    async def score_body(self, body, parse):
+        """(`Scored`, the model that scored it) of one user's decoded body, read by ``parse``
+        (`protocol.parse_json` / `parse_oip`) and sent through the batcher."""
+        user = parse(body, self.holder.model.fields, self.options.max_rows)
         result, model = await self.submit(user)
         self.metrics.hits.inc(int(result.cached))
         self.metrics.unknown.inc(result.unknown)
-        return body, result, model
+        return result, model
 
     async def reload(self, name: str, request) -> dict:
         """Load an export (this one again, or ``parameters.path`` where `ReloadPolicy` allows it)
@@ -286,9 +302,11 @@ class App:
             return load(path, self.options)
 
 
-def create_app(path: str | Path, options: ServerOptions | None = None, submit=None):
+def create_app(path: str | Path, options: ServerOptions | None = None, submit=None, services=()):
     """The FastAPI application serving the export at ``path`` (module docstring); ``submit``:
-    `App`'s (default: the app's own batcher)."""
+    `App`'s (default: the app's own batcher); ``services``: functions of the `App` returning an
+    async context manager run for the application's life on its event loop, after the batcher
+    starts (`gmeta_ds.serving.grpc_server.grpc_service`: OIP v2 over gRPC beside HTTP)."""
     from fastapi import FastAPI
 
     state = App(path, options or ServerOptions(), submit)
@@ -296,8 +314,13 @@ def create_app(path: str | Path, options: ServerOptions | None = None, submit=No
     @asynccontextmanager
     async def lifespan(_app):
         state.batcher.start()
-        yield
-        await state.batcher.stop()
+        try:
+            async with AsyncExitStack() as stack:
+                for service in services:
+                    await stack.enter_async_context(service(state))
+                yield
+        finally:
+            await state.batcher.stop()
 
     app = FastAPI(title="gmeta-ds serve", lifespan=lifespan)
     app.state.served = state
@@ -330,8 +353,7 @@ def create_app(path: str | Path, options: ServerOptions | None = None, submit=No
     @app.post("/v2/repository/index")
     async def repository_index():
         async def work():  # the repository extension's index: the one model this server serves
-            model = state.holder.model
-            return [{"name": model.name, "version": model.version, "state": "READY"}]
+            return oip_repository_index(state.holder.model.name, state.holder.model.version)
         return await state.answer("/v2/repository/index", work)
 
     _plain_routes(app, state)
@@ -401,7 +423,7 @@ def _plain_routes(app, state: App) -> None:
 
     @app.get("/v2")
     async def server_metadata():
-        return {"name": "gmeta-ds", "version": _version(), "extensions": ["model_repository"]}
+        return oip_server_metadata()
 
     @app.get("/metrics")
     async def metrics():
@@ -417,20 +439,16 @@ def _ready(state: App, name: str):
     return work
 
 
-def _version() -> str:
-    from gmeta_ds import __version__
-
-    return __version__
-
-
-def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None) -> None:
-    """Load the export (a bad one is refused before listening) and serve until interrupted."""
+def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None,
+          services=()) -> None:
+    """Load the export (a bad one is refused before listening) and serve until interrupted
+    (with ``services`` beside HTTP: `create_app`'s)."""
     import torch
     import uvicorn
 
     options = options or ServerOptions()
     torch.set_num_threads(options.threads)
-    app = create_app(path, options)
+    app = create_app(path, options, services=services)
     model = app.state.served.holder.model
     print(f"gmeta-ds serve: model {model.name!r} version {model.version} from {path} on http://{host}:{port} "
           f"(OIP v2: POST /v2/models/{model.name}/infer; JSON: POST /v1/score)", flush=True)

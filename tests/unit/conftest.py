@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """(base url, the export, a second export of other weights, the data) of a running
-    `gmeta-ds serve` on 127.0.0.1, one per session: tests/unit/test_serving_server.py's and
-    test_serving_triton.py's requests go to it (starting one costs seconds)."""
+    `gmeta-ds serve` on 127.0.0.1, one per session: tests/unit/test_serving_server.py's,
+    test_serving_triton.py's and (over gRPC, `grpc_address`) test_serving_grpc.py's requests
+    go to it (starting one costs seconds)."""
     import gmeta_ds as gm
     from tests.helpers import click_log
     from tests.unit.test_saved_model import _engine
@@ -34,8 +35,10 @@ def server(tmp_path_factory):
         for p in engine.learner.parameters():
             p.add_(0.05)
     engine.save_model(root / "v2", data)
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
+    (root / "grpc_port").write_text(str(grpc_port))
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
+           "--grpc-port", str(grpc_port),
            "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000",
            "--allow-reload", "--model-root", str(root), "--header-timeout", "2"]
     with open(root / "server.log", "w") as log:
@@ -52,3 +55,9 @@ def server(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def grpc_address(server) -> str:
+    """``host:port`` of the session server's OIP v2 gRPC service (``--grpc-port``)."""
+    return f"127.0.0.1:{(server[1] / 'grpc_port').read_text()}"

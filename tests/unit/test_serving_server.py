@@ -67,12 +67,17 @@ def test_concurrent_users_are_batched(server):
             bodies = [{**_json_body(u), "user_id": f"batch-{i}"} for i, u in enumerate(users * 2)]
             return await asyncio.gather(*(client.post("/v1/score", json=b) for b in bodies))
 
+    def batches() -> tuple[float, float]:  # (batches run, users in them) since the server started
+        lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        return tuple(float(next(line.split()[1] for line in lines if line.startswith(f"gmeta_serve_batch_users_{k}")))
+                     for k in ("count", "sum"))
+
+    before = batches()  # the session server has run other tests' single users (HTTP and gRPC) already
     replies = asyncio.run(asyncio.wait_for(fire(), 60))
     assert all(r.status_code == 200 for r in replies)
-    metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    count = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("gmeta_serve_batch_users_count")))
-    total = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("gmeta_serve_batch_users_sum")))
+    count, total = (after - earlier for after, earlier in zip(batches(), before))
     assert total / count > 1.5  # several users per batch on average
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
     for name in ("gmeta_serve_requests_total", "gmeta_serve_cache_hits_total", "gmeta_serve_adapt_seconds_bucket",
                  "gmeta_serve_unknown_values_total", 'gmeta_serve_model_info{name="dcnv2"'):
         assert name in metrics, name

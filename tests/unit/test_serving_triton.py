@@ -33,11 +33,12 @@ def _arrays(user) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _inputs(arrays: dict[str, np.ndarray]) -> list:
-    """tritonclient inputs with its defaults: `set_data_from_numpy` sends binary data."""
+def _inputs(arrays: dict[str, np.ndarray], client=tritonclient_http) -> list:
+    """tritonclient inputs with its defaults: `set_data_from_numpy` sends binary data (over
+    ``client``, tritonclient.http or tritonclient.grpc: its raw_input_contents)."""
     inputs = []
     for name, array in arrays.items():
-        tensor = tritonclient_http.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor = client.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
