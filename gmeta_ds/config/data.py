@@ -117,6 +117,11 @@ class DataConfig:
     # A machine setting like cache_dir: accepted with every source (one list of --set serves
     # all), read only when a log is built (synthetic data is generated in memory).
     memory_limit: str = "1GB"
+    # data.path as a URL (s3://, gs://, abfs://, hdfs://): keyword arguments of its pyarrow
+    # filesystem (e.g. S3FileSystem's endpoint_override, region, access_key) for what the
+    # store's standard chain (AWS_* variables, ~/.aws profiles, instance roles) does not give.
+    # Secret values (keys named *key*, *secret*, *token*...) show as *** in summary.json and logs.
+    storage_options: dict[str, Union[str, int, float, bool]] = field(default_factory=dict)
 
 
 def validate_log(data: DataConfig, problems: list[str]) -> None:

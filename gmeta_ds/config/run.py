@@ -136,7 +136,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
 LOG_ONLY_KEYS = ("path", "query_size", "split", "min_interactions", "max_interactions", "short_tasks",
                  "long_tasks", "min_count", "raw_ids", "test_fraction", "label", "threshold",
                  "four_state", "new_item_year")
-SOURCE_ONLY_KEYS = {"dataset_name": "recbole", "format": "table", "sep": "table", "schema": "table"}
+SOURCE_ONLY_KEYS = {"dataset_name": "recbole", "format": "table", "sep": "table", "schema": "table",
+                    "storage_options": "table"}
 
 
 def _changed(section: Any, default: Any, names) -> list[str]:
@@ -402,8 +403,18 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     return config_from_dict(data, str(path), str(path.parent))
 
 
+# data.storage_options keys whose values are secrets (S3's secret_key, Azure's account_key,
+# sas_token, client_secret, GCS's access_token...): never printed nor written to a file
+SECRET_OPTION_WORDS = ("secret", "key", "token", "password", "credential", "sas")
+
+
 def config_to_dict(cfg: RunConfig) -> dict:
-    """Plain dict of a config (for logging and summary files), without internal fields."""
+    """Plain dict of a config (for logging and summary files), without internal fields and with
+    the secrets among ``data.storage_options`` shown as ``***``."""
     out = dataclasses.asdict(cfg)
     out.pop("config_dir", None)
+    options = out["data"]["storage_options"]
+    for k in options:
+        if any(word in k.lower() for word in SECRET_OPTION_WORDS):
+            options[k] = "***"
     return out

@@ -16,7 +16,8 @@ Steps, all deterministic given the config and seed:
 and the reference the out-of-core path is tested against); `build_tasks` runs them out of core
 (`stream.py`) into a task store under ``cache_dir``, keyed by the data config, the seed and the
 log files' names, sizes, modification times and content (`store_check.content_fingerprint`:
-a tool can restore a changed file's size and mtime), so a later run skips steps 1-5.
+a tool can restore a changed file's size and mtime), or a URL's objects' sizes, times and
+ETags or versions (`remote.object_stamps`), so a later run skips steps 1-5.
 """
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
         settings.pop("raw_ids")
     else:
         settings["raw_ids"] = sorted(settings["raw_ids"])
+    settings.pop("storage_options")  # how to reach the store, not what it holds (and may hold secrets)
     path = Path(cfg.path).expanduser()
-    if cfg.source == "table":
-        files = file_source(cfg.path, cfg.format).files  # a file, a folder of shards or a glob
+    if cfg.source == "table":  # a file, a folder of shards, a glob, or the objects behind a URL
+        source = file_source(cfg.path, cfg.format, cfg.storage_options, stamps=True)
+        files = [] if source.stamps is not None else source.files
+        stamps = source.stamps or []
     else:
-        files = sorted(path.iterdir()) if path.is_dir() else [path]
-    stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns, content_fingerprint(f)) for f in files if f.is_file()]
+        files, stamps = sorted(path.iterdir()) if path.is_dir() else [path], []
+    stamps += [(f.name, f.stat().st_size, f.stat().st_mtime_ns, content_fingerprint(f)) for f in files if f.is_file()]
     blob = json.dumps([CACHE_VERSION, settings, seed, stamps], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -190,7 +194,7 @@ def build_tasks(cfg: DataConfig, seed: int, timeout_s: float = STALL_S) -> TaskD
                 if store.exists():  # an older gmeta_ds's store (no checksums) or a folder without manifest
                     shutil.rmtree(store)
                 if cfg.source == "table":
-                    source = file_source(cfg.path, cfg.format)
+                    source = file_source(cfg.path, cfg.format, cfg.storage_options)
                     schema = table_schema(cfg)
                 else:
                     log = read_log(cfg)

@@ -60,10 +60,10 @@ def _prepared_source(source: Source, schema: LogSchema, cfg, work: Path, store: 
     """``source`` ready for DuckDB: CSV staged to Parquet under ``work``, every Parquet footer
     checked (readable, one schema), and enough free disk beside ``store`` for the build."""
     if source.files is not None and source.fmt == "csv":
-        source = Source(source.what, stage_csv(source.files, schema.columns(), cfg.sep, work / "staged"),
-                        origins=source.files)
-    if source.files is not None:
-        check_parquet(source.files, schema.columns())  # footers first: readable, one schema
+        staged = stage_csv(source.files, schema.columns(), cfg.sep, work / "staged", source.filesystem)
+        source = Source(source.what, staged, origins=source.files, partitions=source.partitions)
+    if source.files is not None:  # footers first: readable, one schema
+        check_parquet(source.files, schema.columns(), source.filesystem, source.partitions)
     need = estimate_bytes(source.rows(), len(schema.columns()), len(schema.multi_hot))
     free = shutil.disk_usage(store.parent).free
     if need > free:

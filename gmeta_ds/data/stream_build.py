@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gmeta_ds.data.readers import DataError, LogSchema, check_two_classes, click_threshold
+from gmeta_ds.data.remote import PROTOCOL, duckdb_filesystem
 from gmeta_ds.data.user_split import TEST, TRAIN, VALID, split_users
 from gmeta_ds.data.store_files import Appender, write_array, ArrayWriter
 from gmeta_ds.data.stream_sources import Source, check_parquet, plain_path, short_path
@@ -88,16 +89,29 @@ class StoreBuild:
             types = {c: plain_path(table.schema.field(c).type) for c in cols}
             src = "src_table"
         else:
-            types = check_parquet(self.source.files, cols)
-            offsets = np.concatenate([[0], np.cumsum([pq.ParquetFile(f).metadata.num_rows
-                                                      for f in self.source.files])])
-            self.con.register("src_files", pa.table({
-                "filename": [str(f) for f in self.source.files], "_offset": offsets[:-1].astype(np.int64)}))
-            listing = ", ".join("'" + str(f).replace("'", "''") + "'" for f in self.source.files)
-            names = ", ".join(f'p."{c}"' for c in cols)
-            src = (f"(SELECT {names}, CAST(p.file_row_number + o._offset AS BIGINT) AS _row FROM "
-                   f"read_parquet([{listing}], filename=true, file_row_number=true) p "
-                   f"JOIN src_files o ON p.filename = o.filename)")
+            src, types = self._files_sql(cols)
+        return src, types
+
+    def _files_sql(self, cols: list[str]) -> tuple[str, dict[str, pa.DataType]]:
+        """`_source_sql` for Parquet files: local, or read through the URL's filesystem
+        (`remote.duckdb_filesystem`); a column no file holds comes from the files' Hive
+        partition folders (joined per file, as its row-number offset is)."""
+        source = self.source
+        types = check_parquet(source.files, cols, source.filesystem, source.partitions)
+        in_files = set(pq.read_schema(source.files[0], filesystem=source.filesystem).names)
+        from_folders = [c for c in cols if c not in in_files]
+        names = [f"{PROTOCOL}://{f}" if source.filesystem is not None else str(f) for f in source.files]
+        if source.filesystem is not None:
+            self.con.register_filesystem(duckdb_filesystem(source.filesystem))
+        offsets = np.concatenate([[0], np.cumsum(source.file_rows())])
+        self.con.register("src_files", pa.table({
+            "filename": names, "_offset": offsets[:-1].astype(np.int64),
+            **{c: source.partitions[c] for c in from_folders}}))
+        listing = ", ".join("'" + f.replace("'", "''") + "'" for f in names)
+        picked = ", ".join(f'o."{c}"' if c in from_folders else f'p."{c}"' for c in cols)
+        src = (f"(SELECT {picked}, CAST(p.file_row_number + o._offset AS BIGINT) AS _row FROM "
+               f"read_parquet([{listing}], filename=true, file_row_number=true, hive_partitioning=false) p "
+               f"JOIN src_files o ON p.filename = o.filename)")
         return src, types
 
     def _typed(self) -> set[str]:
@@ -134,8 +148,7 @@ class StoreBuild:
         and row there."""
         if self.source.files is None:
             return f"{self.source.what}: row {row + 1}"
-        for k, f in enumerate(self.source.files):
-            n = pq.ParquetFile(f).metadata.num_rows
+        for k, (f, n) in enumerate(zip(self.source.files, self.source.file_rows())):
             if row < n:
                 if self.source.origins:
                     return f"{self.source.origins[k]}: row {row + 1} below the header"

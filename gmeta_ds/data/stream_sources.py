@@ -1,36 +1,56 @@
-"""Where a task build's rows come from (`stream`): the files behind ``data.path``, their
+"""Where a task build's rows come from (`stream`): the files behind ``data.path`` (local, or
+the objects behind a URL, `remote`), their Hive ``key=value`` folders as columns, their
 Parquet footers checked, CSV staged to Parquet, or an in-memory `InteractionLog`.
 """
 from __future__ import annotations
 
 import glob as globlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from gmeta_ds.data import remote
 from gmeta_ds.data.readers import DataError, InteractionLog
 from gmeta_ds.files import data_file_problem, not_a_file
+
+_PARQUET, _CSV = (".parquet", ".pq"), (".csv", ".tsv", ".txt")
+
 
 @dataclass
 class Source:
     """Where the rows come from: Parquet ``files`` (in this order: row numbers run across
-    them), or an Arrow ``table`` in memory. ``what`` names it in messages."""
+    them), or an Arrow ``table`` in memory. ``what`` names it in messages. Files behind a URL
+    are paths in ``filesystem`` (a pyarrow filesystem; None: local files), ``stamps`` their
+    identities (`remote.object_stamps`); ``partitions`` holds each file's Hive partition
+    values (`hive_partitions`)."""
 
     what: str
-    files: list[Path] | None = None
+    files: list | None = None
     table: pa.Table | None = None
     fmt: str = "parquet"
-    origins: list[Path] | None = None  # CSV: the files that ``files`` were staged from
+    origins: list | None = None  # CSV: the files that ``files`` were staged from
+    filesystem: object = None
+    partitions: dict[str, pa.Array] = field(default_factory=dict)
+    stamps: list | None = None
+    _rows: list[int] | None = None
+
+    def file_rows(self) -> list[int]:
+        """Each file's number of rows (Parquet footers, read once)."""
+        if self._rows is None:
+            self._rows = [pq.ParquetFile(f, filesystem=self.filesystem).metadata.num_rows for f in self.files]
+        return self._rows
 
     def rows(self) -> int:
         """The number of rows (Parquet footers only)."""
         if self.table is not None:
             return self.table.num_rows
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        return sum(self.file_rows())
 
 
 def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
@@ -44,22 +64,14 @@ def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
         if not files:
             raise DataError(f"data.path: the glob {text!r} matches no file")
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_"))
-                       and f.suffix.lower() in (".parquet", ".pq", ".csv", ".tsv", ".txt"))
+        files = sorted(f for f in p.rglob("*") if f.is_file() and _log_file(f.name))
         if not files:
             raise DataError(f"{p}: the folder holds no .parquet, .pq, .csv, .tsv or .txt file")
     elif not_a_file(p) in (None, "is empty"):
         files = [p]
     else:
         raise DataError(f"{p}: {data_file_problem(not_a_file(p))} (data.path)")
-    kinds = {"parquet" if f.suffix.lower() in (".parquet", ".pq") else "csv" for f in files}
-    if fmt == "auto":
-        if len(kinds) > 1:
-            raise DataError(f"data.path {text}: mixes Parquet and CSV files; set data.format or "
-                            "keep one kind per folder")
-        fmt = kinds.pop()
-    if fmt not in ("csv", "parquet"):
-        raise DataError(f"data.format: {fmt!r} is not one of auto, csv, parquet")
+    fmt = _format(files, fmt, text)
     for f in files:
         what = not_a_file(f)
         if what is not None:
@@ -67,20 +79,77 @@ def source_files(path: str | Path, fmt: str) -> tuple[list[Path], str]:
     return files, fmt
 
 
-def check_parquet(files: list[Path], columns: list[str]) -> dict[str, pa.DataType]:
-    """Every file's schema (footer only): readable, has ``columns``, same types as the first
-    file; returns the types."""
+def _log_file(name: str) -> bool:
+    """Whether a file in a folder of shards is part of the log (not hidden, not ``_SUCCESS``)."""
+    return not name.startswith((".", "_")) and Path(name).suffix.lower() in _PARQUET + _CSV
+
+
+def _format(files: list, fmt: str, text: str) -> str:
+    """``data.format`` of ``files``: ``auto`` resolved from their suffixes, one kind only."""
+    kinds = {"parquet" if Path(str(f)).suffix.lower() in _PARQUET else "csv" for f in files}
+    if fmt == "auto":
+        if len(kinds) > 1:
+            raise DataError(f"data.path {text}: mixes Parquet and CSV files; set data.format or "
+                            "keep one kind per folder")
+        fmt = kinds.pop()
+    if fmt not in ("csv", "parquet"):
+        raise DataError(f"data.format: {fmt!r} is not one of auto, csv, parquet")
+    return fmt
+
+
+def _base(path: str | Path, files: list[Path]) -> str:
+    """The folder a local ``data.path``'s Hive partition folders are read below: the folder
+    itself, a glob's folder before its first pattern, a file's own folder."""
+    p = Path(str(path)).expanduser()
+    if any(ch in str(path) for ch in "*?["):
+        parts = p.parts
+        return str(Path(*parts[:next(k for k, x in enumerate(parts) if any(ch in x for ch in "*?["))]))
+    return str(p) if p.is_dir() else str(p.parent)
+
+
+_INT, _DATE = re.compile(r"-?[0-9]{1,18}"), re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def hive_partitions(files: list, base: str) -> dict[str, pa.Array]:
+    """Each file's Hive partition values (``date=2026-11-30/part-0.parquet`` below ``base``),
+    one array per key that every file has, typed as all its values allow: int64, date32
+    (``YYYY-MM-DD``), else string; ``__HIVE_DEFAULT_PARTITION__`` is a missing value."""
+    per_file = []
+    for f in files:
+        rel = str(f).removeprefix(base)
+        pairs = (part.split("=", 1) for part in rel.strip("/").split("/")[:-1] if "=" in part)
+        per_file.append({unquote(k): unquote(v) for k, v in pairs if k})
+    keys = [k for k in (per_file[0] if per_file else {}) if all(k in kv for kv in per_file)]
+    return {k: _typed([None if kv[k] == "__HIVE_DEFAULT_PARTITION__" else kv[k] for kv in per_file])
+            for k in keys}
+
+
+def _typed(values: list[str | None]) -> pa.Array:
+    present = [v for v in values if v is not None]
+    if present and all(_INT.fullmatch(v) for v in present):
+        return pa.array([None if v is None else int(v) for v in values], pa.int64())
+    if present and all(_DATE.fullmatch(v) for v in present):
+        return pc.cast(pa.array(values, pa.string()), pa.date32())
+    return pa.array(values, pa.string())
+
+
+def check_parquet(files: list[Path], columns: list[str], filesystem=None,
+                  partitions: dict[str, pa.Array] | None = None) -> dict[str, pa.DataType]:
+    """Every file's schema (footer only): readable, has ``columns`` (or a Hive partition
+    folder does), same types as the first file; returns the types."""
     first: dict[str, pa.DataType] | None = None
+    partitions = partitions or {}
     for f in files:
         try:
-            schema = pq.read_schema(f)
+            schema = pq.read_schema(f, filesystem=filesystem)
         except (OSError, ValueError) as exc:
-            raise DataError(f"{f}: cannot read as Parquet ({exc}); is the file truncated?") from None
-        missing = [c for c in columns if c not in schema.names]
+            raise DataError(f"{f}: cannot read as Parquet ({short_path(exc, 300)}); is the file truncated?") from None
+        missing = [c for c in columns if c not in schema.names and c not in partitions]
         if missing:
-            raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: "
-                            f"{', '.join(schema.names)}")
-        types = {c: plain_path(schema.field(c).type) for c in columns}
+            found = ", ".join(schema.names + [f"{k} (partition folder)" for k in partitions])
+            raise DataError(f"{f}: missing column(s) {', '.join(missing)}; columns found: {found}")
+        types = {c: plain_path(schema.field(c).type) if c in schema.names else partitions[c].type
+                 for c in columns}
         if first is None:
             first, first_file = types, f
         else:
@@ -113,15 +182,19 @@ def source_kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> list[Path]:
-    """CSV files -> Parquet shards of string columns under ``out`` (bounded memory: one
-    block at a time). Rows whose every cell is empty are dropped, as the in-memory reader
-    does; blank lines are skipped."""
+def stage_csv(files: list[Path], columns: list[str], sep: str, out: Path, filesystem=None) -> list[Path]:
+    """CSV files (local, or paths in a pyarrow ``filesystem``) -> Parquet shards of string
+    columns under ``out`` (bounded memory: one block at a time). Rows whose every cell is
+    empty are dropped, as the in-memory reader does; blank lines are skipped."""
     out.mkdir(parents=True, exist_ok=True)
     staged = []
+
+    def opened(f):
+        return filesystem.open_input_stream(f) if filesystem is not None else f
+
     for n, f in enumerate(files):
         try:
-            header = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
+            header = pacsv.open_csv(opened(f), parse_options=pacsv.ParseOptions(delimiter=sep),
                                     read_options=pacsv.ReadOptions(block_size=1 << 16)).schema.names
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{f}: cannot read as CSV ({short_path(exc)}); expected UTF-8 text with a header "
@@ -140,7 +213,7 @@ def stage_csv(files: list[Path], columns: list[str], sep: str, out: Path) -> lis
                                        strings_can_be_null=False)
         target = out / f"part-{n:05d}.parquet"
         try:
-            reader = pacsv.open_csv(f, parse_options=pacsv.ParseOptions(delimiter=sep),
+            reader = pacsv.open_csv(opened(f), parse_options=pacsv.ParseOptions(delimiter=sep),
                                     read_options=pacsv.ReadOptions(block_size=1 << 24),
                                     convert_options=convert)
             with pq.ParquetWriter(target, pa.schema([(c, pa.string()) for c in columns])) as writer:
@@ -165,7 +238,24 @@ def log_source(log: InteractionLog) -> Source:
     return Source(log.source, table=table)
 
 
-def file_source(path, fmt: str) -> Source:
-    """The files behind ``data.path`` (`source_files`) as a `Source`."""
+def file_source(path, fmt: str, options: dict | None = None, stamps: bool = False) -> Source:
+    """The files behind ``data.path`` as a `Source`: local files (`source_files`; a ``file://``
+    URL is a local path) or the objects behind a store's URL (`remote.list_objects`, with
+    ``data.storage_options``; their identities too when ``stamps``), with their Hive
+    partition values."""
+    scheme = remote.url_scheme(path)
+    if scheme == "file":
+        path = remote.local_path(path)
+    elif scheme is not None:
+        options = dict(options or {})
+        fs, base, infos = remote.list_objects(path, options)
+        infos = [i for i in infos if _log_file(i.base_name)]
+        if not infos:
+            raise DataError(f"data.path {remote.shown(path)}: no .parquet, .pq, .csv, .tsv or .txt object there")
+        files = [i.path for i in infos]
+        fmt = _format(files, fmt, remote.shown(path))
+        return Source(f"{fmt} table at {remote.shown(path)}", files=files, fmt=fmt, filesystem=fs,
+                      partitions=hive_partitions(files, base),
+                      stamps=remote.object_stamps(path, fs, base, infos, options) if stamps else None)
     files, fmt = source_files(path, fmt)
-    return Source(f"{fmt} table at {path}", files=files, fmt=fmt)
+    return Source(f"{fmt} table at {path}", files=files, fmt=fmt, partitions=hive_partitions(files, _base(path, files)))
