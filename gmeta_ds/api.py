@@ -51,8 +51,7 @@ from gmeta_ds.embedding.sharded import ShardedEmbeddingCollection
 from gmeta_ds.embedding.dynamic import EVICTIONS
 from gmeta_ds.embedding.tables import EXCHANGES, EmbeddingCollection, TableConfig
 from gmeta_ds.engine import ds_engine
-from gmeta_ds.engine.dist import (choose_threads, destroy_process_group, env_world, existing_group,
-                                  init_process_group)
+from gmeta_ds.engine.dist import choose_threads, destroy_process_group, env_world, init_process_group, run_world
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional.inner import LOSSES, choose_vectorize
 from gmeta_ds.models.base import FieldModel
@@ -453,9 +452,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
     tables = _check_engine_inputs(learner, tables, lr, resume, output_dir)
     run = _run_config(config, tasks_per_micro_batch, tasks_per_meta_step, lr, seed, resume, output_dir,
                       nonfinite, collective_timeout_s)
-    joined = existing_group(collective_timeout_s)  # a group the user started: its ranks, no second start
-    first, size = joined or env_world()[:2]
-    ds_config, plan = resolve_ds_config(run, size, "the existing process group" if joined else "the launch")
+    ranks = run_world(collective_timeout_s)  # a group the user started gives them: no second start
+    ds_config, plan = resolve_ds_config(run, ranks.size, ranks.origin)
     ds_engine.check_device_support(ds_config)
     ds_engine.check_ds_config(ds_config)
     net = learner.net
@@ -463,8 +461,8 @@ def initialize(learner: MetaLearner, config: dict | str | Path = DEFAULTS.deepsp
         net.embedding = EmbeddingCollection(tables, seed)  # trained by DeepSpeed with the rest
     if not ds_engine.is_partitioned(learner):  # local: before any collective
         probe_model(learner, *probe_shape(net, tables), "gmeta_ds.initialize")
-    _set_threads(count, why, first)
-    if joined is None:
+    _set_threads(count, why, ranks.rank)
+    if not ranks.joined:
         init_process_group(collective_timeout_s)
         # Tear the group down before the interpreter finalises: left to process exit, gloo's
         # threads are destroyed unjoined after all-to-alls and torch aborts ("terminate called

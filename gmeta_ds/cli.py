@@ -280,7 +280,7 @@ def _cmd_validate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     from gmeta_ds.config.deepspeed import resolve_ds_config
-    from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, set_threads
+    from gmeta_ds.engine.dist import destroy_process_group, env_world, init_process_group, run_world, set_threads
     from gmeta_ds.engine.ds_engine import check_device_support, check_ds_config
     from gmeta_ds.engine.sites import site_run
     from gmeta_ds.run.outputs import check_earlier_run
@@ -292,7 +292,8 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
 
     runtime_rss = rss_mib()  # interpreter, torch, DeepSpeed: before any model or data
     # Validate everything that can fail before the first collective, on every rank.
-    ds_config, plan = resolve_ds_config(cfg, env_world()[1])
+    ranks = run_world(cfg.train.collective_timeout_s)  # the launcher's, or a group's already up
+    ds_config, plan = resolve_ds_config(cfg, ranks.size, ranks.origin)
     if cfg.sites.count > 1:  # this rank's site: its share of the batch, its own folder
         if splits:
             raise ConfigError([f"--splits {splits} with sites.count: {cfg.sites.count}: train the splits "
@@ -309,7 +310,7 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
     else:
         done = completed_run(cfg)
         if done is not None:  # a requeue of a finished run: exit 0, touch nothing
-            if env_world()[0] == 0:
+            if ranks.rank == 0:
                 print(f"gmeta-ds train: {done}")
             return 0
         check_earlier_run(cfg)  # an earlier run in output_dir: refused unless train.overwrite
@@ -326,7 +327,7 @@ def _cmd_train(cfg: RunConfig, splits: int | None = None) -> int:
             raise RuntimeError(f"process group has {world} ranks but WORLD_SIZE said "
                                f"{plan.world_size}")
         lines = body(rank)
-        if env_world()[0] == 0:  # the launcher's rank 0 (across sites: site 0's first rank)
+        if ranks.rank == 0:  # the launcher's rank 0 (across sites: site 0's first rank)
             print("\n".join(lines))
     except NonFiniteLoss as exc:  # every rank raises it, before any update of that meta-step
         destroy_process_group(clean_exit=False)

@@ -11,6 +11,7 @@ import gc
 import os
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from gmeta_ds.errors import CollectiveTimeout, ConfigError
 
 # Rendezvous variables init_process_group set itself (no launcher), removed at teardown.
 _SET_BY_US: dict[str, str] = {}
+# The default group init_process_group started: destroy_process_group ends only that group; one
+# the user started (`existing_group`) stays theirs.
+_STARTED_HERE: list = [None]
 
 
 def free_port() -> int:
@@ -163,6 +167,25 @@ def existing_group(timeout_s: int) -> tuple[int, int] | None:
     return dist.get_rank(), dist.get_world_size()
 
 
+class RunWorld(NamedTuple):
+    """Where a run's ranks come from, known before its first collective (`run_world`)."""
+
+    rank: int
+    size: int
+    origin: str  # in the batch keys' errors: "the existing process group" or "the launch"
+    joined: bool  # a group was already up: used as it is, never started or torn down here
+
+
+def run_world(timeout_s: int) -> RunWorld:
+    """The rank and world size a run plans for (`gm.initialize`, ``gmeta-ds train`` through
+    ``gmeta_ds.cli.main`` in a process that has a group): an existing default process group's
+    (`existing_group`, its backend checked), else the launcher's (`env_world`)."""
+    joined = existing_group(timeout_s)
+    if joined is not None:
+        return RunWorld(*joined, "the existing process group", True)
+    return RunWorld(*env_world()[:2], "the launch", False)
+
+
 def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
     """Initialise DeepSpeed's communication backend; returns (rank, world size) of the
     process group: the launcher's, or with ``sites`` > 1 this rank's site's (`engine.sites`).
@@ -172,7 +195,7 @@ def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
     """
     import deepspeed
 
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ and not dist.is_initialized():  # a started group has its ranks
         single = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         os.environ.update(single)
@@ -191,6 +214,7 @@ def init_process_group(timeout_s: int, sites: int = 1) -> tuple[int, int]:
             if sites > 1:
                 start_sites(sites, backend, timeout, launched)
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+            _STARTED_HERE[0] = dist.group.WORLD
         except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError
             if is_collective_timeout(exc):
                 raise _rendezvous_timeout(exc, world, timeout_s) from None
@@ -350,9 +374,9 @@ _TEARDOWN_BARRIER_S = 60
 
 
 def destroy_process_group(clean_exit: bool = True) -> None:
-    """Tear down the process group if one exists (always called by the CLI), and forget the
-    single-process rendezvous variables set here, so a later run in this process gets a
-    fresh port.
+    """Tear down the process group if `init_process_group` started it (always called by the
+    CLI; a group the user started stays up), and forget the single-process rendezvous
+    variables set here, so a later run in this process gets a fresh port.
 
     Gloo aborts a finished process ("terminate called without an active exception", SIGABRT,
     seen about once in a few hundred 2-rank exits under load) when its worker threads still
@@ -363,7 +387,7 @@ def destroy_process_group(clean_exit: bool = True) -> None:
     them closes its connections. After an error there is no barrier: peers may be inside
     another collective, and the launcher ends them."""
     stop_sites(clean_exit)
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.group.WORLD is _STARTED_HERE[0]:
         gc.collect()
         if clean_exit and dist.get_world_size() > 1:
             with contextlib.suppress(Exception):
@@ -372,6 +396,7 @@ def destroy_process_group(clean_exit: bool = True) -> None:
                 else:
                     dist.barrier()
         ds_internals.destroy_world()
+        _STARTED_HERE[0] = None
     for key, value in list(_SET_BY_US.items()):
         if os.environ.get(key) == value:
             del os.environ[key]

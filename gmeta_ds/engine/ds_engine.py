@@ -37,15 +37,17 @@ def check_ds_config(ds_config: dict, source: str = "deepspeed") -> None:
     """Run DeepSpeed's own config parser (pydantic models: unknown or mistyped ZeRO, bf16,
     ... keys) and the engine's optimizer checks on a resolved config, before any collective:
     ``deepspeed.initialize`` only raises them on every rank after the process group is up.
-    The batch keys are re-expressed for one rank (the world size was checked already)."""
+    The batch keys are re-expressed for the world size the parser reads (1 before DeepSpeed's
+    communication starts, else the process group's; `ds_internals.parser_world_size`): the
+    world size of the plan was checked already."""
     import math
 
     from gmeta_ds.errors import ConfigError
 
-    one_rank = {**ds_config, "train_batch_size": ds_config["train_micro_batch_size_per_gpu"]
-                * ds_config["gradient_accumulation_steps"]}
+    as_seen = {**ds_config, "train_batch_size": ds_config["train_micro_batch_size_per_gpu"]
+               * ds_config["gradient_accumulation_steps"] * ds_internals.parser_world_size()}
     try:
-        ds_internals.parse_ds_config(one_rank)
+        ds_internals.parse_ds_config(as_seen)
     except Exception as exc:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic" not in ln]
         raise ConfigError([f"deepspeed: DeepSpeed rejects the config: {' | '.join(lines[:4])}"],

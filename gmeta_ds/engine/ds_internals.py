@@ -264,6 +264,18 @@ def parse_ds_config(ds_config: dict) -> None:
     importlib.import_module(CONFIG_MODULE).DeepSpeedConfig(ds_config)
 
 
+def parser_world_size() -> int:
+    """The world size DeepSpeed's config parser checks the batch keys against, read as it reads
+    it: ``deepspeed.comm.get_world_size()``, 1 where that raises (DeepSpeed's communication
+    never started in this process). Once anything started it (Accelerate's DeepSpeed plugin,
+    ``deepspeed.init_distributed``, an earlier run in the process) it is the live process
+    group's size. Tested with deepspeed 0.19.8 (``DeepSpeedConfig.__init__``)."""
+    try:
+        return int(importlib.import_module("deepspeed.comm").get_world_size())
+    except (RuntimeError, AssertionError, AttributeError):  # what DeepSpeed's parser catches
+        return 1
+
+
 def optimizer_names() -> list[str]:
     """The optimizer types DeepSpeed itself builds (lower case)."""
     return list(importlib.import_module(CONFIG_MODULE).DEEPSPEED_OPTIMIZERS)

@@ -148,6 +148,9 @@ def site_run(cfg, ds_config: dict, plan, env_world: tuple[int, int, int]):
 
     problems: list[str] = []
     validate_sites_run(cfg, zero_stage(ds_config), problems)
+    if dist.is_initialized():  # gmeta_ds.cli.main called in a process that started a group
+        problems.append(f"sites.count: {cfg.sites.count} sites start their own process groups, but this "
+                        "process has one already; start gmeta-ds train as its own process")
     if problems:
         raise ConfigError(problems)
     layout = site_layout(cfg.sites.count, *env_world)

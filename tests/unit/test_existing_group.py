@@ -48,3 +48,18 @@ def test_a_group_whose_backend_does_not_fit_the_device_is_named(started_group, m
                                           r"init_process_group\(backend='nccl'\)"):
         existing_group(30)
     assert "LOCAL_RANK" not in os.environ  # refused before anything was changed
+
+
+def test_sites_are_refused_on_a_started_group(started_group):
+    """``sites.count`` > 1 starts its own groups from the launcher's rendezvous: not in a process
+    (gmeta_ds.cli.main called by a script) whose group is already up."""
+    from gmeta_ds.config import config_from_dict
+    from gmeta_ds.config.deepspeed import resolve_ds_config
+    from gmeta_ds.engine.sites import site_run
+
+    cfg = config_from_dict({"sites": {"count": 2}, "deepspeed": {"optimizer": {"type": "Adam"}},
+                            "meta": {"tasks_per_micro_batch": 2, "tasks_per_meta_step": 8}})
+    ds_config, plan = resolve_ds_config(cfg, 4)
+    with pytest.raises(ConfigError, match="sites.count: 2 sites start their own process groups, but this "
+                                          "process has one already; start gmeta-ds train as its own process"):
+        site_run(cfg, ds_config, plan, (0, 4, 4))
