@@ -20,6 +20,7 @@ over ``--max-body-bytes`` (grpc's own receive limit), INTERNAL for a bug (the se
 from __future__ import annotations
 
 import math
+import socket
 from contextlib import asynccontextmanager
 
 import grpc
@@ -200,12 +201,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 def grpc_service(host: str, port: int):
     """`server.create_app`'s service serving `InferenceService` on ``host:port`` (0: a free
     port, printed) for the application's life; grpc refuses a message over the app's
-    ``max_body_bytes`` before it is decoded. A port it cannot listen on is a `ConfigError`."""
+    ``max_body_bytes`` before it is decoded. A port it cannot listen on is a `ConfigError`,
+    here already when it is taken (before the export loads and uvicorn starts)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if port:
+        _check_free(host, port, address)
 
     @asynccontextmanager
     async def run(app: App):
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", app.options.max_body_bytes)])
+        # no SO_REUSEPORT (grpc's default): a second server on a taken port fails, not shares it
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", app.options.max_body_bytes),
+                                          ("grpc.so_reuseport", 0)])
         service = InferenceService(app)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
         try:
@@ -221,3 +227,13 @@ def grpc_service(host: str, port: int):
             service.ready = False  # new calls: UNAVAILABLE; those under way finish within the grace
             await server.stop(grace=5)
     return run
+
+
+def _check_free(host: str, port: int, address: str) -> None:
+    """A `ConfigError` naming ``--grpc-port`` when ``host:port`` cannot be listened on now."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds: TIME_WAIT is no obstacle
+            probe.bind((host, port))
+    except OSError as exc:
+        raise ConfigError([f"--grpc-port {port}: cannot listen on {address} ({exc.strerror or exc})"]) from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 
 import grpc
 import httpx
@@ -19,7 +20,8 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclien
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from gmeta_ds.serving.grpc_server import InferenceService
+from gmeta_ds.errors import ConfigError
+from gmeta_ds.serving.grpc_server import InferenceService, grpc_service
 from tests.unit.test_serving_adapter import requests
 from tests.unit.test_serving_server import _oip_body
 from tests.unit.test_serving_triton import _arrays, _inputs
@@ -185,6 +187,17 @@ def test_a_service_not_ready_answers_unavailable_and_says_so():
     assert caught.value.args == (grpc.StatusCode.UNAVAILABLE, "server: not ready: the server is stopping")
     assert app.metrics.seen == [("grpc/ModelInfer", "UNAVAILABLE")]
     assert not asyncio.run(service.ServerReady(None, _Context())).ready
+
+
+def test_a_taken_grpc_port_is_refused_naming_it():
+    """In process: ``--grpc-port`` on a port another socket listens on is a one-line
+    `ConfigError` when the service is made (the CLI's exit 2), before any export loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}"):
+            grpc_service("127.0.0.1", port)
 
 
 def test_the_checked_in_generated_modules_equal_a_fresh_generation():
