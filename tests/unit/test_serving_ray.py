@@ -19,9 +19,10 @@ import pytest
 import gmeta_ds as gm
 from gmeta_ds.errors import ConfigError
 from tests.helpers import click_log
+from tests.pool import free_port
 from tests.unit.test_saved_model import _engine
 from tests.unit.test_serving_adapter import KEYS, requests
-from tests.unit.test_serving_server import BAD, _free_port, _json_body, _oip_body, dcn
+from tests.unit.test_serving_server import BAD, _json_body, _oip_body, dcn
 
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 ray = pytest.importorskip("ray")
@@ -43,7 +44,7 @@ def cluster(tmp_path_factory):
     env = {"PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    port = _free_port()
+    port = free_port()
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  _temp_dir=temp, log_to_driver=False)
