@@ -19,6 +19,7 @@ store, an unchanged prefix reuses it after one listing, without reading any obje
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import re
 from urllib.parse import unquote, urlsplit
@@ -174,15 +175,87 @@ def _text(value) -> str:
 
 def duckdb_filesystem(fs: pafs.FileSystem):
     """``fs`` as an fsspec filesystem under `PROTOCOL`, for ``duckdb.register_filesystem``: a
-    file ``p`` of ``fs`` is ``gmetads://p`` in DuckDB's queries."""
+    file ``p`` of ``fs`` is ``gmetads://p`` in DuckDB's queries. Each object's metadata is
+    asked once and each object opened once: DuckDB asks a file's size and opens it for every
+    scan and thread (each a HEAD request on S3, 211 in a 37k-row build before this cache)."""
     from fsspec.implementations.arrow import ArrowFSWrapper
 
     class StoreFS(ArrowFSWrapper):
         protocol = PROTOCOL
+
+        def __init__(self, fs, **kwargs):
+            super().__init__(fs, **kwargs)
+            self.known: dict[str, pafs.FileInfo] = {}
+            self.opened: dict[str, object] = {}
 
         @classmethod
         def _strip_protocol(cls, path):
             path = path[len(PROTOCOL) + 3:] if path.startswith(PROTOCOL + "://") else path
             return path.rstrip("/") or "/"
 
+        def file_info(self, path: str) -> pafs.FileInfo:
+            path = self._strip_protocol(path)
+            if path not in self.known:
+                self.known[path] = self.fs.get_file_info(path)
+            return self.known[path]
+
+        def info(self, path, **kwargs):
+            return self._make_entry(self.file_info(path))
+
+        def modified(self, path):
+            return self.file_info(path).mtime
+
+        def glob(self, path, **kwargs):  # DuckDB globs each listed file on every scan
+            if any(ch in path for ch in "*?["):
+                return super().glob(path, **kwargs)
+            info = self.file_info(path)
+            return [info.path] if info.type == pafs.FileType.File else []
+
+        def _open(self, path, mode="rb", block_size=None, seekable=True, **kwargs):
+            if mode != "rb" or not seekable:
+                return super()._open(path, mode, block_size, seekable, **kwargs)
+            path = self._strip_protocol(path)
+            if path not in self.opened:  # opening is a request (S3: a HEAD); reading at offsets is not
+                self.opened[path] = self.fs.open_input_file(path)
+            return RangeReader(self.opened[path], self.file_info(path).size)
+
+
     return StoreFS(fs, skip_instance_cache=True)
+
+
+class RangeReader(io.RawIOBase):
+    """A read-only file over an opened object of ``size`` bytes, with a position of its own:
+    its reads are ``read_at`` calls (range requests, safe from several threads), so every scan
+    shares one opened object."""
+
+    def __init__(self, native, size: int) -> None:
+        super().__init__()
+        self.native, self.size, self.pos = native, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, start + offset)
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n is None or n < 0 else min(n, self.size - self.pos)
+        if n <= 0:
+            return b""
+        data = self.native.read_at(n, self.pos)
+        data = data.to_pybytes() if hasattr(data, "to_pybytes") else bytes(data)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)

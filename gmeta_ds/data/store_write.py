@@ -94,8 +94,10 @@ def _run_build(source: Source, schema: LogSchema, cfg, seed: int, work: Path) ->
         b.stats["build_s"] = round(time.perf_counter() - started, 3)
         return b, splits
     except duckdb.Error as exc:  # e.g. a damaged data page behind an intact footer
-        raise DataError(f"{source.what}: the task build failed while reading the log: "
-                        f"{str(exc).splitlines()[0]}") from None
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        # an error of a URL's filesystem comes through DuckDB as a Python traceback: its last line
+        line = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+        raise DataError(f"{source.what}: the task build failed while reading the log: {line}") from None
     finally:
         con.close()
 
