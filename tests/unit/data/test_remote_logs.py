@@ -197,3 +197,12 @@ def test_secret_storage_options_never_reach_the_summary_or_the_printed_config():
     assert shown == {"endpoint_override": "http://127.0.0.1:9000", "access_key": "***", "secret_key": "***",
                      "session_token": "***"}
     assert cfg.data.storage_options["secret_key"] == SECRET  # the build still gets it
+
+
+def test_a_csv_object_is_staged_from_the_store_as_a_local_csv_is(s3, tmp_path):
+    client, bucket, _ = s3
+    local = tmp_path / "log.csv"
+    frame(seed=2).to_csv(local, index=False)
+    client.upload_file(str(local), bucket, "csv/log.csv")
+    plain = build_tasks(table_cfg(local, tmp_path), seed=0)
+    assert_same(plain, build_tasks(table_cfg(f"s3://{bucket}/csv/log.csv", tmp_path), seed=0), SKIP)
