@@ -122,6 +122,9 @@ class DataConfig:
     # store's standard chain (AWS_* variables, ~/.aws profiles, instance roles) does not give.
     # Secret values (keys named *key*, *secret*, *token*...) show as *** in summary.json and logs.
     storage_options: dict[str, Union[str, int, float, bool]] = field(default_factory=dict)
+    # Table logs in Hive key=value folders: a SQL condition on the partition columns
+    # ("date >= '2026-11-01' AND country = 'fr'"); files of other partitions are never read.
+    filter: str = ""
 
 
 def validate_log(data: DataConfig, problems: list[str]) -> None:

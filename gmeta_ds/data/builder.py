@@ -74,9 +74,11 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
     else:
         settings["raw_ids"] = sorted(settings["raw_ids"])
     settings.pop("storage_options")  # how to reach the store, not what it holds (and may hold secrets)
+    if not settings["filter"]:  # the key of stores built before data.filter existed
+        settings.pop("filter")
     path = Path(cfg.path).expanduser()
     if cfg.source == "table":  # a file, a folder of shards, a glob, or the objects behind a URL
-        source = file_source(cfg.path, cfg.format, cfg.storage_options, stamps=True)
+        source = file_source(cfg.path, cfg.format, cfg.storage_options, stamps=True, where=cfg.filter)
         files = [] if source.stamps is not None else source.files
         stamps = source.stamps or []
     else:
@@ -194,7 +196,7 @@ def build_tasks(cfg: DataConfig, seed: int, timeout_s: float = STALL_S) -> TaskD
                 if store.exists():  # an older gmeta_ds's store (no checksums) or a folder without manifest
                     shutil.rmtree(store)
                 if cfg.source == "table":
-                    source = file_source(cfg.path, cfg.format, cfg.storage_options)
+                    source = file_source(cfg.path, cfg.format, cfg.storage_options, where=cfg.filter)
                     schema = table_schema(cfg)
                 else:
                     log = read_log(cfg)

@@ -5,10 +5,8 @@ Parquet footers checked, CSV staged to Parquet, or an in-memory `InteractionLog`
 from __future__ import annotations
 
 import glob as globlib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,6 +14,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from gmeta_ds.data import remote
+from gmeta_ds.data.partitions import hive_partitions, partition_filter
 from gmeta_ds.data.readers import DataError, InteractionLog
 from gmeta_ds.files import data_file_problem, not_a_file
 
@@ -105,32 +104,6 @@ def _base(path: str | Path, files: list[Path]) -> str:
         parts = p.parts
         return str(Path(*parts[:next(k for k, x in enumerate(parts) if any(ch in x for ch in "*?["))]))
     return str(p) if p.is_dir() else str(p.parent)
-
-
-_INT, _DATE = re.compile(r"-?[0-9]{1,18}"), re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
-
-
-def hive_partitions(files: list, base: str) -> dict[str, pa.Array]:
-    """Each file's Hive partition values (``date=2026-11-30/part-0.parquet`` below ``base``),
-    one array per key that every file has, typed as all its values allow: int64, date32
-    (``YYYY-MM-DD``), else string; ``__HIVE_DEFAULT_PARTITION__`` is a missing value."""
-    per_file = []
-    for f in files:
-        rel = str(f).removeprefix(base)
-        pairs = (part.split("=", 1) for part in rel.strip("/").split("/")[:-1] if "=" in part)
-        per_file.append({unquote(k): unquote(v) for k, v in pairs if k})
-    keys = [k for k in (per_file[0] if per_file else {}) if all(k in kv for kv in per_file)]
-    return {k: _typed([None if kv[k] == "__HIVE_DEFAULT_PARTITION__" else kv[k] for kv in per_file])
-            for k in keys}
-
-
-def _typed(values: list[str | None]) -> pa.Array:
-    present = [v for v in values if v is not None]
-    if present and all(_INT.fullmatch(v) for v in present):
-        return pa.array([None if v is None else int(v) for v in values], pa.int64())
-    if present and all(_DATE.fullmatch(v) for v in present):
-        return pc.cast(pa.array(values, pa.string()), pa.date32())
-    return pa.array(values, pa.string())
 
 
 def check_parquet(files: list[Path], columns: list[str], filesystem=None,
@@ -238,11 +211,12 @@ def log_source(log: InteractionLog) -> Source:
     return Source(log.source, table=table)
 
 
-def file_source(path, fmt: str, options: dict | None = None, stamps: bool = False) -> Source:
+def file_source(path, fmt: str, options: dict | None = None, stamps: bool = False, where: str = "") -> Source:
     """The files behind ``data.path`` as a `Source`: local files (`source_files`; a ``file://``
     URL is a local path) or the objects behind a store's URL (`remote.list_objects`, with
     ``data.storage_options``; their identities too when ``stamps``), with their Hive
-    partition values."""
+    partition values; under ``data.filter`` (``where``) only the files whose partition values
+    pass it (`partition_filter`), the others never read."""
     scheme = remote.url_scheme(path)
     if scheme == "file":
         path = remote.local_path(path)
@@ -252,10 +226,17 @@ def file_source(path, fmt: str, options: dict | None = None, stamps: bool = Fals
         infos = [i for i in infos if _log_file(i.base_name)]
         if not infos:
             raise DataError(f"data.path {remote.shown(path)}: no .parquet, .pq, .csv, .tsv or .txt object there")
+        parts = hive_partitions([i.path for i in infos], base)
+        if where:
+            keep = partition_filter(where, parts, remote.shown(path))
+            infos, parts = [i for i, k in zip(infos, keep) if k], {c: v.filter(keep) for c, v in parts.items()}
         files = [i.path for i in infos]
         fmt = _format(files, fmt, remote.shown(path))
-        return Source(f"{fmt} table at {remote.shown(path)}", files=files, fmt=fmt, filesystem=fs,
-                      partitions=hive_partitions(files, base),
+        return Source(f"{fmt} table at {remote.shown(path)}", files=files, fmt=fmt, filesystem=fs, partitions=parts,
                       stamps=remote.object_stamps(path, fs, base, infos, options) if stamps else None)
     files, fmt = source_files(path, fmt)
-    return Source(f"{fmt} table at {path}", files=files, fmt=fmt, partitions=hive_partitions(files, _base(path, files)))
+    parts = hive_partitions(files, _base(path, files))
+    if where:
+        keep = partition_filter(where, parts, str(path))
+        files, parts = [f for f, k in zip(files, keep) if k], {c: v.filter(keep) for c, v in parts.items()}
+    return Source(f"{fmt} table at {path}", files=files, fmt=fmt, partitions=parts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import http.server
+import logging
 import threading
 
 import numpy as np
@@ -18,8 +19,8 @@ from test_stream import SCHEMA, assert_same, frame, table_cfg
 import gmeta_ds as gm
 from gmeta_ds.config import SchemaConfig, config_from_dict, config_to_dict
 from gmeta_ds.data.builder import build_tasks, store_path
+from gmeta_ds.data.partitions import hive_partitions
 from gmeta_ds.data.readers import DataError
-from gmeta_ds.data.stream_sources import hive_partitions
 
 SKIP = ("cache", "build_s", "build_phases_s", "source")  # "source" names the path
 BY_DAY = SchemaConfig(**{**SCHEMA, "timestamp": "day"})  # the partition folder's date as the time
@@ -206,3 +207,50 @@ def test_a_csv_object_is_staged_from_the_store_as_a_local_csv_is(s3, tmp_path):
     client.upload_file(str(local), bucket, "csv/log.csv")
     plain = build_tasks(table_cfg(local, tmp_path), seed=0)
     assert_same(plain, build_tasks(table_cfg(f"s3://{bucket}/csv/log.csv", tmp_path), seed=0), SKIP)
+
+
+
+def later_days(one, tmp_path):
+    """The plain file's rows of 2026-11-02 and 2026-11-03 (in order), as their own file."""
+    table = pq.read_table(one)
+    later = table.filter(pa.compute.greater_equal(table.column("day"), pa.scalar(datetime.date(2026, 11, 2))))
+    path = tmp_path / "later.parquet"
+    pq.write_table(later, path)
+    return path
+
+
+def test_a_partition_filter_reads_only_the_partitions_it_keeps(tmp_path):
+    one, hive = day_log(tmp_path)
+    (hive / "day=2026-11-01" / "part-00000.parquet").write_bytes(b"not parquet: never read")
+    expected = build_tasks(cfg_for(later_days(one, tmp_path), tmp_path), seed=0)
+    for where in ("day >= '2026-11-02'", "day IN ('2026-11-02', '2026-11-03')"):
+        assert_same(expected, build_tasks(cfg_for(hive, tmp_path, filter=where), seed=0), SKIP)
+    bad = {"ts > 3": "data.filter 'ts > 3': .*partition column\\(s\\) day",
+           "day > '2027-01-01'": "keeps none of the 3 file",
+           "day >=": "data.filter 'day >=': .*expected a SQL condition"}
+    for where, message in bad.items():
+        with pytest.raises(DataError, match=message):
+            build_tasks(cfg_for(hive, tmp_path, filter=where), seed=0)
+    with pytest.raises(DataError, match="has no Hive partition folders"):
+        build_tasks(cfg_for(one, tmp_path, filter="day > '2026-11-01'"), seed=0)
+
+
+def test_a_partition_filter_on_s3_sends_no_request_for_the_other_partitions(s3, tmp_path):
+    client, bucket, one = s3
+    excluded = "clicks/day=2026-11-01/part-00000.parquet"
+    client.put_object(Bucket=bucket, Key=excluded, Body=b"not parquet: never read")
+    requests = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            requests.append(record.getMessage())
+
+    seen = Seen()
+    logging.getLogger("werkzeug").addHandler(seen)
+    try:
+        built = build_tasks(cfg_for(f"s3://{bucket}/clicks/", tmp_path, filter="day >= '2026-11-02'"), seed=0)
+    finally:
+        logging.getLogger("werkzeug").removeHandler(seen)
+    assert_same(build_tasks(cfg_for(later_days(one, tmp_path), tmp_path), seed=0), built, SKIP)
+    assert any("day=2026-11-02" in r for r in requests)  # the handler sees the server's requests
+    assert not [r for r in requests if "day=2026-11-01" in r]  # one listing, then none of that day
