@@ -6,7 +6,8 @@ same results bit for bit (``tests/unit/data/test_stream.py`` checks it against t
 path), but no step holds the log in memory:
 
 * the log is read by DuckDB straight from Parquet (one file, a folder of shards, a glob, as
-  Spark and Hive write them; only the needed columns), or from CSV staged to Parquet in
+  Spark and Hive write them, local or behind an ``s3://``, ``gs://``, ``abfs://`` or
+  ``hdfs://`` URL; only the needed columns), or from CSV staged to Parquet in
   chunks, or from an in-memory `InteractionLog` (the MovieLens and RecBole readers);
 * grouping, vocabularies, joins and the final sort are DuckDB queries under
   ``data.memory_limit``, spilling to a temporary folder beside the store;
@@ -26,7 +27,9 @@ shape and checksum, all checked on open with the arrays' values (`store_check`),
 half-written, damaged, edited or foreign folder is never used. One process builds a store
 while the others wait on `store_lock.build_lock`, a bounded wait.
 
-The code lives in: `stream_sources` (the log's files, CSV staging), `stream_sql` (the row
+The code lives in: `stream_sources` (the log's files, CSV staging), `remote` (a URL's
+objects through pyarrow's filesystems, handed to DuckDB), `partitions` (Hive ``key=value``
+folders, ``data.filter``), `stream_sql` (the row
 order key, column types as SQL), `stream_build` (the build's steps), `store_files` (the raw
 array files), `store_write` (`build_store`) and `store_read` (`open_store`, `StoreArray`);
 this module keeps their names importable from one place.
