@@ -9,7 +9,7 @@ LAYERS = {
     "gmeta_ds.config": 0, "gmeta_ds.errors": 0, "gmeta_ds.evaluation": 0, "gmeta_ds.run": 0, "gmeta_ds.config.arguments": 0, "gmeta_ds.config.deepspeed": 0, "gmeta_ds.run.launchers": 0,
     "gmeta_ds.evaluation.plots": 0, "gmeta_ds.evaluation.report": 0, "gmeta_ds.registry": 0, "gmeta_ds.run.tune": 0, "gmeta_ds.files": 0, "gmeta_ds.processes": 0,
     "gmeta_ds.sparse": 1, "gmeta_ds.functional": 1, "gmeta_ds.data": 1, "gmeta_ds.models": 1, "gmeta_ds.embedding": 1,
-    "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3, "gmeta_ds.embedding.pooled": 3,
+    "gmeta_ds.embedding.comm": 3, "gmeta_ds.embedding.sharded": 3,
     "gmeta_ds.embedding.sharding": 3,
     "gmeta_ds.algorithms": 2,
     "gmeta_ds.engine": 3, "gmeta_ds.run.profiling": 3,
