@@ -90,6 +90,9 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
             that is set; bounded memory, reused by later calls) as ``gmeta-ds train`` builds
             ``data.path``; or rows in memory: a pandas DataFrame, a pyarrow Table, a Hugging
             Face ``datasets.Dataset`` or a dict of equal-length arrays, one row per interaction.
+            A path may be a URL (``s3://``, ``gs://``, ``abfs://``, ``hdfs://``, ``file://``)
+            read in place, with Hive ``key=value`` folders as columns (docs/data.md;
+            ``storage_options=`` and ``filter=`` as ``data.storage_options`` / ``data.filter``).
         task_key: the column whose values are the tasks (users).
         item_key: the column of item ids.
         label: the column of labels.
