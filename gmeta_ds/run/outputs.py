@@ -85,11 +85,12 @@ def config_changes(recorded, cfg: RunConfig) -> list[str]:
 
 def _ours_inside(name: str, entry: str) -> bool:
     """Whether ``entry``, found in the earlier run's folder ``name``, is one gmeta-ds writes
-    there: checkpoint steps, ``latest`` and the universal conversion under ``checkpoints``,
-    TensorBoard's event files under ``tensorboard``."""
+    there: checkpoint steps, ``latest`` and the universal conversion under ``checkpoints``, with
+    the recovery scripts DeepSpeed copies beside ZeRO checkpoints (``zero_to_fp32.py``,
+    ``zero_to_torch.py``); TensorBoard's event files under ``tensorboard``."""
     if name == "checkpoints":
         return (checkpoint.TAG.fullmatch(entry) is not None or entry in (checkpoint.LATEST, "universal")
-                or entry == checkpoint.LATEST + ".tmp")
+                or entry == checkpoint.LATEST + ".tmp" or (entry.startswith("zero_to_") and entry.endswith(".py")))
     return entry.startswith("events.out.tfevents.")
 
 

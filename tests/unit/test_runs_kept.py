@@ -307,3 +307,13 @@ def test_overwrite_refuses_a_folder_holding_what_no_run_wrote(run_dir, planted, 
         assert f"--overwrite replaces only what a gmeta-ds run wrote, and these are not: {planted}" in err
         assert "nothing was changed" in err and "Traceback" not in err
         assert hashes(out) == before
+
+
+def test_overwrite_takes_what_deepspeed_writes_beside_checkpoints(run_dir, capsys):
+    """DeepSpeed copies its recovery scripts beside ZeRO checkpoints: they are the run's, not
+    foreign (a ZeRO-2 run's folder is replaced by --overwrite)."""
+    out, config = run_dir
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (out / "checkpoints" / script).write_text("# DeepSpeed's\n")
+    assert main(["validate", "--config", config, "--overwrite"]) == 0
+    assert "will be removed once every check has passed" in capsys.readouterr().out
