@@ -92,7 +92,9 @@ def build_tasks(source: Any, *, task_key: str, item_key: str, label: str,
             Face ``datasets.Dataset`` or a dict of equal-length arrays, one row per interaction.
             A path may be a URL (``s3://``, ``gs://``, ``abfs://``, ``hdfs://``, ``file://``)
             read in place, with Hive ``key=value`` folders as columns (docs/data.md;
-            ``storage_options=`` and ``filter=`` as ``data.storage_options`` / ``data.filter``).
+            ``storage_options=`` and ``filter=`` as ``data.storage_options`` / ``data.filter``),
+            or a Delta Lake table's folder (``version_as_of=`` / ``timestamp_as_of=`` pin its
+            snapshot; the version read is in ``stats["snapshot"]``).
         task_key: the column whose values are the tasks (users).
         item_key: the column of item ids.
         label: the column of labels.

@@ -1,6 +1,7 @@
 """``data``: where tasks come from (synthetic or a log on disk), and its own checks."""
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import Union
@@ -77,7 +78,8 @@ class DataConfig:
     prefetch: bool = True                     # collate the next meta-step in a background thread
     path: Union[str, None] = None          # logs: the folder or file to read (null with source: synthetic)
     dataset_name: Union[str, None] = None     # recbole: <name>.inter, .user, .item
-    format: str = "auto"                      # table: auto | csv | parquet
+    # table: auto | csv | parquet | delta (auto: a folder holding _delta_log/ is a Delta table)
+    format: str = "auto"
     sep: str = ","                            # table: CSV separator
     schema: SchemaConfig = field(default_factory=SchemaConfig)
     label: str = "binary"                     # binary: click = rating >= threshold; regression: the rating
@@ -125,6 +127,44 @@ class DataConfig:
     # Table logs in Hive key=value folders: a SQL condition on the partition columns
     # ("date >= '2026-11-01' AND country = 'fr'"); files of other partitions are never read.
     filter: str = ""
+    # A Delta Lake table (data.format: delta, or a folder holding _delta_log/): the version to
+    # read; null (and no timestamp_as_of): the latest. The version read is in summary.json's
+    # data_snapshot and keys the task store.
+    version_as_of: Union[int, None] = None
+    # A Delta Lake table: the last version committed at or before this time (ISO 8601, e.g.
+    # "2026-11-30T08:00:00Z"; without a zone, UTC). Not with version_as_of.
+    timestamp_as_of: Union[str, None] = None
+
+
+def parse_as_of(text: str) -> datetime.datetime:
+    """``data.timestamp_as_of`` ("2026-11-30", "2026-11-30T08:00:00Z", "...+02:00") as an aware
+    datetime (no zone: UTC); ValueError naming the key for anything else."""
+    try:
+        when = datetime.datetime.fromisoformat(str(text).strip())
+    except ValueError:
+        raise ValueError(f"data.timestamp_as_of: {text!r} is not an ISO 8601 time such as 2026-11-30 or "
+                         "2026-11-30T08:00:00Z") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
+
+
+def _check_snapshot(data: DataConfig, problems: list[str]) -> None:
+    """``data.version_as_of`` / ``data.timestamp_as_of``: one of them, each well formed, and
+    only where the log may be a Delta table."""
+    if data.version_as_of is not None and data.timestamp_as_of is not None:
+        problems.append(f"data.version_as_of ({data.version_as_of}) and data.timestamp_as_of "
+                        f"({data.timestamp_as_of!r}): both set; a snapshot is pinned by one of them")
+    if data.version_as_of is not None and data.version_as_of < 0:
+        problems.append(f"data.version_as_of: {data.version_as_of} must be >= 0 (a Delta table's versions "
+                        "count from 0)")
+    if data.timestamp_as_of is not None:
+        try:
+            parse_as_of(data.timestamp_as_of)
+        except ValueError as exc:
+            problems.append(str(exc))
+    pinned = [k for k in ("version_as_of", "timestamp_as_of") if getattr(data, k) is not None]
+    if pinned and data.format in ("csv", "parquet"):
+        problems.append(f"data.{pinned[0]}: set, but data.format is {data.format!r}; only a Delta table has "
+                        "versions (data.format: delta or auto)")
 
 
 def validate_log(data: DataConfig, problems: list[str]) -> None:
@@ -140,13 +180,14 @@ def validate_log(data: DataConfig, problems: list[str]) -> None:
                         "data.schema.timestamp names no column; name it, or use 'random'")
     one_of(problems, "data.short_tasks", data.short_tasks, ("skip", "error"))
     one_of(problems, "data.label", data.label, LABEL_KINDS)
-    one_of(problems, "data.format", data.format, ("auto", "csv", "parquet"))
+    one_of(problems, "data.format", data.format, ("auto", "csv", "parquet", "delta"))
     try:
         parse_memory(data.memory_limit)
     except ValueError as exc:
         problems.append(str(exc))
     if data.source == "table":
         _check_separators(data, problems)
+        _check_snapshot(data, problems)
     check_positive(problems, "data.min_count", data.min_count)
     _check_task_sizes(data, "data.", problems)
 

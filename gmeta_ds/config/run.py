@@ -137,7 +137,8 @@ LOG_ONLY_KEYS = ("path", "query_size", "split", "min_interactions", "max_interac
                  "long_tasks", "min_count", "raw_ids", "test_fraction", "label", "threshold",
                  "four_state", "new_item_year")
 SOURCE_ONLY_KEYS = {"dataset_name": "recbole", "format": "table", "sep": "table", "schema": "table",
-                    "storage_options": "table", "filter": "table"}
+                    "storage_options": "table", "filter": "table", "version_as_of": "table",
+                    "timestamp_as_of": "table"}
 
 
 def _changed(section: Any, default: Any, names) -> list[str]:

@@ -38,7 +38,7 @@ from gmeta_ds.data.readers import (DataError, InteractionLog, LogSchema, check_t
 from gmeta_ds.data.user_split import TEST, TRAIN, VALID, split_users
 from gmeta_ds.data.store_check import content_fingerprint
 from gmeta_ds.data.store_lock import STALL_S, build_lock
-from gmeta_ds.data.stream import (STORE_VERSION, build_store, check_raw_ids, file_source, log_source,
+from gmeta_ds.data.stream import (STORE_VERSION, Source, build_store, check_raw_ids, file_source, log_source,
                                   long_task_chunks, open_store, row_order_key, store_version)
 from gmeta_ds.data.tasks import TaskData, TaskSet, take_rows
 from gmeta_ds.sparse import FieldSpec
@@ -62,9 +62,18 @@ def read_log(cfg: DataConfig) -> InteractionLog:
     return reader(cfg.path)
 
 
-def cache_key(cfg: DataConfig, seed: int) -> str:
+def table_source(cfg: DataConfig, stamps: bool = False) -> Source:
+    """The files of ``data.path`` (``source: table``) as `stream.file_source` finds them under
+    ``data.format``, ``data.storage_options``, ``data.filter`` and a Delta table's pinned version."""
+    return file_source(cfg.path, cfg.format, cfg.storage_options, stamps=stamps, where=cfg.filter,
+                       version=cfg.version_as_of, timestamp=cfg.timestamp_as_of)
+
+
+def cache_key(cfg: DataConfig, seed: int, source: Source | None = None) -> str:
     """Hash of everything the tasks depend on: data config (not the synthetic section), seed,
-    and each log file's name, size, modification time and `content_fingerprint`."""
+    and each log file's name, size, modification time and `content_fingerprint` (a Delta
+    table: its id and the version read). ``source``: the table's files (`table_source` with
+    stamps) when the caller has them already."""
     settings = {k: v for k, v in dataclasses.asdict(cfg).items()
                 if k not in ("synthetic", "cache_dir", "memory_limit", "prefetch", "bucket_by_length", "resample")}
     if settings["long_tasks"] == "skip":  # the key of stores built before long_tasks existed
@@ -76,9 +85,11 @@ def cache_key(cfg: DataConfig, seed: int) -> str:
     settings.pop("storage_options")  # how to reach the store, not what it holds (and may hold secrets)
     if not settings["filter"]:  # the key of stores built before data.filter existed
         settings.pop("filter")
+    for key in ("version_as_of", "timestamp_as_of"):  # the version they resolve to is in the stamps
+        settings.pop(key)
     path = Path(cfg.path).expanduser()
-    if cfg.source == "table":  # a file, a folder of shards, a glob, or the objects behind a URL
-        source = file_source(cfg.path, cfg.format, cfg.storage_options, stamps=True, where=cfg.filter)
+    if cfg.source == "table":  # a file, a folder of shards, a glob, the objects behind a URL, a Delta table
+        source = source if source is not None else table_source(cfg, stamps=True)
         files = [] if source.stamps is not None else source.files
         stamps = source.stamps or []
     else:
@@ -184,7 +195,9 @@ def build_tasks(cfg: DataConfig, seed: int, timeout_s: float = STALL_S) -> TaskD
     of core by `stream.build_store` the first time, by one process while the others wait, at
     most ``timeout_s`` (the run's ``train.collective_timeout_s``) past the builder's last sign
     of life; reused by later runs with the same cache key); see the module docstring for the steps."""
-    store = store_path(cfg, seed)
+    # a table's files are found once: a Delta table's latest version, read once, keys and builds the store
+    source = table_source(cfg, stamps=True) if cfg.source == "table" else None
+    store = store_path(cfg, seed, source)
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -196,7 +209,6 @@ def build_tasks(cfg: DataConfig, seed: int, timeout_s: float = STALL_S) -> TaskD
                 if store.exists():  # an older gmeta_ds's store (no checksums) or a folder without manifest
                     shutil.rmtree(store)
                 if cfg.source == "table":
-                    source = file_source(cfg.path, cfg.format, cfg.storage_options, where=cfg.filter)
                     schema = table_schema(cfg)
                 else:
                     log = read_log(cfg)
@@ -226,9 +238,9 @@ def cache_root(setting: str) -> Path:
     return Path(setting).expanduser()
 
 
-def store_path(cfg: DataConfig, seed: int) -> Path:
+def store_path(cfg: DataConfig, seed: int, source: Source | None = None) -> Path:
     """The task store of ``cfg`` and ``seed``: ``data.cache_dir/tasks-<cache key>``."""
-    return cache_root(cfg.cache_dir) / f"tasks-{cache_key(cfg, seed)}"
+    return cache_root(cfg.cache_dir) / f"tasks-{cache_key(cfg, seed, source)}"
 
 
 def table_schema(cfg: DataConfig) -> LogSchema:

@@ -33,6 +33,7 @@ SCHEMES = {"s3": "S3FileSystem", "gs": "GcsFileSystem", "gcs": "GcsFileSystem", 
            "abfss": "AzureFileSystem", "hdfs": "HadoopFileSystem", "viewfs": "HadoopFileSystem", "file": None}
 PROTOCOL = "gmetads"  # the name DuckDB reads a URL's objects under (see the module docstring)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes
 # the metadata keys of an object's identity beyond size and time (S3: ETag, VersionId; GCS: generation)
 IDENTITY_KEYS = ("ETag", "VersionId", "x-amz-version-id", "generation", "etag")
 # environment variables whose values are secrets: never shown in a message
@@ -75,7 +76,7 @@ def redact(text: str, options: dict) -> str:
 
 def store_error(url: str, exc: BaseException, options: dict, doing: str) -> DataError:
     """One line for a failed store request: the URL, what was being done, the store's error."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = " ".join(_ANSI.sub("", str(exc)).split()) or type(exc).__name__  # deltalake colours its errors
     text = redact(text, options)
     if len(text) > 400:
         text = text[:400] + "..."

@@ -29,7 +29,8 @@ while the others wait on `store_lock.build_lock`, a bounded wait.
 
 The code lives in: `stream_sources` (the log's files, CSV staging), `remote` (a URL's
 objects through pyarrow's filesystems, handed to DuckDB), `partitions` (Hive ``key=value``
-folders, ``data.filter``), `stream_sql` (the row
+folders, ``data.filter``), `delta` (a Delta Lake table's snapshot: its files and partition
+values), `stream_sql` (the row
 order key, column types as SQL), `stream_build` (the build's steps), `store_files` (the raw
 array files), `store_write` (`build_store`) and `store_read` (`open_store`, `StoreArray`);
 this module keeps their names importable from one place.

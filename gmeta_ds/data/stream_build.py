@@ -28,6 +28,8 @@ class StoreBuild:
     def __init__(self, source: Source, schema: LogSchema, cfg, seed: int, work: Path, con) -> None:
         self.source, self.schema, self.cfg, self.seed, self.work, self.con = source, schema, cfg, seed, work, con
         self.stats: dict = {"source": source.what}
+        if source.snapshot is not None:  # a Delta table's version read (summary.json's data_snapshot)
+            self.stats["snapshot"] = source.snapshot
 
     # -- the normalised view: one row per interaction, typed as the readers type it
     def view(self) -> None:

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from gmeta_ds.data import remote
+from gmeta_ds.data import delta, remote
 from gmeta_ds.data.partitions import hive_partitions, partition_filter
 from gmeta_ds.data.readers import DataError, InteractionLog
 from gmeta_ds.files import data_file_problem, not_a_file
@@ -26,8 +26,8 @@ class Source:
     """Where the rows come from: Parquet ``files`` (in this order: row numbers run across
     them), or an Arrow ``table`` in memory. ``what`` names it in messages. Files behind a URL
     are paths in ``filesystem`` (a pyarrow filesystem; None: local files), ``stamps`` their
-    identities (`remote.object_stamps`); ``partitions`` holds each file's Hive partition
-    values (`hive_partitions`)."""
+    identities (`remote.object_stamps`; a Delta table: its id and version); ``partitions``
+    holds each file's Hive partition values (`hive_partitions`, or a Delta table's log)."""
 
     what: str
     files: list | None = None
@@ -37,6 +37,7 @@ class Source:
     filesystem: object = None
     partitions: dict[str, pa.Array] = field(default_factory=dict)
     stamps: list | None = None
+    snapshot: dict | None = None  # a Delta table's version read (`delta.Snapshot.info`)
     _rows: list[int] | None = None
 
     def file_rows(self) -> list[int]:
@@ -211,32 +212,48 @@ def log_source(log: InteractionLog) -> Source:
     return Source(log.source, table=table)
 
 
-def file_source(path, fmt: str, options: dict | None = None, stamps: bool = False, where: str = "") -> Source:
+def file_source(path, fmt: str, options: dict | None = None, stamps: bool = False, where: str = "",
+                version: int | None = None, timestamp: str | None = None) -> Source:
     """The files behind ``data.path`` as a `Source`: local files (`source_files`; a ``file://``
-    URL is a local path) or the objects behind a store's URL (`remote.list_objects`, with
+    URL is a local path), the objects behind a store's URL (`remote.list_objects`, with
     ``data.storage_options``; their identities too when ``stamps``), with their Hive
-    partition values; under ``data.filter`` (``where``) only the files whose partition values
-    pass it (`partition_filter`), the others never read."""
+    partition values, or a Delta table's files at ``version`` / ``timestamp``
+    (`delta.snapshot`: ``data.format: delta``, or a folder holding ``_delta_log/``); under
+    ``data.filter`` (``where``) only the files whose partition values pass it
+    (`partition_filter`), the others never read."""
+    options = dict(options or {})
     scheme = remote.url_scheme(path)
+    if fmt == "delta" or (fmt == "auto" and delta.holds_table(path, options)):
+        snap = delta.snapshot(path, options, version, timestamp)
+        files, parts = _filtered(snap.files, snap.partitions, where, remote.shown(path))
+        return Source(f"delta table at {remote.shown(path)}", files=files, filesystem=snap.filesystem,
+                      partitions=parts, stamps=[["delta", snap.info["table_id"], snap.info["version"]]],
+                      snapshot=snap.info)
+    if version is not None or timestamp is not None:
+        key = "version_as_of" if version is not None else "timestamp_as_of"
+        raise DataError(f"data.{key}: set, but data.path {remote.shown(str(path))} is not a Delta table (no "
+                        f"{delta.DELTA_LOG}/ folder there); only a Delta table has versions")
     if scheme == "file":
         path = remote.local_path(path)
     elif scheme is not None:
-        options = dict(options or {})
         fs, base, infos = remote.list_objects(path, options)
         infos = [i for i in infos if _log_file(i.base_name)]
         if not infos:
             raise DataError(f"data.path {remote.shown(path)}: no .parquet, .pq, .csv, .tsv or .txt object there")
-        parts = hive_partitions([i.path for i in infos], base)
-        if where:
-            keep = partition_filter(where, parts, remote.shown(path))
-            infos, parts = [i for i, k in zip(infos, keep) if k], {c: v.filter(keep) for c, v in parts.items()}
+        infos, parts = _filtered(infos, hive_partitions([i.path for i in infos], base), where, remote.shown(path))
         files = [i.path for i in infos]
         fmt = _format(files, fmt, remote.shown(path))
         return Source(f"{fmt} table at {remote.shown(path)}", files=files, fmt=fmt, filesystem=fs, partitions=parts,
                       stamps=remote.object_stamps(path, fs, base, infos, options) if stamps else None)
     files, fmt = source_files(path, fmt)
-    parts = hive_partitions(files, _base(path, files))
-    if where:
-        keep = partition_filter(where, parts, str(path))
-        files, parts = [f for f, k in zip(files, keep) if k], {c: v.filter(keep) for c, v in parts.items()}
+    files, parts = _filtered(files, hive_partitions(files, _base(path, files)), where, str(path))
     return Source(f"{fmt} table at {path}", files=files, fmt=fmt, partitions=parts)
+
+
+def _filtered(files: list, parts: dict[str, pa.Array], where: str, what: str) -> tuple[list, dict[str, pa.Array]]:
+    """``files`` and their partition values, only those ``data.filter`` (``where``) keeps
+    (`partition_filter`); all of them without a filter."""
+    if not where:
+        return files, parts
+    keep = partition_filter(where, parts, what)
+    return [f for f, k in zip(files, keep) if k], {c: v.filter(keep) for c, v in parts.items()}

@@ -76,7 +76,8 @@ class CTRWorkload(Workload):
             with run_phase(cfg, "evaluation"):
                 evaluation = run_evaluation(cfg, eval_learner(cfg, engine.module, built.data, state),
                                             built.data, rank, world, Path(cfg.output_dir))
-        return evaluation, {}
+        snapshot = getattr(built.data, "stats", {}).get("snapshot")  # a Delta table's version read
+        return evaluation, {"data_snapshot": snapshot} if snapshot else {}
 
     def evaluate_saved(self, cfg: RunConfig, weights: str | None) -> dict:
         data = build_data(cfg)
@@ -92,8 +93,11 @@ class CTRWorkload(Workload):
         learner = build_learner(cfg, data.fields, with_tables=not sharded)
         n_params = sum(p.numel() for p in learner.parameters())
         dense = dense_state_bytes(ds_config, n_params, world)
+        snapshot = getattr(data, "stats", {}).get("snapshot")
         lines = [f"tasks: {len(data.train)} train, {len(data.test)} test users; "
-                 f"{data.train.num_interactions + data.test.num_interactions} interactions",
+                 f"{data.train.num_interactions + data.test.num_interactions} interactions"
+                 + (f" (Delta table version {snapshot['version']}, committed {snapshot['committed_at']})"
+                    if snapshot else ""),
                  f"model: {cfg.model.name}, {n_params} parameters; adapted in the inner loop: {', '.join(learner.adapted_names())}",
                  f"dense state per rank (DeepSpeed ZeRO-{dense['stage']}, {world} rank(s)): parameters "
                  f"{size_text(dense['params'])}, gradients {size_text(dense['grads'])}, optimizer "
