@@ -99,6 +99,26 @@ def test_a_version_or_a_time_pins_a_snapshot_that_keys_the_store(tmp_path):
     assert build_tasks(cfg_for(table, tmp_path, version_as_of=1), seed=0).stats.get("cache")
 
 
+def test_the_version_read_goes_to_summary_json(tmp_path):
+    """What the training run adds to summary.json (`CTRWorkload.finish`'s extra keys)."""
+    import types
+
+    import torch
+
+    from gmeta_ds.workloads.base import Built
+    from gmeta_ds.workloads.ctr import CTRWorkload
+
+    one, _ = day_log(tmp_path)
+    write_days(one, tmp_path / "delta", (1, 2, 3))
+    data = build_tasks(cfg_for(tmp_path / "delta", tmp_path), seed=0)
+    cfg = config_from_dict({"output_dir": str(tmp_path / "out"), "eval": {"enabled": False}}, "test")
+    (tmp_path / "out").mkdir()
+    engine = types.SimpleNamespace(module=torch.nn.Linear(2, 1))
+    _, extras = CTRWorkload().finish(cfg, engine, Built(learner=engine.module, data=data), 0, 1)
+    assert extras == {"data_snapshot": data.stats["snapshot"]}
+    assert extras["data_snapshot"]["version"] == 0 and extras["data_snapshot"]["table"] == str(tmp_path / "delta")
+
+
 def test_a_partition_filter_reads_only_the_kept_partitions_files(tmp_path):
     one, _ = day_log(tmp_path)
     table = tmp_path / "delta"
