@@ -21,8 +21,8 @@ import csv
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
@@ -38,7 +38,8 @@ ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "C
                  "Romance", "Sci-Fi", "Thriller", "War", "Western")
 RATING_FIELDS = ["user_id", "item_id", "rating", "timestamp"]
 RECBOLE_TYPES = ("token", "token_seq", "float", "float_seq")
-_LIST = getattr(datasets, "List", datasets.Sequence)  # datasets < 4 has only Sequence
+if TYPE_CHECKING:
+    import datasets  # imported where a log is built (`_to_log`): 1-2 s a process without logs skips
 
 
 @dataclass
@@ -71,8 +72,11 @@ class LogSchema:
 
     def features(self) -> datasets.Features:
         """The Arrow type of every column."""
+        import datasets
+
+        list_of = getattr(datasets, "List", datasets.Sequence)  # datasets < 4 has only Sequence
         types = {self.label: datasets.Value("float32"), self.timestamp: datasets.Value("int64")}
-        types |= {c: _LIST(datasets.Value("string")) for c in self.multi_hot}
+        types |= {c: list_of(datasets.Value("string")) for c in self.multi_hot}
         types |= {c: datasets.Value("float32") for c in self.dense}
         return datasets.Features({c: types.get(c, datasets.Value("string")) for c in self.columns()})
 
@@ -278,6 +282,8 @@ def _to_log(table: _Table, schema: LogSchema, source: str) -> InteractionLog:
     out |= {c: _split(table.frame[c], sep) for c, sep in schema.multi_hot.items()}
     out |= {c: _numeric(table, c, "a number", allow_empty=True).to_numpy("float32") for c in schema.dense}
     frame = pd.DataFrame({c: out[c] for c in schema.columns()})
+    import datasets
+
     dataset = datasets.Dataset.from_pandas(frame, features=schema.features(), preserve_index=False)
     return InteractionLog(dataset, schema, source)
 

@@ -78,10 +78,11 @@ def score_tasks(labels: np.ndarray, preds: np.ndarray, task_ids: np.ndarray, kin
     predicted ratings. k: cut-offs of nDCG@k.
 
     Returns floats (and ints for counts):
-      binary: ``auc`` (global `roc_auc_score`; nan when all labels are one class, never an
-      exception), ``auc_per_task`` (mean per-task AUC over the ``tasks_with_auc`` tasks whose
-      query labels hold both classes; nan if none), ``logloss`` (`log_loss`, labels=[0, 1], preds
-      clipped to [eps, 1 - eps] of float64), plus the nDCG keys below.
+      binary: ``auc`` (global AUC over all rows, as sklearn's `roc_auc_score`; nan when all
+      labels are one class, never an exception), ``auc_per_task`` (mean per-task AUC over the
+      ``tasks_with_auc`` tasks whose query labels hold both classes; nan if none), ``logloss``
+      (as sklearn's `log_loss`, labels=[0, 1], preds clipped to [eps, 1 - eps] of float64),
+      plus the nDCG keys below.
       regression: ``mae``, ``rmse``, plus the nDCG keys below.
       both: ``ndcg@{k}`` per k: mean over tasks of nDCG@k of the task's query list ranked by pred
       (gains = labels, log2 discount, ties averaged as `sklearn.metrics.ndcg_score`). Tasks with
@@ -132,17 +133,21 @@ class _Ranked:
 def _binary_scores(labels: np.ndarray, preds: np.ndarray, tid: np.ndarray, counts: np.ndarray,
                    r: _Ranked) -> dict:
     """``auc``, ``auc_per_task`` (Mann-Whitney per task, ties averaged), ``tasks_with_auc``
-    and ``logloss`` (see `score_tasks`)."""
-    from sklearn.metrics import log_loss, roc_auc_score  # not at import time: sklearn takes ~1 s
-
+    and ``logloss`` (see `score_tasks`). The global AUC is the same Mann-Whitney statistic over
+    all rows as one task, and the log loss numpy's: sklearn's `roc_auc_score` and `log_loss`
+    give the same values to 1e-12 (tests/unit/test_metrics.py) but importing sklearn.metrics
+    costs every evaluating process 1-3 s."""
     n = len(labels)
-    out = {"auc": float(roc_auc_score(labels, preds)) if 0 < labels.sum() < n else float("nan")}
+    everyone = np.zeros(n, dtype=np.int64)
+    auc = _task_auc(labels, everyone, np.array([n]), _grouped(labels, preds, everyone)[2])[0]
+    out = {"auc": float(auc)}
     auc_t = _task_auc(labels, tid, counts, r)
     ok = ~np.isnan(auc_t)
     out["auc_per_task"] = float(auc_t[ok].mean()) if ok.any() else float("nan")
     out["tasks_with_auc"] = int(ok.sum())
     eps = np.finfo(np.float64).eps
-    out["logloss"] = float(log_loss(labels, np.clip(preds, eps, 1.0 - eps), labels=[0, 1]))
+    p = np.clip(preds.astype(np.float64), eps, 1.0 - eps)
+    out["logloss"] = float(-np.mean(labels * np.log(p) + (1.0 - labels) * np.log1p(-p)))
     return out
 
 

@@ -79,7 +79,7 @@ def test_a_version_or_a_time_pins_a_snapshot_that_keys_the_store(tmp_path):
     one, _ = day_log(tmp_path)
     table = tmp_path / "delta"
     write_days(one, table, (1,))
-    time.sleep(0.01)  # commits in distinct milliseconds
+    time.sleep(0.3)  # commits well apart: a time between them names v0 under any load
     write_days(one, table, (2, 3), mode="append")
     latest = build_tasks(cfg_for(table, tmp_path), seed=0)
     assert_same(build_tasks(cfg_for(one, tmp_path), seed=0), latest, SKIP)  # v0 + v1: every day
@@ -87,8 +87,9 @@ def test_a_version_or_a_time_pins_a_snapshot_that_keys_the_store(tmp_path):
     v0 = build_tasks(cfg_for(table, tmp_path, version_as_of=0), seed=0)
     assert_same(build_tasks(cfg_for(first_day(one, tmp_path), tmp_path), seed=0), v0, SKIP)
     assert v0.stats["snapshot"]["version"] == 0
+    v0_at = datetime.datetime.fromisoformat(v0.stats["snapshot"]["committed_at"])
     v1_at = datetime.datetime.fromisoformat(latest.stats["snapshot"]["committed_at"])
-    before_v1 = (v1_at - datetime.timedelta(milliseconds=1)).isoformat()
+    before_v1 = (v0_at + (v1_at - v0_at) / 2).isoformat()
     by_time = build_tasks(cfg_for(table, tmp_path, timestamp_as_of=before_v1), seed=0)
     assert by_time.stats["snapshot"]["version"] == 0 and by_time.stats.get("cache")  # v0's store, reused
     assert build_tasks(cfg_for(table, tmp_path), seed=0).stats.get("cache")  # unchanged: reused
