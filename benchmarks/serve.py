@@ -249,6 +249,12 @@ def start_server(export: Path, port: int, log: Path, cores: set[int] | None = No
     """``gmeta-ds serve`` (cache off, batches of up to 64 users, 1 ms wait) pinned to ``cores``, once ready."""
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(export), "--port", str(port), "--cache-size", "0",
            "--max-batch", "64", "--max-wait-ms", "1"]
+    return start_command(cmd, port, log, cores)
+
+
+def start_command(cmd: list[str], port: int, log: Path, cores: set[int] | None = None) -> subprocess.Popen:
+    """The server ``cmd`` starts (``gmeta-ds serve``, or another OIP v2 server: benchmarks/serve_kserve.py)
+    pinned to ``cores``, once its ``/v2/health/ready`` on ``port`` answers 200."""
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=bench_env(),
                             preexec_fn=pin)
@@ -257,22 +263,29 @@ def start_server(export: Path, port: int, log: Path, cores: set[int] | None = No
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"the server ({cmd[2]}) exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status_code == 200:
                 return proc
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not become ready in 120 s")
+    raise RuntimeError(f"the server ({cmd[2]}) did not become ready in 120 s")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def load_arguments(doc: str) -> argparse.ArgumentParser:
+    """A parser with the load's options (seconds per measurement, concurrencies, rows per user),
+    shared with benchmarks/serve_kserve.py."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=8.0, help="per measurement")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--support", type=int, default=20)
     parser.add_argument("--candidates", type=int, default=100)
+    return parser
+
+
+def main() -> int:
+    parser = load_arguments(__doc__)
     parser.add_argument("--out", default=None, help="default benchmarks/results/serve.json "
                         "(serve_startup.json with --startup-rows)")
     parser.add_argument("--startup-rows", type=int, default=0,

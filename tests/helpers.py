@@ -1,6 +1,8 @@
 """Small builders shared by tests: a tiny MeLU model and random task batches."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from gmeta_ds.config import EmbeddingConfig
@@ -99,3 +101,31 @@ def wait_ready(proc, url: str, log, wait_s: float = 90) -> None:
             pass
         assert time.monotonic() < deadline, "server not ready in time: " + log.read_text()
         time.sleep(0.2)
+
+
+def demo_export(root) -> Path:
+    """The demo config's model (examples/synthetic/config.yaml, untrained, 200 synthetic users),
+    exported under ``root`` as `gmeta-ds export --config` does: what a documented request or
+    the container's entry point serves (its fields and model name), in seconds."""
+    from gmeta_ds.config.run import load_config
+    from gmeta_ds.engine.ds_engine import save_weights
+    from gmeta_ds.serving.recipe import export_run
+    from gmeta_ds.workloads.ctr import build_data, build_learner
+
+    root = Path(root)
+    config = Path(__file__).resolve().parents[1] / "examples" / "synthetic" / "config.yaml"
+    cfg = load_config(config, ["data.synthetic.num_users=200", f"data.cache_dir={root / 'cache'}"])
+    learner = build_learner(cfg, build_data(cfg).fields)
+    return export_run(cfg, save_weights(learner.state_dict(), root / "weights.safetensors"), root / "export")
+
+
+def stop_process(proc) -> None:
+    """Stop a server process started by a test: SIGTERM, then SIGKILL if it is not gone in 20 s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)

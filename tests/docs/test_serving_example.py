@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the dev extra")
 pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
-from tests.helpers import wait_ready
+from tests.helpers import demo_export, wait_ready
 from tests.pool import free_port
 
 pytestmark = [pytest.mark.docs]
@@ -31,19 +31,6 @@ def _python_block(marker: str) -> str:
     return next(b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL) if marker in b)
 
 
-def _demo_export(root: Path) -> Path:
-    """The demo config's model (untrained), exported as `gmeta-ds export --config` does."""
-    from gmeta_ds.config.run import load_config
-    from gmeta_ds.engine.ds_engine import save_weights
-    from gmeta_ds.serving.recipe import export_run
-    from gmeta_ds.workloads.ctr import build_data, build_learner
-
-    cfg = load_config(REPO / "examples" / "synthetic" / "config.yaml",
-                      ["data.synthetic.num_users=200", f"data.cache_dir={root / 'cache'}"])
-    learner = build_learner(cfg, build_data(cfg).fields)
-    return export_run(cfg, save_weights(learner.state_dict(), root / "weights.safetensors"), root / "export")
-
-
 def _run(block: str, ports: dict[str, int], cwd: Path) -> subprocess.CompletedProcess:
     """The doc's python block holding ``block``, its documented ports replaced by ``ports``."""
     script = _python_block(block)
@@ -55,7 +42,7 @@ def _run(block: str, ports: dict[str, int], cwd: Path) -> subprocess.CompletedPr
 
 
 def test_the_tritonclient_examples_score_as_the_json_endpoint(tmp_path):
-    export, port, grpc_port = _demo_export(tmp_path), free_port(), free_port()
+    export, port, grpc_port = demo_export(tmp_path), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-I", "-m", "gmeta_ds.cli", "serve", str(export), "--port", str(port),
            "--grpc-port", str(grpc_port)]

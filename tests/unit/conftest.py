@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import wait_ready
+from tests.helpers import stop_process, wait_ready
 from tests.pool import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,12 +49,7 @@ def server(tmp_path_factory):
             wait_ready(proc, url, root / "server.log")
             yield url, root, data
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+            stop_process(proc)
 
 
 @pytest.fixture(scope="session")
