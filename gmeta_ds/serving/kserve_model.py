@@ -69,6 +69,9 @@ class GmetaKServeModel(Model):
     async def predict(self, payload: InferRequest, headers: dict | None = None) -> InferResponse:
         """One user's scores (the request's tensors as `parse_oip` reads them), adapted in the
         batch of the users that arrived with it."""
+        if not isinstance(payload, InferRequest):  # KServe's v1 route hands over the JSON body as it came
+            raise InvalidInput("body: this model speaks the Open Inference Protocol v2; POST the request to "
+                               f"/v2/models/{self.name}/infer")
         if self.batcher.worker is None:  # KServe starts its event loop after the model is built
             self.batcher.start()
         model = self.holder.model

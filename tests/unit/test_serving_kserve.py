@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,10 @@ def image_server(export):
     argv, port = entry_point(), free_port()
     values = {MOUNT: str(export), "0.0.0.0": "127.0.0.1", _option(argv, "--port"): str(port),
               _option(argv, "--grpc-port"): str(free_port())}
-    cmd = [str(Path(sys.executable).parent / argv[0]), *(values.get(a, a) for a in argv[1:])]
+    # the console script beside this interpreter (its virtualenv's), else the one on PATH
+    program = shutil.which(argv[0], path=str(Path(sys.executable).parent)) or shutil.which(argv[0])
+    assert program, f"{argv[0]} (the image's entry point) is not installed beside {sys.executable} or on PATH"
+    cmd = [program, *(values.get(a, a) for a in argv[1:])]
     url = f"http://127.0.0.1:{port}"
     proc = _start(cmd, url, export.parent / "image.log")
     yield url
@@ -206,4 +210,6 @@ def test_kserves_model_server_answers_a_bad_request_with_a_400_naming_the_input(
     body["inputs"] = [t for t in body["inputs"] if t["name"] != "support.label"]
     answer = httpx.post(f"{url}/v2/models/melu/infer", json=body, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"].startswith("support[0].label: missing")
+    v1 = httpx.post(f"{url}/v1/models/melu:predict", json={"instances": [[1, 2]]}, timeout=30)  # KServe's v1 route
+    assert v1.status_code == 400 and "/v2/models/melu/infer" in v1.json()["error"]
     assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200  # still serving
