@@ -8,7 +8,8 @@
   fails here.
 - KServe's own ModelServer running `gmeta_ds.serving.kserve_model` (the ``kserve`` extra; skipped
   without it): tritonclient over HTTP with its defaults and over gRPC, and plain OIP v2 JSON,
-  score 12 users as `gm.load_adapter` does to 1e-5, and a bad request is a 400 naming the input.
+  score 12 users as `gm.load_adapter` does to 1e-5, and a bad request is a 400 (over gRPC
+  INVALID_ARGUMENT) naming the input.
   KServe's server listens on every interface (it has no host option); the test talks to
   127.0.0.1 only.
 
@@ -205,11 +206,24 @@ def test_kserves_model_server_scores_as_the_adapter_over_rest_and_grpc(kserve_se
 
 
 def test_kserves_model_server_answers_a_bad_request_with_a_400_naming_the_input(kserve_server, export):
-    url, _ = kserve_server
-    body = oip_json(users(export, 1, seed=3)[0], "bad")
+    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    url, grpc_address = kserve_server
+    user = users(export, 1, seed=3)[0]
+    body = oip_json(user, "bad")
     body["inputs"] = [t for t in body["inputs"] if t["name"] != "support.label"]
     answer = httpx.post(f"{url}/v2/models/melu/infer", json=body, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"].startswith("support[0].label: missing")
+    inputs = []
+    for name, array in arrays(user).items():
+        if name != "support.label":
+            inputs.append(grpc.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.InferenceServerClient(grpc_address).infer("melu", inputs)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert refused.value.message().startswith("support[0].label: missing")
     v1 = httpx.post(f"{url}/v1/models/melu:predict", json={"instances": [[1, 2]]}, timeout=30)  # KServe's v1 route
     assert v1.status_code == 400 and "/v2/models/melu/infer" in v1.json()["error"]
     assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200  # still serving
