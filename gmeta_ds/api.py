@@ -36,7 +36,7 @@ from torch import nn
 from gmeta_ds.config.arguments import check, finite, int_at_least, is_int
 from gmeta_ds.config.checks import one_of
 from gmeta_ds.config.bounds import BOUNDS
-from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner
+from gmeta_ds.algorithms import ALGORITHMS, MetaAlgorithm, MetaLearner, set_compile
 from gmeta_ds.algorithms.base import (
     AlgorithmSettings, check_row_fields, probe_model, shown_candidates, unmatched_patterns)
 from gmeta_ds.config import (AUTO, DEFAULT_MICRO_BATCH, DEFAULTS, RunConfig, TableOverride, config_from_dict,
@@ -229,6 +229,7 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
                  inner_steps: int = DEFAULTS.meta.inner_steps, inner_lr: float = DEFAULTS.meta.inner_lr,
                  adapt: Iterable[str | nn.Parameter] | None = None, loss: str = DEFAULTS.data.label,
                  vectorize: bool | str = DEFAULTS.meta.vectorize, split_body: bool | str = DEFAULTS.meta.split_body,
+                 compile: bool | str = DEFAULTS.meta.compile,
                  inner_lr_scale: dict[str, float] | None = None,
                  inner_loss_prior: float = DEFAULTS.meta.inner_loss_prior,
                  offset_first: float | None = DEFAULTS.meta.offset_first,
@@ -256,6 +257,10 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
             estimate (``FieldModel.activation_floats()``) for `DEFAULT_MICRO_BATCH` tasks of
             ``data.max_interactions`` rows exceeds a quarter of the rank's memory; a model of
             your own is vmapped.
+        compile: run the vectorized inner loop and query loss under ``torch.compile`` (True),
+            eager (False), or ``"auto"`` (``meta.compile``'s default: eager, as measured on
+            CPU, docs/performance.md); a compile that fails runs eager with one warning naming
+            the reason. Needs the vmap path (``vectorize``).
         split_body: run the model's non-adapted body once per micro-batch and the inner loop
             on its head only, for a model with ``split_body(adapted) -> BodySplit``
             (`gmeta_ds.functional.split`): ``"auto"`` under ZeRO-3 (the body then stays
@@ -293,6 +298,8 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
         raise ConfigError([f"model: expected a torch.nn.Module, got {type(model).__name__}"], where)
     problems = _learner_problems(algorithm, inner_steps, inner_lr, loss, vectorize, split_body,
                                  inner_lr_scale, inner_loss_prior, rank_weight, warmup_steps, init_weight)
+    if not (compile is True or compile is False or compile == AUTO):
+        problems.append(f"compile: {compile!r} is not True (torch.compile the vmap path), False (eager) or 'auto'")
     check(problems, where)
     patterns = _adapt_patterns(model, adapt, where)
     if isinstance(algorithm, MetaAlgorithm):
@@ -304,7 +311,7 @@ def meta_learner(model: nn.Module, algorithm: str | MetaAlgorithm = DEFAULTS.met
             split_body=split_body, inner_lr_scale=inner_lr_scale, inner_loss_prior=inner_loss_prior,
             offset_first=offset_first, support_level=support_level, rank_weight=rank_weight,
             warmup_steps=warmup_steps, init_weight=init_weight))
-    return MetaLearner(model, algo)
+    return MetaLearner(model, set_compile(algo, compile))
 
 
 def _task_bytes(model: nn.Module, inner_steps: int) -> int:

@@ -21,10 +21,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 def _keep_out_of_home() -> None:
     """The suite writes no cache into the home folder: task stores (data.cache_dir's default
-    follows $XDG_CACHE_HOME), Hugging Face's and matplotlib's caches go to one folder per
-    session, removed at exit. DeepSpeed's JIT-built ops are kept in the checkout's
-    ``.torch_extensions`` (as .ci/run does; git ignores it), built once and reused by later
-    sessions (rebuilding them costs ~40 s); a TORCH_EXTENSIONS_DIR already set is kept."""
+    follows $XDG_CACHE_HOME), Hugging Face's, matplotlib's and torch.compile's
+    (TORCHINDUCTOR_CACHE_DIR, meta.compile) caches go to one folder per session, removed at
+    exit. DeepSpeed's JIT-built ops are kept in the checkout's ``.torch_extensions`` (as .ci/run
+    does; git ignores it), built once and reused by later sessions (rebuilding them costs ~40 s);
+    a TORCH_EXTENSIONS_DIR already set is kept."""
     import atexit
     import shutil
     import tempfile
@@ -36,7 +37,8 @@ def _keep_out_of_home() -> None:
     folder = tempfile.mkdtemp(prefix="gmeta-test-cache-")
     atexit.register(shutil.rmtree, folder, True)
     os.environ.update(GMETA_DS_TEST_CACHE=folder, XDG_CACHE_HOME=folder, HF_HOME=os.path.join(folder, "huggingface"),
-                      MPLCONFIGDIR=os.path.join(folder, "matplotlib"))
+                      MPLCONFIGDIR=os.path.join(folder, "matplotlib"),
+                      TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"))
 
 
 _keep_out_of_home()

@@ -26,6 +26,7 @@ from gmeta_ds.algorithms.contract import (  # noqa: F401 - the contract checks, 
 from gmeta_ds.functional.inner import (
     ROW_PREFIX, InnerLoop, InnerSettings, LearningRates, Params, TaskOutputs, TaskRecipe, row_param_name,
     run_tasks, supervised_tasks, unique_rows)
+from gmeta_ds.functional.compiled import CompiledTasks
 from gmeta_ds.functional.split import BodySplit, HeadModule, body_features
 from gmeta_ds.models import popularity
 from gmeta_ds.models.protocol import EMBEDDING_ATTR, model_hooks
@@ -161,6 +162,9 @@ class MetaAlgorithm:
     """
 
     first_order = False
+    # meta.compile: the vmap path under torch.compile (`functional.compiled.CompiledTasks`), set
+    # from outside by whoever builds the algorithm (`build_algorithm`, `gm.meta_learner`); None: eager.
+    compiled: CompiledTasks | None = None
 
     def __init__(self, inner_steps: int, inner_lr: float, adapt: list[str], vectorize: bool,
                  kind: str = "binary", split_body: "bool | str" = "auto",
@@ -297,6 +301,8 @@ class MetaAlgorithm:
         Returns:
             The `TaskOutputs`: (T,) query and support losses and the adapted parameters.
         """
+        if self.compiled is not None and self.vectorize:
+            return self.compiled(inner, theta, lrs, support, query, detach_query)
         return run_tasks(inner, theta, lrs, support, query, self.vectorize, detach_query)
 
     def supervised_loss(self, inner: InnerLoop, theta: Params, support: tuple, query: tuple) -> MetaOutput:

@@ -59,6 +59,11 @@ class MetaConfig:
     vectorize: Union[bool, str] = AUTO
     # "auto": a quarter of the memory available to this rank (free GPU memory, or host RAM).
     vectorize_budget_mb: Union[int, str] = AUTO
+    # Compile the vectorized inner loop and query loss with torch.compile (true), run them eager
+    # (false), or "auto": eager, as measured on the shipped configs on CPU (docs/performance.md,
+    # "Compiled meta-step"). Needs the vmap path (meta.vectorize); a failed compile runs eager
+    # with one warning naming the reason.
+    compile: Union[bool, str] = AUTO
     # Run the model's non-adapted body once per micro-batch as an ordinary module call and the
     # inner loop on its head only (gmeta_ds.functional.split): "auto" under ZeRO-3, where the
     # body then stays partitioned, when the model offers a split for meta.adapt; true at every
@@ -74,9 +79,11 @@ def task_activation_bytes(floats_per_row: int, rows: int, inner_steps: int) -> i
 
 
 def validate_meta_options(meta: MetaConfig, problems: list[str]) -> None:
-    """``meta.*`` execution switches: vectorize, split_body, the vectorize budget."""
+    """``meta.*`` execution switches: vectorize, compile, split_body, the vectorize budget."""
     if meta.vectorize not in (True, False, AUTO):
         problems.append(f"meta.vectorize: {meta.vectorize!r} is not one of true, false, auto")
+    if not (meta.compile is True or meta.compile is False or meta.compile == AUTO):
+        problems.append(f"meta.compile: {meta.compile!r} is not one of true, false, auto")
     if meta.split_body not in (True, False, AUTO):
         problems.append(f"meta.split_body: {meta.split_body!r} is not one of true, false, auto")
     check_positive(problems, "meta.vectorize_budget_mb", meta.vectorize_budget_mb, allow_auto=True)

@@ -46,6 +46,8 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
                         dense_allreduce_bytes(meta.engine.module, plan.world_size), meta.embeddings,
                         sites=cfg.sites.count)
     cadence = Cadence(cfg.train.checkpoint_every, cfg.train.log_every, cfg.train.meta_steps)
+    compiled = meta.engine.module.algorithm.compiled  # meta.compile: None when eager
+    announce = compiled is not None and rank == 0  # the compile time, once, after it happened
     record = {}
     try:
         for step in range(first + 1, cfg.train.meta_steps + 1):  # 1-based
@@ -56,6 +58,9 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
                     batches = loader.next()
                 stats = meta.meta_step(batches)
             profiler.end_step()
+            if announce and (compiled.graphs or compiled.failure):
+                bar.write(compile_line(compiled))
+                announce = False
             window.exclude(*profiler.take_overhead())
             window.add(stats)
             if stats.skipped and rank == 0:
@@ -67,6 +72,8 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
             if cadence.log(step):
                 with run_phase(cfg, f"meta-step {step}"):
                     record = window.record(step)
+                if compiled is not None:  # cumulative: the first window's tasks_per_s includes it
+                    record["compile_s"] = round(compiled.seconds, 3)
                 log.write(record)
                 bar.set_postfix(query_loss=f"{record['query_loss']:.4f}", tasks_per_s=f"{record['tasks_per_s']:.0f}")
             bar.update(1)
@@ -77,6 +84,15 @@ def train_loop(cfg: RunConfig, meta, loader, plan: BatchPlan, rank: int, log: Me
         meta.finish_sites()  # every site ends with the same weights (one site: nothing)
     _profile_summary(cfg, profiler, rank, plan, meta)
     return record
+
+
+def compile_line(compiled) -> str:
+    """The one line rank 0 prints after the first meta-step under ``meta.compile``."""
+    if compiled.failure is not None:
+        return f"meta.compile: eager ({compiled.failure})"
+    return (f"meta.compile: the inner loop and query loss compiled in {compiled.seconds:.1f} s "
+            f"({compiled.graphs} graph{'s' if compiled.graphs != 1 else ''} so far; summary.json's compile counts "
+            "them all)")
 
 
 def _restore_position(loader, resume: dict | None) -> int:
@@ -235,7 +251,9 @@ def _engine_facts(meta: MetaEngine, plan: BatchPlan) -> dict:
     """summary.json's facts of how the engine ran: vmap or loop, ZeRO-3's body split, the
     batch plan and the DeepSpeed config used (universal loading included when resumed)."""
     module = meta.engine.module
+    compiled = module.algorithm.compiled
     return {"vectorize": module.algorithm.vectorize,
+            "compile": compiled.facts() if compiled is not None else {"enabled": False},
             "split_body": module.active_split is not None,
             "batch": plan.describe(), "ds_config": meta.ds_config}
 

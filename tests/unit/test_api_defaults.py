@@ -57,7 +57,7 @@ SAME = {
     "tables_for": {k: _TABLE[k] for k in ("optimizer", "lr", "init_std", "capacity", "admit_after", "eviction",
                                           "exchange")},
     "meta_learner": {"algorithm": "meta.algorithm", "inner_steps": "meta.inner_steps", "inner_lr": "meta.inner_lr",
-                     "loss": "data.label", "vectorize": "meta.vectorize",
+                     "loss": "data.label", "vectorize": "meta.vectorize", "compile": "meta.compile",
                      **{k: v for k, v in _ALGORITHM.items() if k != "kind"}},
     "initialize": {"config": "deepspeed", "lr": "train.lr", "seed": "seed", "resume": "train.resume",
                    "nonfinite": "train.nonfinite", "collective_timeout_s": "train.collective_timeout_s",

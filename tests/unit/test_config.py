@@ -22,7 +22,7 @@ def test_every_problem_is_reported_at_once_with_dotted_keys():
     text = str(err.value)
     assert len(err.value.problems) == 5, text
     assert "meta.algorithm: 'protonet' is not one of maml, fomaml, reptile, metasgd" in text
-    assert "meta.inner_stepz: unknown key; valid keys here: adapt, algorithm, init_weight, inner_loss_prior, inner_lr" in text
+    assert "meta.inner_stepz: unknown key; valid keys here: adapt, algorithm, compile, init_weight, inner_loss_prior" in text
     assert "trian: unknown key; valid keys here: data, deepspeed, embedding, eval, meta" in text
     assert "train.lr: expected float, got 'fast'" in text
     assert "train.meta_steps: 0 is not a positive number" in text

@@ -1,0 +1,152 @@
+"""``meta.compile``: the vectorized inner loop and query loss (`inner.vmap_tasks`) under
+`torch.compile`.
+
+Only this functional part is compiled: the fused embedding lookup (which reads ids' values to
+check them), the sharded row exchange and DeepSpeed's engine stay eager around it.
+AOTAutograd traces the inner `torch.func.grad` into plain operations, so the compiled graph
+keeps the inner gradients in its forward and the outer backward (second-order MAML) is
+compiled with it; its gradients equal eager's to rounding (tests/unit/test_compiled_tasks.py).
+
+Shapes: a micro-batch is padded to its longest task, so the row dimensions (S, Q, and the
+number M of deduplicated adapted rows) change from one micro-batch to the next. Dynamo's
+automatic dynamic shapes compile a static graph for the first shape and one graph with those
+dimensions symbolic at the second (benchmarks/inner_loop.py measured this against marking them
+dynamic from the first call: docs/performance.md). `MAX_GRAPHS` bounds the graphs one runner
+compiles; past it (shapes that keep changing what the graph specialises on) it runs eager
+with one warning. A compile that fails (no C++ compiler, an operation the compiler refuses)
+runs eager too, with one warning naming the reason: ``meta.compile: true`` never ends a run.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from gmeta_ds.functional.inner import LearningRates, Params, TaskOutputs, vmap_tasks
+
+# Graphs one runner may compile before it runs eager: the first shape, the dynamic-shape graph,
+# one per (first/second order) query detachment, and room for a few specialisations.
+MAX_GRAPHS = 6
+# The compiler: inductor (C++/OpenMP kernels on CPU, Triton on GPUs).
+BACKEND = "inductor"
+# meta.compile: auto resolves to this: measured slower end to end on the shipped configs on CPU
+# (compile time not amortised, docs/performance.md "Compiled meta-step"); not measured on GPUs.
+AUTO_COMPILES = False
+_RUNNERS = itertools.count()  # numbers each runner's own copy of vmap_tasks (`_own_code`)
+
+
+def choose_compile(setting: bool | str, vectorize: bool) -> bool:
+    """``meta.compile``: true / false as given, "auto": `AUTO_COMPILES`. Compiling needs the
+    vmap path: true with ``vectorize`` false warns once and runs eager."""
+    on = AUTO_COMPILES if setting == "auto" else bool(setting)
+    if on and not vectorize:
+        warnings.warn("meta.compile: true compiles the vectorized inner loop, but meta.vectorize resolved to "
+                      "false (the per-task loop): the meta-step runs eager", RuntimeWarning, stacklevel=2)
+        return False
+    return on
+
+
+def use_temporary_cache() -> str:
+    """Inductor's cache folder: TORCHINDUCTOR_CACHE_DIR when set, else one in the temporary
+    folder (never the home folder), set for this process and its children."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        folder = os.path.join(tempfile.gettempdir(), f"gmeta_ds_inductor_{os.getuid()}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object and a name of its own: Dynamo keeps compiled graphs and counts
+    recompilations per code object, and remembers which dimensions changed per (file, line,
+    name), so each runner's graphs, bound and shape history stay its own (a process may build
+    many learners: tests, the warm rank pool)."""
+    name = f"{fn.__name__}_{next(_RUNNERS)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line naming why a compile failed: the compiler's own exception (unwrapped from
+    Dynamo's ``BackendCompilerFailed``), its type and first line."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"[:300]
+
+
+def mark_rows_dynamic(theta: Params, support: tuple, query: tuple) -> None:
+    """Mark the row dimensions dynamic before the first call (the alternative to Dynamo's
+    automatic dynamic shapes that `CompiledTasks` measured): dimension 1 of every batched
+    input of two or more dimensions (T, S, ...) and dimension 0 of the deduplicated rows."""
+    def mark(x):
+        if isinstance(x, tuple):
+            for a in x:
+                mark(a)
+        elif isinstance(x, torch.Tensor) and x.dim() >= 2:
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+    for part in (*support, *query):
+        mark(part)
+    for name, value in theta.items():
+        if name.startswith("embedding."):
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
+class CompiledTasks:
+    """`vmap_tasks` compiled with ``backend`` (None: `BACKEND`), falling back to eager.
+
+    Call it as `vmap_tasks`. ``graphs`` counts compiled graphs, ``seconds`` the wall time of
+    the calls that compiled (tracing, both graphs' compilation, one run), ``failure`` is None
+    or the one-line reason the runner went eager. ``mark_dynamic``: mark the row dimensions
+    dynamic from the first call (`mark_rows_dynamic`) instead of at the second shape.
+    """
+
+    def __init__(self, backend: str | Callable | None = None, mark_dynamic: bool = False,
+                 max_graphs: int = MAX_GRAPHS):
+        use_temporary_cache()
+        backend = BACKEND if backend is None else backend
+        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.mark_dynamic, self.max_graphs = mark_dynamic, max_graphs
+        self.graphs, self.seconds, self.failure = 0, 0.0, None
+        self._compiled = torch.compile(_own_code(vmap_tasks), backend=self._count, fullgraph=True)
+
+    def _count(self, graph, example_inputs):
+        self.graphs += 1
+        return self.backend(graph, example_inputs)
+
+    def __call__(self, inner, theta: Params, lrs: LearningRates, support: tuple, query: tuple,
+                 detach_query: bool = False) -> TaskOutputs:
+        if self.failure is not None:
+            return vmap_tasks(inner, theta, lrs, support, query, detach_query)
+        before, start = self.graphs, time.perf_counter()
+        if self.mark_dynamic and not self.graphs:
+            mark_rows_dynamic(theta, support, query)
+        try:
+            # the backward graph is compiled now, not at the outer backward: a failure is caught here
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                    torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
+                out = self._compiled(inner, theta, lrs, support, query, detach_query)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: eager, named once
+            out = vmap_tasks(inner, theta, lrs, support, query, detach_query)  # the model's own errors raise here
+            self._fall_back(f"torch.compile failed ({failure_reason(exc)})")
+            return out
+        if self.graphs != before:
+            self.seconds += time.perf_counter() - start
+            if self.graphs > self.max_graphs:
+                self._fall_back(f"{self.graphs} graphs compiled, more than {self.max_graphs} (the inputs' "
+                                "shapes or settings keep changing)")
+        return out
+
+    def _fall_back(self, reason: str) -> None:
+        self.failure = reason
+        warnings.warn(f"meta.compile: {reason}; the meta-step runs eager from here", RuntimeWarning, stacklevel=3)
+
+    def facts(self) -> dict:
+        """summary.json's ``compile``: graphs compiled, their seconds, the fallback reason."""
+        return {"enabled": True, "graphs": self.graphs, "compile_s": round(self.seconds, 3),
+                "eager_fallback": self.failure}
