@@ -49,12 +49,15 @@ def split_body(data: bytes, header_length: str) -> tuple[bytes, bytes]:
     """(JSON header, the tensors' bytes) of a request body, ``header_length`` being its
     ``Inference-Header-Content-Length`` header as sent."""
     text = header_length.strip()
-    if not text.isdigit():
-        raise RequestError(HEADER, f"{header_length!r}; expected the JSON header's length in bytes, "
+    # ASCII digits only: str.isdigit also takes '²', which int() refuses
+    if not (text.isascii() and text.isdigit()):
+        raise RequestError(HEADER, f"{header_length!r:.80}; expected the JSON header's length in bytes, "
                                    "a non-negative integer")
-    size = int(text)
-    if size > len(data):
-        raise RequestError(HEADER, f"{size} bytes, past the body's {len(data)}")
+    digits = text.lstrip("0") or "0"
+    # more digits than the body's length has is past it (and int() refuses over 4,300 digits)
+    if len(digits) > len(str(len(data))) or int(digits) > len(data):
+        raise RequestError(HEADER, f"{digits:.40} bytes, past the body's {len(data)}")
+    size = int(digits)
     return data[:size], data[size:]
 
 

@@ -100,6 +100,9 @@ MALFORMED = [  # (content and headers, the field named, words of the message)
     (_binary_body([_item(ITEM)], header_length=10_000), binary.HEADER, "past the body"),
     (_binary_body([_item(ITEM)], header_length=-1), binary.HEADER, "non-negative integer"),
     (_binary_body([_item(ITEM)])[:1] + ({binary.HEADER: "12.5"},), binary.HEADER, "non-negative integer"),
+    # digits int() would take or choke on: a superscript two (latin-1), past Python's 4,300-digit bound
+    (_binary_body([_item(ITEM)])[:1] + ({binary.HEADER: b"\xb2"},), binary.HEADER, "non-negative integer"),
+    (_binary_body([_item(ITEM)])[:1] + ({binary.HEADER: "9" * 5000},), binary.HEADER, "past the body"),
     (_binary_body([_label(b"\0" * 12)]), "inputs[0].parameters.binary_data_size", "'support.label': 12 bytes"),
     (_binary_body([_label(b"\0" * 16, datatype="INT32")]), "inputs[0].parameters.binary_data_size",
      "shape [2] of INT32 takes 8"),
