@@ -110,7 +110,7 @@ def decode_tensor(raw: bytes, tensor: dict, i: int, where: str) -> list:
     count = math.prod(shape)
     if datatype == "BYTES":
         return _decode_bytes(raw, count, where, _name(tensor))
-    dtype = NUMPY_TYPES.get(datatype)
+    dtype = NUMPY_TYPES.get(datatype) if isinstance(datatype, str) else None  # a list is unhashable
     if dtype is None:
         raise RequestError(f"inputs[{i}].datatype", f"{_name(tensor)}: {datatype!r}; expected one of "
                                                     f"{', '.join([*NUMPY_TYPES, 'BYTES'])}")

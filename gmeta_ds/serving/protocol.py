@@ -170,7 +170,7 @@ def _oip_tensor(i: int, tensor) -> tuple[str, list]:
     name, shape, data = tensor["name"], tensor["shape"], tensor["data"]
     if not isinstance(name, str):
         raise RequestError(f"{where}.name", "expected a string")
-    if tensor["datatype"] not in OIP_TYPES:
+    if not isinstance(tensor["datatype"], str) or tensor["datatype"] not in OIP_TYPES:  # a list is unhashable
         raise RequestError(f"{where}.datatype", f"{tensor['datatype']!r}; expected one of {', '.join(OIP_TYPES)}")
     if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
         raise RequestError(f"{where}.shape", f"{shape!r}; expected [rows] (one dimension)")

@@ -112,3 +112,13 @@ def test_labels_of_the_models_kind_are_kept():
     assert ratings.labels.dtype == np.float32 and ratings.labels.tolist() == [4.5, -2.0, np.float32(1e12)]
     clicks = _encoder().encode({"age": [1, 2], "item": [3, 4]}, [1, 0.0], "support")
     assert clicks.labels.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("datatype", [["BYTES"], {"a": 1}, None, 3])
+def test_an_oip_datatype_that_is_not_a_string_is_a_request_error_naming_it(datatype):
+    """A list or object as an input's datatype raised TypeError (unhashable) in the lookup of
+    the known datatypes: a 500 instead of a 400 naming ``inputs[i].datatype``."""
+    body = {"inputs": [{"name": "user.age", "shape": [1], "datatype": "BYTES", "data": ["a"]},
+                       {"name": "candidates.item", "shape": [1], "datatype": datatype, "data": [1]}]}
+    with pytest.raises(RequestError, match=r"^inputs\[1\]\.datatype: .*expected one of BYTES"):
+        protocol.parse_oip(body, list(FIELDS.values()), 100)

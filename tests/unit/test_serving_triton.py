@@ -113,6 +113,7 @@ MALFORMED = [  # (content and headers, the field named, words of the message)
     (_binary_body([_item(ITEM, size=100)]), "inputs[0].parameters.binary_data_size", "past the 6 bytes"),
     (_binary_body([_item(ITEM, size=-6)]), "inputs[0].parameters.binary_data_size", "non-negative integer"),
     (_binary_body([_label(b"\0" * 8, datatype="UINT8")]), "inputs[0].datatype", "'UINT8'"),
+    (_binary_body([_label(b"\0" * 8, datatype=["FP32"])]), "inputs[0].datatype", "['FP32']"),
     (_binary_body([({"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0],
                      "parameters": {"binary_data_size": 4}}, b"\0" * 4)]), "inputs[0].data", "both"),
     ((b"\xff\xfe{", {binary.HEADER: "3"}), "body", "not valid JSON"),
