@@ -3,6 +3,7 @@ store opened as a `TaskData` once verified, and the memory a process holds of it
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import weakref
@@ -122,7 +123,23 @@ def open_store(store: Path):
     states = {k: v for k, v in parts.items() if k in STATES}
     vocab = verify_vocab(store, manifest.get("vocab"), fields)
     return TaskData(fields, parts["train"], parts["test"], {**manifest["stats"], "cache": str(store)},
-                    states, parts.get("valid"), vocab)
+                    states, parts.get("valid"), vocab, store)
+
+
+def store_identity(data) -> dict | None:
+    """What ``data`` (a `TaskData`) was read from, to compare between ranks: ``content``, a
+    digest of its store's fields, label kind and every array's dtype, shape and checksum
+    (manifest.json, verified when the store was opened: equal digests, equal tasks, whatever
+    folder or host the store was built in), the store's folder name (its cache key) and the
+    Delta table version read (None for other logs). None for tasks built in memory or generated."""
+    store = getattr(data, "store", None)
+    if store is None:
+        return None
+    manifest = json.loads((Path(store) / "manifest.json").read_text())
+    held = json.dumps({k: manifest.get(k) for k in ("fields", "label", "splits", "vocab")}, sort_keys=True)
+    snapshot = data.stats.get("snapshot") or {}
+    return {"content": hashlib.sha256(held.encode()).hexdigest()[:20], "store": Path(store).name,
+            "version": snapshot.get("version")}
 
 
 def task_rows(layout: tuple) -> StoreArray | np.ndarray:

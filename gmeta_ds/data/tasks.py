@@ -13,6 +13,7 @@ Example (2 tasks, F=2 fields)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -371,6 +372,8 @@ class TaskData:
             ``user_item_cold``) with the four-state split; {} otherwise.
         valid: the validation tasks (empty unless ``data.valid_fraction`` > 0); None: not built.
         vocab: field -> its `Vocabulary` (raw value -> id), for every field that has one.
+        store: the task store folder it was read from (`store_read.open_store`); None when
+            built in memory.
     """
 
     fields: list[FieldSpec]
@@ -382,3 +385,4 @@ class TaskData:
     valid: TaskSet | None = None  # validation users (empty unless data.valid_fraction > 0)
     # field -> its `Vocabulary` (raw value -> row id), for every field with one (not raw_ids)
     vocab: dict[str, Vocabulary] = field(default_factory=dict)
+    store: Path | None = None

@@ -15,10 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch.distributed as dist
+
 from gmeta_ds.algorithms import MetaLearner
 from gmeta_ds.config import RunConfig
 from gmeta_ds.config.deepspeed import BatchPlan, size_text, zero_stage
+from gmeta_ds.data.readers import DataError
+from gmeta_ds.data.remote import shown
+from gmeta_ds.data.store_read import store_identity
 from gmeta_ds.engine.parallelize import body_split, split_wanted
+from gmeta_ds.run.outputs import run_phase
 
 
 class BatchSource(Protocol):
@@ -70,6 +76,42 @@ def body_split_line(learner: MetaLearner, ds_config: dict) -> str:
                 "(adapting only the last layers, e.g. a classifier head, lets the body stay partitioned)")
     return ("model body: not split (meta.split_body: auto splits under ZeRO-3"
             + (f"; here it could not: {why}" if why else "") + ")")
+
+
+def check_ranks_read_the_same(cfg: RunConfig, data) -> None:
+    """Every rank trains on the same tasks: each rank lists ``data.path`` and resolves a Delta
+    table's latest version on its own, so an object rewritten or a commit landing while the ranks
+    start could give them different stores. One all-gather of each rank's `store_identity`
+    (collective; nothing for one rank or tasks built in memory) before anything depends on the
+    data; a `DataError` on every rank, naming ``data.path`` and what each rank read, when their
+    contents differ."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or getattr(data, "store", None) is None:
+        return
+    everyone = [None] * world
+    with run_phase(cfg, "data check across ranks"):
+        dist.all_gather_object(everyone, store_identity(data))
+    if len({e["content"] for e in everyone}) == 1:
+        return
+    path = shown(str(cfg.data.path))
+    if any(e["version"] is not None for e in everyone):
+        read = _by_rank(everyone, lambda e: f"Delta table version {e['version']}")
+        raise DataError(f"data.path {path}: the ranks read different versions of the table ({read}); a commit "
+                        "landed while they started: pin data.version_as_of (or data.timestamp_as_of) so every "
+                        "rank reads one version")
+    read = _by_rank(everyone, lambda e: f"task store {e['store']}")
+    raise DataError(f"data.path {path}: the ranks read different data ({read}); the files or objects there "
+                    "changed while the ranks listed them, or the ranks see different ones: train again once "
+                    "the writes are done, or point data.path at files nothing rewrites")
+
+
+def _by_rank(everyone: list[dict], what) -> str:
+    """``rank 0: A; ranks 1, 2: B``: what each group of ranks with the same content read."""
+    groups: dict[str, list[int]] = {}
+    for rank, e in enumerate(everyone):
+        groups.setdefault(e["content"], []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {what(everyone[r[0]])}"
+                     for r in groups.values())
 
 
 class Workload(ABC):

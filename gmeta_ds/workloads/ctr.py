@@ -39,7 +39,7 @@ from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
 from gmeta_ds.models.protocol import model_hooks
 from gmeta_ds.run.outputs import WEIGHTS_FILE, run_phase
-from gmeta_ds.workloads.base import Built, Workload, body_split_line
+from gmeta_ds.workloads.base import Built, Workload, body_split_line, check_ranks_read_the_same
 
 
 class CTRWorkload(Workload):
@@ -51,6 +51,7 @@ class CTRWorkload(Workload):
 
     def build(self, cfg: RunConfig, rank: int, world_size: int, prepared=None) -> Built:
         data = build_data(cfg)
+        check_ranks_read_the_same(cfg, data)  # before the tables and the engine depend on it
         sharded = build_sharded(cfg, data, rank, world_size)
         learner = build_learner(cfg, data.fields, with_tables=sharded is None, train=data.train)
         tables = [p.table for p in sharded.plan.tables.values()] if sharded is not None else []

@@ -1,7 +1,8 @@
 """Logs behind an ``s3://`` URL trained by the CLI on two warm ranks (issue 52): a
 Hive-partitioned Parquet prefix on a local S3 server (moto, 127.0.0.1) trains at world 2 the
 model the local copy of the same prefix trains in one process, from a task store of the same
-bytes. Cost: ~1 s for moto's server (once per module), ~4 s for the two runs."""
+bytes; ranks that read different versions of a Delta table fail alike, before training,
+saying what each read. Cost: ~1 s for moto's server (once per module), ~4 s for the two runs."""
 from __future__ import annotations
 
 import json
@@ -10,23 +11,27 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import assert_same_model, gmeta_ranks, summary, tiny_config
+from conftest import REPO, assert_same_model, gmeta_ranks, summary, tiny_config
 
 pytestmark = [pytest.mark.launcher, pytest.mark.distributed]
 
 SCHEMA = {"task_key": "user", "item_key": "item", "label": "rating", "item_features": ["cat"]}
 
 
-def hive_log(folder: Path) -> Path:
-    """A small click log as ``day=YYYY-MM-DD/part-00000.parquet`` folders under ``folder``."""
+def click_log() -> pd.DataFrame:
+    """A small click log, each user's rows on one of three days (``day``)."""
     rng = np.random.default_rng(7)
     lengths = rng.integers(10, 30, 40)
     user = np.repeat(np.arange(40), lengths)
     item = rng.zipf(1.4, len(user)) % 120
-    df = pd.DataFrame({"user": [f"u{u}" for u in user], "item": item.astype(np.int64),
-                       "rating": rng.integers(1, 6, len(user)).astype(np.float32),
-                       "cat": [f"c{i % 6}" for i in item], "day": [f"2026-11-0{1 + u % 3}" for u in user]})
-    for day, part in df.groupby("day", sort=True):
+    return pd.DataFrame({"user": [f"u{u}" for u in user], "item": item.astype(np.int64),
+                         "rating": rng.integers(1, 6, len(user)).astype(np.float32),
+                         "cat": [f"c{i % 6}" for i in item], "day": [f"2026-11-0{1 + u % 3}" for u in user]})
+
+
+def hive_log(folder: Path) -> Path:
+    """`click_log` as ``day=YYYY-MM-DD/part-00000.parquet`` folders under ``folder``."""
+    for day, part in click_log().groupby("day", sort=True):
         (folder / f"day={day}").mkdir(parents=True)
         part.drop(columns="day").to_parquet(folder / f"day={day}" / "part-00000.parquet", index=False)
     return folder
@@ -84,3 +89,31 @@ def test_an_s3_prefix_on_two_ranks_trains_the_local_copys_model_from_the_same_st
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert_same_model(one, two)
     assert store_content(tmp_path / "cache" / "s3") == store_content(tmp_path / "cache" / "local")
+
+
+PER_RANK = """import os, sys
+from gmeta_ds.cli import main
+sys.exit(main(["train", "--config", sys.argv[1], "--set", f"data.version_as_of={os.environ['RANK']}"]))
+"""
+
+
+def test_ranks_that_read_different_table_versions_fail_alike_before_training(tmp_path):
+    """Rank r pins version r of a Delta table, as if a commit had landed between the ranks'
+    reads of its latest version: every rank exits 2 naming the path and each rank's version."""
+    deltalake = pytest.importorskip("deltalake", reason="needs deltalake (the delta and dev extras)")
+    log, table = click_log(), tmp_path / "clicks"
+    deltalake.write_deltalake(str(table), log[log.day < "2026-11-03"], partition_by=["day"])
+    deltalake.write_deltalake(str(table), log[log.day == "2026-11-03"], partition_by=["day"], mode="append")
+    config = table_config(tmp_path, "delta", str(table))
+    script = tmp_path / "per_rank.py"
+    script.write_text(PER_RANK)
+    from pool import pool
+
+    result = pool().run({"kind": "script", "script": str(script), "args": [str(config)]}, 2, cwd=REPO, timeout=240)
+    assert result.codes == [2, 2], result.stderr
+    expected = (f"gmeta-ds train: data.path {table}: the ranks read different versions of the table (rank 0: "
+                "Delta table version 0; rank 1: Delta table version 1); a commit landed while they started: "
+                "pin data.version_as_of")
+    for err in result.rank_stderr:
+        assert expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "delta" / "run" / "metrics.jsonl").exists()
