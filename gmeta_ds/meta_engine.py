@@ -555,9 +555,9 @@ class MetaEngine:
         summary = self._run_summary(evaluation)
         if self.rank != 0:
             return None
-        files = {"summary.json": json.dumps(summary, indent=2) + "\n"}
-        if per_user is not None:
-            files = {PER_USER_FILE: per_user_text(per_user), **files}  # the summary last: it names the run
+        # the summary last: it names the run; without held-out users an earlier per_user.csv goes
+        files = {PER_USER_FILE: None if per_user is None else per_user_text(per_user),
+                 "summary.json": json.dumps(summary, indent=2) + "\n"}
         return write_run_files(Path(out), files) / "summary.json"
 
     def _run_summary(self, evaluation: dict) -> dict:

@@ -174,20 +174,26 @@ def run_folder_problems(out_dir: Path) -> list[str]:
              f"empty folder, or one of an earlier run ({', '.join(RUN_FILES)})")]
 
 
-def write_run_files(out_dir: Path, files: dict[str, str]) -> Path:
+def write_run_files(out_dir: Path, files: dict[str, str | None]) -> Path:
     """Write ``files`` ({name: text}) into ``out_dir`` (made when missing; refused by
     `run_folder_problems`, untouched): every file first beside its place (``NAME.tmp``), then
     each renamed over the earlier one in the order given, so an earlier run's files are
-    replaced only once every new one is complete. Returns ``out_dir``."""
+    replaced only once every new one is complete. A name whose text is None is this run's
+    absent file: an earlier run's copy is removed at its place in that order (never left
+    beside this run's others). Returns ``out_dir``."""
     problems = run_folder_problems(out_dir)
     if problems:
         raise ConfigError(problems)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in files.items():
-        tmp = out_dir / f"{name}.tmp"
-        tmp.write_text(text)
+        tmp = None if text is None else out_dir / f"{name}.tmp"
+        if tmp is not None:
+            tmp.write_text(text)
         written.append((tmp, out_dir / name))
     for tmp, path in written:
-        os.replace(tmp, path)
+        if tmp is None:
+            path.unlink(missing_ok=True)
+        else:
+            os.replace(tmp, path)
     return out_dir

@@ -9,6 +9,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import yaml
 
@@ -116,6 +117,20 @@ def test_an_api_run_folder_is_written_only_where_nothing_foreign_lies(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["per_user.csv", "summary.json"]  # no temporary file left
     with pytest.raises(ConfigError, match=r"out: .* is a file"):
         engine.evaluate(data.test, out=out / "summary.json")
+
+
+def test_an_api_run_without_held_out_users_leaves_no_earlier_per_user_csv(tmp_path):
+    """per_user.csv of an earlier evaluation stayed beside the summary.json of one without
+    held-out users: `gmeta-ds report` then drew the earlier run's users as this run's."""
+    cfg = config_from_dict({**TINY, "eval": {"few_shot": [], "steps_curve": [], "bootstrap_resamples": 0}})
+    data = build_data(cfg)
+    engine = _api_engine(cfg, data)
+    out = tmp_path / "run"
+    engine.evaluate(data.test, out=out)
+    assert (out / "per_user.csv").is_file()
+    empty = engine.evaluate(data.test.subset(np.arange(0)), out=out)
+    assert json.loads((out / "summary.json").read_text())["eval"] == empty and empty["tasks"] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
 
 def test_the_apis_opt_in_evaluation_arguments_are_checked_naming_them():
