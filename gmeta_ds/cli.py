@@ -434,7 +434,7 @@ def _cmd_export_serving(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from gmeta_ds.serving.server import ServerOptions, serve
+        from gmeta_ds.serving.server import BOUNDS, ServerOptions, option_problems, serve
         services = ()
         if args.grpc_port is not None:
             from gmeta_ds.serving.grpc_server import grpc_service
@@ -449,6 +449,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads,
                             allow_reload=args.allow_reload, model_roots=tuple(args.model_roots),
                             header_timeout_s=args.header_timeout)
+    problems = option_problems(options, {n: "--" + n.replace("_", "-") for n in BOUNDS} |
+                               {"header_timeout_s": "--header-timeout"})
+    if problems:
+        raise ConfigError(problems)
     serve(args.export, args.host, args.port, options, services)
     return 0
 

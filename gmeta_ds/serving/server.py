@@ -96,7 +96,33 @@ def options_from_arguments(args: dict, where: str) -> ServerOptions:
             typed[name] = _typed(kind, value)
         except ValueError:
             raise ConfigError([f"{name}={value!r}: expected {kind.__name__}"], where) from None
-    return ServerOptions(**typed)
+    options = ServerOptions(**typed)
+    problems = option_problems(options)
+    if problems:
+        raise ConfigError(problems, where)
+    return options
+
+
+# (low, high, what) of `ServerOptions`' numbers; a bound of None is open. An infinite or NaN
+# max_wait_ms made the batcher wait for a full batch (every request after a batch of two hung).
+BOUNDS = {"max_batch": (1, None, "an integer >= 1"), "max_rows": (1, None, "an integer >= 1"),
+          "max_body_bytes": (1, None, "an integer >= 1"), "cache_size": (0, None, "an integer >= 0"),
+          "threads": (1, None, "an integer >= 1"),
+          "max_wait_ms": (0, 60_000, "a number of milliseconds in [0, 60000]"),
+          "cache_ttl_s": (0, float("inf"), "a number of seconds >= 0 (inf: never expire)"),
+          "header_timeout_s": (1e-9, 3600, "a number of seconds > 0 and at most 3600")}
+
+
+def option_problems(options: ServerOptions, flags: dict[str, str] | None = None) -> list[str]:
+    """One line per number of ``options`` outside `BOUNDS` (NaN included), naming the option
+    as ``flags`` spell it (field name -> command-line flag; default: the field's name)."""
+    problems = []
+    for name, (low, high, what) in BOUNDS.items():
+        value = getattr(options, name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and low <= value and (high is None or value <= high)):  # NaN fails both
+            problems.append(f"{(flags or {}).get(name, name)}={value!r}: expected {what}")
+    return problems
 
 
 def _typed(kind: type, value):
