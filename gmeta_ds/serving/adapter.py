@@ -80,8 +80,16 @@ def mapped_tables(export: Export) -> nn.Module:
     """An `EmbeddingCollection` of the export's tables whose static weights are the mapped
     tensors themselves (dynamic tables, small, are built and loaded as usual)."""
     from gmeta_ds.embedding.tables import EmbeddingCollection, feature_tables
+    from gmeta_ds.errors import ConfigError
+    from gmeta_ds.saved import META, WEIGHTS
 
     tables = export.meta["tables"]
+    prefix = "net.embedding.weights."
+    missing = [t.name for t in tables if t.kind == "static" and prefix + t.name not in export.state]
+    if missing:  # a model.json edited apart from its weights: refused naming both files, not a KeyError
+        held = sorted(k[len(prefix):] for k in export.state if k.startswith(prefix))
+        raise ConfigError([(f"{export.path / META}: 'tables' names {', '.join(missing)[:200]}, which {WEIGHTS} does "
+                            f"not hold (its tables: {', '.join(held)[:200] or 'none'})")], "gmeta_ds.serving")
     collection = EmbeddingCollection([t for t in tables if t.kind == "dynamic"])
     collection.tables = {t.name: t for t in tables}
     collection.by_feature = feature_tables(tables)

@@ -278,6 +278,18 @@ def test_an_exports_numbers_are_bounded_at_load(data, tmp_path, where, key, valu
         gm.load_adapter(folder, Tower())
 
 
+def test_a_table_the_weights_do_not_hold_is_refused_naming_it(data, tmp_path):
+    """A model.json whose table name the weights do not hold (renamed, digest rewritten) was
+    a KeyError traceback ('net.embedding.weights.x') from gm.load_adapter and gmeta-ds serve."""
+    folder = _engine(Tower(), data).save_model(tmp_path / "m", data)
+    meta = json.loads((folder / "model.json").read_text())
+    meta["tables"][0]["name"] = "renamed"
+    rewrite_meta(folder, meta)
+    with pytest.raises(gm.ConfigError, match=r"model.json: 'tables' names renamed, which model.safetensors "
+                                             r"does not hold \(its tables: "):
+        gm.load_adapter(folder, Tower())
+
+
 def test_model_json_is_checked_against_its_digest(data, tmp_path):
     """Issue 49: model.json.sha256 (a sha256sum line) holds model.json's SHA-256: a model.json
     changed after the save is refused naming both files; a digest file that is not one
