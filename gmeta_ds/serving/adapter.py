@@ -110,6 +110,11 @@ def _recipe_model(export: Export) -> nn.Module:
         raise ConfigError([f"{export.path}: this export holds no recipe to rebuild its model from (it was "
                            "saved through the Python API): pass the model, gm.load_adapter(path, model), or "
                            "gmeta-ds serve --model MODULE:FUNCTION"], "gmeta_ds.serving")
+    lacking = [key for key in ("model", "embedding", "kind", "oov_id") if key not in recipe]
+    if lacking:  # an edited model.json: refused naming the key, not a KeyError
+        raise ConfigError([(f"{export.path / 'model.json'}: 'serving.recipe' lacks {', '.join(lacking)}; "
+                            "export the run again (gmeta-ds export WEIGHTS OUT --config RUN.yaml --overwrite)")],
+                          "gmeta_ds.serving")
     cfg = config_from_dict({"model": recipe["model"], "embedding": recipe["embedding"]}, f"{export.path}/model.json")
     return build_model(cfg.model, export.fields, cfg.embedding, 0, False, kind=recipe["kind"],
                        oov_id=recipe["oov_id"])

@@ -61,3 +61,18 @@ def test_a_deeply_nested_model_json_is_a_config_error(tmp_path):
     (tmp_path / "model.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(gm.ConfigError, match=r"model.json: not readable JSON"):
         read_meta(tmp_path)
+
+
+@pytest.mark.parametrize("lacking", ["model", "embedding", "kind", "oov_id"])
+def test_a_recipe_lacking_a_key_is_refused_naming_it(tmp_path, lacking):
+    """A CLI export whose serving.recipe lacks a key (digest rewritten with it) was a KeyError
+    traceback from gm.load_adapter and gmeta-ds serve; it is refused naming model.json and the key."""
+    from tests.helpers import demo_export
+    from tests.unit.test_saved_model import rewrite_meta
+
+    folder = demo_export(tmp_path)
+    meta = json.loads((folder / "model.json").read_text())
+    del meta["serving"]["recipe"][lacking]
+    rewrite_meta(folder, meta)
+    with pytest.raises(gm.ConfigError, match=rf"model.json: 'serving.recipe' lacks {lacking}"):
+        gm.load_adapter(folder)
