@@ -133,8 +133,8 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="adapt to each user and score candidates over HTTP (docs/serving.md)")
     p.add_argument("export", help="the folder gmeta-ds export --config (or engine.save_model) wrote")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    p.add_argument("--grpc-port", type=_at_least(0), default=None, metavar="PORT",
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--grpc-port", type=_port, default=None, metavar="PORT",
                    help="also serve OIP v2 over gRPC (KServe's and Triton's inference.GRPCInferenceService) on "
                         "this port, beside HTTP (0: any free port; default: no gRPC)")
     p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
@@ -186,6 +186,15 @@ def _at_least(low: int):
             raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
         return value
     return parse
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on, 0 (any free one) to 65535: past it uvicorn hung without a word
+    and grpc's probe raised OverflowError."""
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} must be at most 65535 (a TCP port; 0: any free port)")
+    return value
 
 
 def _positive_seconds(text: str) -> float:

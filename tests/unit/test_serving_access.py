@@ -145,3 +145,15 @@ def test_whole_heads_are_answered_and_a_kept_alive_connection_gets_the_deadline_
         time.sleep(0.7)  # longer than the deadline: idle between requests is keep-alive's to end
         sock.sendall(b"GET / HTTP/1.1\r\nHo")  # the next request's head, half
         assert 0.3 < _closed_after(sock) < 2.5
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "70000"), ("--port", "-1"), ("--grpc-port", "65536")])
+def test_serve_refuses_a_port_outside_tcps_range(tmp_path, capsys, flag, value):
+    """--port 70000 loaded the export and then hung without a word (uvicorn), --port -1 failed
+    after loading, --grpc-port 65536 was grpc's probe's OverflowError traceback."""
+    from gmeta_ds import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", str(tmp_path / "missing"), flag, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: {value} must be" in err, err
