@@ -106,7 +106,8 @@ def options_from_arguments(args: dict, where: str) -> ServerOptions:
 # (low, high, what) of `ServerOptions`' numbers; a bound of None is open. An infinite or NaN
 # max_wait_ms made the batcher wait for a full batch (every request after a batch of two hung).
 BOUNDS = {"max_batch": (1, None, "an integer >= 1"), "max_rows": (1, None, "an integer >= 1"),
-          "max_body_bytes": (1, None, "an integer >= 1"), "cache_size": (0, None, "an integer >= 0"),
+          # grpc's receive limit (set from it) is a C int: past 2**31 - 1 the gRPC service failed to start
+          "max_body_bytes": (1, 2**31 - 1, "an integer in [1, 2147483647]"), "cache_size": (0, None, "an integer >= 0"),
           "threads": (1, None, "an integer >= 1"),
           "max_wait_ms": (0, 60_000, "a number of milliseconds in [0, 60000]"),
           "cache_ttl_s": (0, float("inf"), "a number of seconds >= 0 (inf: never expire)"),

@@ -74,7 +74,8 @@ def test_string_arguments_turn_reloading_on_only_when_they_say_so(tmp_path):
     ({"max_wait_ms": "inf"}, r"max_wait_ms=inf: expected a number of milliseconds in \[0, 60000\]"),
     ({"max_wait_ms": "nan"}, r"max_wait_ms=nan"), ({"threads": "0"}, r"threads=0: expected an integer >= 1"),
     ({"max_rows": "-3"}, r"max_rows=-3"), ({"cache_ttl_s": "-1"}, r"cache_ttl_s=-1.0"),
-    ({"header_timeout_s": "0"}, r"header_timeout_s=0.0")])
+    ({"header_timeout_s": "0"}, r"header_timeout_s=0.0"),
+    ({"max_body_bytes": str(2**31)}, r"max_body_bytes=2147483648: expected an integer in \[1, 2147483647\]")])
 def test_option_numbers_out_of_bounds_are_refused_naming_them(args, named):
     """Ray's and KServe's string arguments met no bound: an infinite max_wait_ms made the
     batcher wait for a full batch (a request hung), threads=0 was torch's traceback."""
@@ -85,9 +86,11 @@ def test_option_numbers_out_of_bounds_are_refused_naming_them(args, named):
 def test_serve_refuses_an_unbounded_batch_wait_before_loading(tmp_path, capsys):
     from gmeta_ds import cli
 
-    code = cli.main(["serve", str(tmp_path / "missing"), "--max-wait-ms", "inf", "--cache-ttl-s", "nan"])
+    code = cli.main(["serve", str(tmp_path / "missing"), "--max-wait-ms", "inf", "--cache-ttl-s", "nan",
+                     "--max-body-bytes", "3000000000"])  # over gRPC's int limit: its service's OverflowError
     err = capsys.readouterr().err
     assert code == 2 and "--max-wait-ms=inf: expected" in err and "--cache-ttl-s=nan: expected" in err, err
+    assert "--max-body-bytes=3000000000: expected" in err
     assert "missing" not in err  # refused before the export is looked at
 
 
