@@ -12,7 +12,13 @@ Variants (all compute the same numbers; this is checked before timing, exit 1 if
 - ``clone-per-task``: learn2learn style, written here: per task, fast weights ``p - lr * g``
   (``create_graph=True``) and a hand-written MLP forward over them (no torch.func);
 - ``bare torch.func``: the same math with `torch.func.vmap` + `grad` + `functional_call` on
-  the MLP, no gmeta_ds code: the reference gmeta_ds vmap aims to be within 1.1x of.
+  the MLP, no gmeta_ds code: the reference gmeta_ds vmap aims to be within 1.1x of;
+- with ``--compiled`` (``meta.compile: true``): ``gmeta_ds compiled``, the vmap variant under
+  `torch.compile` (inductor, the row dimensions marked dynamic from the first call: one graph),
+  and ``compiled automatic``, with Dynamo's automatic dynamic shapes instead (a static graph for
+  the first micro-batch's lengths, then one per dimension that changes). They are built afresh for each
+  ``--threads`` value (inductor fixes a kernel's threads when it compiles it); their compile
+  time (untimed warm-up) and graph count are reported beside the speed.
 
 Each variant runs with ``torch.set_num_threads(n)`` for each ``--threads`` value; variants are
 interleaved in ``--rounds`` rounds (robust to background load), the median per-micro-batch
@@ -32,6 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -53,9 +60,11 @@ from gmeta_ds.algorithms.maml import MAML  # noqa: E402
 from gmeta_ds.config import EmbeddingConfig, ModelConfig, SyntheticConfig  # noqa: E402
 from gmeta_ds.data.synthetic import generate_synthetic, synthetic_fields  # noqa: E402
 from gmeta_ds.data.tasks import collate  # noqa: E402
+from gmeta_ds.functional.compiled import CompiledTasks
 from gmeta_ds.models.melu import build_melu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inner_loop.json"
+ROUNDS_SHOWN = 3  # a variant's timings are shown as the medians of this many consecutive parts
 CHECKED = ("mlp.0.weight", "embedding.weights.item_id")
 
 
@@ -119,15 +128,24 @@ def bare_func_loss(net, b, steps, lr):
 
 
 # ------------------------------------------------------------------ setup
-def make_variants(net, steps, lr):
-    """name -> fn(batch) returning the scalar outer loss (graph attached)."""
+def make_variants(net, steps, lr, compiled=False):
+    """name -> fn(batch) returning the scalar outer loss (graph attached); with ``compiled``
+    the two compiled variants too (their `CompiledTasks` as ``fn.compiled``)."""
     learners = {v: MetaLearner(net, MAML(steps, lr, ["mlp.*"], vectorize=v)) for v in (True, False)}
-    return {
+    variants = {
         "gmeta_ds vmap": lambda b: learners[True](b).loss,
         "gmeta_ds loop": lambda b: learners[False](b).loss,
         "clone-per-task": lambda b: clone_per_task_loss(net, b, steps, lr),
         "bare torch.func": lambda b: bare_func_loss(net, b, steps, lr),
     }
+    if compiled:
+        for name, marked in (("gmeta_ds compiled", True), ("compiled automatic", False)):
+            algorithm = MAML(steps, lr, ["mlp.*"], vectorize=True)
+            algorithm.compiled = CompiledTasks(mark_dynamic=marked)
+            learner = MetaLearner(net, algorithm)
+            variants[name] = functools.partial(lambda learner, b: learner(b).loss, learner)
+            variants[name].compiled = algorithm.compiled
+    return variants
 
 
 def make_batches(tasks_per_batch, n_batches):
@@ -220,20 +238,35 @@ def time_variants(net, variants, batches, iters, warmup, rounds, device="cpu"):
     return times
 
 
-def summarize(times, threads, tasks):
+def summarize(times, threads, tasks, variants=None):
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    return [{"variant": name, "threads": threads, "ms_per_micro_batch": 1e3 * m,
+    rows = [{"variant": name, "threads": threads, "ms_per_micro_batch": 1e3 * m,
              "tasks_per_s": tasks / m, "vs_loop": m / med["gmeta_ds loop"],
-             "vs_bare_func": m / med["bare torch.func"], "iters": len(times[name]),
-             "min_ms": 1e3 * min(times[name])} for name, m in med.items()]
+             "vs_bare_func": m / med["bare torch.func"], "vs_vmap": m / med["gmeta_ds vmap"],
+             "iters": len(times[name]), "min_ms": 1e3 * min(times[name]),
+             "spread": [1e3 * statistics.median(r) for r in _rounds(times[name])]} for name, m in med.items()]
+    for row in rows:
+        compiled = getattr((variants or {}).get(row["variant"]), "compiled", None)
+        if compiled is not None:
+            row.update(compile_s=compiled.seconds, graphs=compiled.graphs, eager_fallback=compiled.failure)
+    return rows
+
+
+def _rounds(ts, rounds=ROUNDS_SHOWN):
+    """The timings of one variant cut into its rounds (in order): their medians show the spread."""
+    size = max(1, len(ts) // rounds)
+    return [ts[i:i + size] for i in range(0, len(ts), size)]
 
 
 def print_table(rows):
     print(f"{'variant':<17} {'thr':>3} {'ms/mb':>8} {'tasks/s':>8} "
-          f"{'t/t_loop':>8} {'t/t_bare':>8}")
+          f"{'t/t_loop':>8} {'t/t_bare':>8} {'t/t_vmap':>8}  per round (ms)")
     for r in rows:
+        spread = " ".join(f"{x:.1f}" for x in r["spread"])
+        extra = f"  compile {r['compile_s']:.1f} s, {r['graphs']} graphs" if "compile_s" in r else ""
         print(f"{r['variant']:<17} {r['threads']:>3} {r['ms_per_micro_batch']:>8.2f} "
-              f"{r['tasks_per_s']:>8.0f} {r['vs_loop']:>8.2f} {r['vs_bare_func']:>8.2f}")
+              f"{r['tasks_per_s']:>8.0f} {r['vs_loop']:>8.2f} {r['vs_bare_func']:>8.2f} {r['vs_vmap']:>8.2f}  "
+              f"{spread}{extra}")
 
 
 def write_json(params, rows, path=RESULTS):
@@ -260,6 +293,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="warm-up iterations per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--compiled", action="store_true", help="add the torch.compile variants (meta.compile)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     return ap.parse_args(argv)
 
@@ -286,8 +320,19 @@ def main(argv=None) -> int:
     rows = []
     for n in args.threads:
         torch.set_num_threads(n)
+        if args.compiled:  # fresh compiled variants at each thread count, checked as they compile
+            variants = make_variants(net, args.inner_steps, args.inner_lr, compiled=True)
+            problems = check_agreement(net, variants, batches[0]) + [
+                f"{name}: fell back to eager ({fn.compiled.failure})" for name, fn in variants.items()
+                if getattr(fn, "compiled", None) is not None and fn.compiled.failure]
+            if problems:
+                print("compiled variants disagree:\n  " + "\n  ".join(problems), file=sys.stderr)
+                return 1
+            for b in batches:  # every length compiles before timing (compile time reported apart)
+                for fn in variants.values():
+                    step(net, fn, b)
         rows += summarize(time_variants(net, variants, batches, args.iters, args.warmup,
-                                        args.rounds, args.device), n, args.tasks)
+                                        args.rounds, args.device), n, args.tasks, variants)
     print_table(rows)
     params = {**vars(args), "out": str(args.out), "embed_dim": mc.embed_dim, "hidden": mc.hidden, "adapt": ["mlp.*"],
               "algorithm": "maml (second order)", "fields": len(synthetic_fields(SyntheticConfig())),

@@ -8,12 +8,14 @@ keeps the inner gradients in its forward and the outer backward (second-order MA
 compiled with it; its gradients equal eager's to rounding (tests/unit/test_compiled_tasks.py).
 
 Shapes: a micro-batch is padded to its longest task, so the row dimensions (S, Q, and the
-number M of deduplicated adapted rows) change from one micro-batch to the next. Dynamo's
-automatic dynamic shapes compile a static graph for the first shape and one graph with those
-dimensions symbolic at the second (benchmarks/inner_loop.py measured this against marking them
-dynamic from the first call: docs/performance.md). `MAX_GRAPHS` bounds the graphs one runner
-compiles; past it (shapes that keep changing what the graph specialises on) it runs eager
-with one warning. A compile that fails (no C++ compiler, an operation the compiler refuses)
+number M of deduplicated adapted rows) change from one micro-batch to the next. They are marked
+dynamic before the first call (`mark_rows_dynamic`): one graph serves every length. Dynamo's
+automatic dynamic shapes (a static graph for the first lengths, then one per dimension that
+changes: 2-3 graphs) ran no faster per micro-batch and compiled 2-3 times as long
+(benchmarks/inner_loop.py --compiled, docs/performance.md); a static graph per length (or per
+padded length bucket) would compile once per bucket and was not built. `MAX_GRAPHS` bounds the
+graphs one runner compiles; past it (inputs that keep changing what the graph specialises on)
+it runs eager with one warning. A compile that fails (no C++ compiler, an operation the compiler refuses)
 runs eager too, with one warning naming the reason: ``meta.compile: true`` never ends a run.
 """
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch
 
 from gmeta_ds.functional.inner import LearningRates, Params, TaskOutputs, vmap_tasks
 
-# Graphs one runner may compile before it runs eager: the first shape, the dynamic-shape graph,
-# one per (first/second order) query detachment, and room for a few specialisations.
+# Graphs one runner may compile before it runs eager: one with the row dimensions dynamic, and
+# room for specialisations (a length of 1, Dynamo's automatic dynamic shapes: 2-3 graphs).
 MAX_GRAPHS = 6
 # The compiler: inductor (C++/OpenMP kernels on CPU, Triton on GPUs).
 BACKEND = "inductor"
@@ -81,8 +83,7 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def mark_rows_dynamic(theta: Params, support: tuple, query: tuple) -> None:
-    """Mark the row dimensions dynamic before the first call (the alternative to Dynamo's
-    automatic dynamic shapes that `CompiledTasks` measured): dimension 1 of every batched
+    """Mark the row dimensions dynamic before the first call: dimension 1 of every batched
     input of two or more dimensions (T, S, ...) and dimension 0 of the deduplicated rows."""
     def mark(x):
         if isinstance(x, tuple):
@@ -103,10 +104,10 @@ class CompiledTasks:
     Call it as `vmap_tasks`. ``graphs`` counts compiled graphs, ``seconds`` the wall time of
     the calls that compiled (tracing, both graphs' compilation, one run), ``failure`` is None
     or the one-line reason the runner went eager. ``mark_dynamic``: mark the row dimensions
-    dynamic from the first call (`mark_rows_dynamic`) instead of at the second shape.
+    dynamic from the first call (`mark_rows_dynamic`); False: Dynamo's automatic dynamic shapes.
     """
 
-    def __init__(self, backend: str | Callable | None = None, mark_dynamic: bool = False,
+    def __init__(self, backend: str | Callable | None = None, mark_dynamic: bool = True,
                  max_graphs: int = MAX_GRAPHS):
         use_temporary_cache()
         backend = BACKEND if backend is None else backend
@@ -132,7 +133,8 @@ class CompiledTasks:
                     torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
                 out = self._compiled(inner, theta, lrs, support, query, detach_query)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: eager, named once
-            out = vmap_tasks(inner, theta, lrs, support, query, detach_query)  # the model's own errors raise here
+            # the model's own errors (its contract, its shapes) raise here, from eager code
+            out = vmap_tasks(inner, theta, lrs, support, query, detach_query)
             self._fall_back(f"torch.compile failed ({failure_reason(exc)})")
             return out
         if self.graphs != before:
@@ -144,7 +146,8 @@ class CompiledTasks:
 
     def _fall_back(self, reason: str) -> None:
         self.failure = reason
-        warnings.warn(f"meta.compile: {reason}; the meta-step runs eager from here", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"meta.compile: {reason}; the meta-step runs eager from here", RuntimeWarning,
+                      stacklevel=3)
 
     def facts(self) -> dict:
         """summary.json's ``compile``: graphs compiled, their seconds, the fallback reason."""
