@@ -114,7 +114,7 @@ def lookup_part(sharded, fields, batch, reps: int) -> dict:
 
 
 def step_part(engine, sharded, fields, loader, steps: int, tasks: int) -> dict:
-    from gmeta_ds.meta_engine import meta_step
+    from gmeta_ds.meta_engine import step_micro_batches as meta_step
 
     for _ in range(3):
         meta_step(engine, sharded, fields, loader.next())

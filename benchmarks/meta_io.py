@@ -45,7 +45,7 @@ from gmeta_ds.config import DataConfig, SchemaConfig, load_config
 from gmeta_ds.data.builder import build_tasks, store_path
 from gmeta_ds.data.stream import in_memory_mib, mapped_store_mib
 from gmeta_ds.data.parquet_log import synthesize_log
-from gmeta_ds.data.loader import TaskLoader, padding_efficiency, task_lengths
+from gmeta_ds.data.loader import TaskLoader, task_lengths
 from gmeta_ds.data.sampler import MetaBatchSampler
 from gmeta_ds.data.synthetic import generate_synthetic
 from gmeta_ds.data.tasks import pad_rows, pad_multi
@@ -168,7 +168,7 @@ def bench_loader(tasks, steps: int, rounds: int) -> dict:
                 t = time.perf_counter()
                 batches = loader.next()
                 times[b].append(time.perf_counter() - t)
-                pads[b] += [padding_efficiency(x) for x in batches]
+                pads[b] += [x.padding_efficiency for x in batches]
     return {("on" if b else "off"): {"tasks_per_s": 64 / statistics.median(times[b]), "steps": len(times[b]),
                                      "padding_efficiency": float(np.mean(pads[b]))} for b in loaders}
 
