@@ -41,8 +41,6 @@ import sys
 import warnings
 from pathlib import Path
 
-# Ranks share few cores: busy-waiting OpenMP threads starve each other (set before torch loads).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # DeepSpeed's ZeRO calls a torch collective that torch has renamed; the warning is theirs, not ours.
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 # torch's sparse optimizers build COO tensors without opting in or out of invariant checks.
@@ -528,6 +526,29 @@ def check_output_dir(path: str | Path, create: bool = True, key: str = "output_d
                            f"test file in {str(existing)!r} failed; expected a writable directory)"]) from exc
 
 
+def _set_wait_policy(threads: int | str | None) -> None:
+    """OMP_WAIT_POLICY for this process, before torch loads (libgomp reads it once, at load).
+
+    PASSIVE (a worker sleeps as soon as a parallel region ends) where this host would be
+    oversubscribed: ``threads`` x this host's ranks above its cores, or ``threads`` unknown
+    (serve, tune, data). There a spinning worker takes the core another rank needs. Otherwise
+    libgomp's default (spin ~3 ms, then sleep): a meta-step is thousands of small parallel regions,
+    and with PASSIVE each wakes its workers from sleep, which made ``train.threads: 2`` slower
+    than 1 on 2 cores (benchmarks/cli_threads.py). A policy the user set (or GOMP_SPINCOUNT) is kept.
+    """
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    cores = os.cpu_count() or 1
+    try:  # the launcher's ranks on this host (checked properly later: engine/dist.env_world)
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+                           or os.environ.get("WORLD_SIZE") or 1))
+        count = max(1, cores // ranks) if threads == "auto" else int(threads)
+    except (TypeError, ValueError):
+        count, ranks = cores + 1, 1
+    if not 1 < count <= cores // ranks:  # one thread has no workers to spin; more than the share oversubscribe
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     """``--set`` overrides plus ``--overwrite`` and the DeepSpeed config the launcher
     imposes, if any."""
@@ -553,6 +574,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command not in ("train", "eval", "validate"):
+        _set_wait_policy(None)  # no run config: serve, tune (its trials decide their own), data, plot
     try:
         if args.command == "plot":
             return _cmd_plot(args.run_dir, args.out)
@@ -572,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tune":
             return _cmd_tune(args)
         cfg = load_config(args.config, _overrides(args))
+        _set_wait_policy(cfg.train.threads)
         if args.command == "validate":
             return _cmd_validate(cfg, args)
         if args.command == "eval":

@@ -36,7 +36,9 @@ _null = os.open(os.devnull, os.O_RDWR)
 os.dup2(_null, 0)  # a job never reads the protocol
 os.dup2(_null, 1)
 
-# gmeta_ds.cli first, as the console entry: it sets OMP_WAIT_POLICY before torch loads.
+# Several ranks of a job share the cores and a job may ask for more threads than its share:
+# workers that sleep at once (the CLI decides per run, before torch loads; a warm worker cannot).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import gmeta_ds.cli
 import deepspeed  # noqa: F401
 import torch

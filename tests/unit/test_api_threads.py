@@ -72,3 +72,33 @@ def test_a_bad_threads_argument_is_refused_before_anything_starts(threads):
     with pytest.raises(gm.ConfigError, match=rf"threads: {threads!r} is not 'auto' or an integer in 1..4096"):
         gm.initialize(gm.meta_learner(torch.nn.Linear(2, 1), adapt="*"), threads=threads)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("cores, ranks, threads, policy", [
+    (2, None, "auto", None),      # one process, its 2 threads on 2 cores: libgomp's spin-then-sleep
+    (2, None, 2, None),
+    (2, None, 1, "PASSIVE"),      # one thread: no OpenMP workers to keep awake
+    (2, None, 4, "PASSIVE"),      # more threads than cores
+    (2, 2, "auto", "PASSIVE"),    # 2 ranks on 2 cores: a thread each
+    (8, 2, "auto", None),         # 2 ranks x 4 threads on 8 cores
+    (8, 2, 8, "PASSIVE"),         # 2 ranks x 8 threads on 8 cores: oversubscribed
+    (2, None, None, "PASSIVE"),   # no run config (serve, tune, data)
+    (2, "x", "auto", "PASSIVE"),  # a garbled launcher variable (named later by env_world): the safe choice
+])
+def test_the_cli_lets_openmp_spin_only_where_its_threads_have_their_own_cores(monkeypatch, cores, ranks, threads, policy):
+    """`gmeta-ds` sets OMP_WAIT_POLICY=PASSIVE before torch loads only where a spinning worker
+    would take a core another thread or rank needs (benchmarks/cli_threads.py: on 2 cores,
+    ``train.threads: 2`` under PASSIVE ran slower than 1 thread); a policy the user set is kept."""
+    from gmeta_ds.cli import _set_wait_policy
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    for name in (*LAUNCHER, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    if ranks is not None:
+        monkeypatch.setenv("LOCAL_SIZE", str(ranks))
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    _set_wait_policy(threads)
+    assert os.environ.get("OMP_WAIT_POLICY") == policy
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _set_wait_policy(threads)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's choice is kept
