@@ -5,7 +5,8 @@ micro-batches of other lengths, and fall back to eager with one warning when com
 The graphs are compiled with the ``aot_eager`` backend: AOTAutograd traces the inner
 ``torch.func.grad`` and the outer backward exactly as for inductor, without inductor's C++
 build (tens of seconds per graph on 2 shared cores; benchmarks/inner_loop.py --compiled
-measures inductor itself, and checks its gradients against eager's before timing). ~2-4 s each.
+measures inductor itself, and checks its gradients against eager's before timing). 1-11 s
+each (the first pays Dynamo's one-off start), 49 s for the file at a load average of 2.
 """
 from __future__ import annotations
 
