@@ -52,7 +52,7 @@ CODES = {403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
 def request_body(request: pb.ModelInferRequest) -> dict:
     """The OIP v2 JSON form of ``request`` (what `protocol.parse_oip` reads): each input's
     values from its typed ``contents`` or its ``raw_input_contents`` entry, the request's
-    parameters as plain values, its id when it has one."""
+    parameters as plain values, the outputs it asks for and its id when it has them."""
     raw, inputs = request.raw_input_contents, request.inputs
     if raw and len(raw) != len(inputs):
         raise RequestError("raw_input_contents", f"{len(raw)} entries for {len(inputs)} inputs; give one per "
@@ -61,6 +61,8 @@ def request_body(request: pb.ModelInferRequest) -> dict:
                         "data": _from_raw(raw[i], t, i) if raw else _from_contents(t, i)}
                        for i, t in enumerate(inputs)],
             "parameters": {key: _parameter_value(p) for key, p in request.parameters.items()}}
+    if request.outputs:  # the outputs asked for (`parse_oip` refuses a name the model lacks)
+        body["outputs"] = [{"name": output.name} for output in request.outputs]
     return {**body, "id": request.id} if request.id else body
 
 

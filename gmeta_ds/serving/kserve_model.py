@@ -103,7 +103,8 @@ def oip_body(payload: InferRequest) -> dict:
         inputs.append({"name": tensor.name, "shape": list(tensor.shape), "datatype": tensor.datatype,
                        "data": values if isinstance(values, list) else values.tolist()})
     parameters = to_http_parameters(payload.parameters) if payload.parameters else {}
-    return {"inputs": inputs, "parameters": parameters}
+    outputs = [{"name": output.name} for output in payload.request_outputs or ()]
+    return {"inputs": inputs, "parameters": parameters, **({"outputs": outputs} if outputs else {})}
 
 
 KNOBS = ("max_batch", "max_wait_ms", "max_rows", "cache_size", "cache_ttl_s", "threads", "model")

@@ -33,6 +33,12 @@ from gmeta_ds.sparse import FieldSpec
 
 SCALARS = (str, int, float, bool)
 OIP_TYPES = {"BYTES": str, "FP32": float, "FP64": float, "INT64": int, "INT32": int}
+# the JSON values each datatype's data may hold (exact types: a boolean is neither a number nor
+# an integer), and how an error says it; as KServe's and Triton's JSON readers take them
+_OIP_VALUES = {"BYTES": (frozenset({str}), "strings"), "FP32": (frozenset({int, float}), "numbers"),
+               "FP64": (frozenset({int, float}), "numbers"), "INT64": (frozenset({int}), "integers"),
+               "INT32": (frozenset({int}), "integers")}
+OUTPUTS = ("scores",)  # the outputs an infer request may ask for (`oip_metadata`)
 
 
 def _rows(body: dict, part: str, fields: dict[str, FieldSpec], user: dict, labels: bool, max_rows: int):
@@ -146,7 +152,7 @@ def parse_json(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
         if name not in specs:
             raise RequestError(f"user.{name}", f"not a field of this model (fields: {', '.join(specs)})")
     user_id = body.get("user_id")
-    if user_id is not None and not isinstance(user_id, (str, int)):
+    if user_id is not None and type(user_id) not in (str, int):  # True is an int, not an id
         raise RequestError("user_id", f"expected a string or an integer, got {type(user_id).__name__}")
     if "candidates" not in body:
         raise RequestError("candidates", "missing: the items to score")
@@ -172,17 +178,39 @@ def _oip_tensor(i: int, tensor) -> tuple[str, list]:
         raise RequestError(f"{where}.name", "expected a string")
     if not isinstance(tensor["datatype"], str) or tensor["datatype"] not in OIP_TYPES:  # a list is unhashable
         raise RequestError(f"{where}.datatype", f"{tensor['datatype']!r}; expected one of {', '.join(OIP_TYPES)}")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
-        raise RequestError(f"{where}.shape", f"{shape!r}; expected [rows] (one dimension)")
+    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
+        raise RequestError(f"{where}.shape", f"{shape!r}; expected [rows] (one dimension, a non-negative "
+                                             "integer, not a boolean)")
     if not isinstance(data, list) or len(data) != shape[0]:
         raise RequestError(f"{where}.data", f"expected a flat list of {shape[0]} values (its shape)")
+    allowed, kind = _OIP_VALUES[tensor["datatype"]]
+    if not allowed.issuperset(map(type, data)):  # one C-level pass over a well-formed tensor
+        k, bad = next((k, v) for k, v in enumerate(data) if type(v) not in allowed)
+        raise RequestError(f"{where}.data", f"{name!r}: element {k} is {bad!r:.40}; datatype {tensor['datatype']} "
+                                            f"holds {kind}")
     return name, data
+
+
+def _check_outputs(outputs) -> None:
+    """The outputs an infer request asks for: each an object naming one of `OUTPUTS` (Triton
+    answers 400 for an unknown output name)."""
+    if not isinstance(outputs, list):
+        raise RequestError("outputs", f"expected a list of requested outputs, got {type(outputs).__name__}")
+    for i, output in enumerate(outputs):
+        name = output.get("name") if isinstance(output, dict) else None
+        if not isinstance(name, str):
+            raise RequestError(f"outputs[{i}].name", "missing: a requested output is an object with a name")
+        if name not in OUTPUTS:
+            raise RequestError(f"outputs[{i}].name", f"{name!r:.80}: not an output of this model "
+                                                     f"(outputs: {', '.join(OUTPUTS)})")
 
 
 def parse_oip(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
     """An Open Inference Protocol v2 infer request (module docstring) -> `UserRequest`."""
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
         raise RequestError("inputs", "missing: an OIP v2 request holds a list of input tensors")
+    if "outputs" in body:
+        _check_outputs(body["outputs"])
     specs = {f.name: f for f in fields}
     parts: dict[str, dict[str, list]] = {"user": {}, "support": {}, "candidates": {}}
     for i, tensor in enumerate(body["inputs"]):
@@ -207,6 +235,8 @@ def parse_oip(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
         rows[part] = [{k: v[r] for k, v in parts[part].items()} for r in range(n)]
     params = body.get("parameters") or {}
     user_id = params.get("user_id") if isinstance(params, dict) else None
+    if user_id is not None and type(user_id) not in (str, int):  # True is an int, not an id
+        raise RequestError("parameters.user_id", f"expected a string or an integer, got {type(user_id).__name__}")
     plain = {"user": user, "support": rows["support"], "candidates": rows["candidates"],
              **({"user_id": user_id} if user_id is not None else {})}
     return parse_json(plain, fields, max_rows)
@@ -230,7 +260,7 @@ def oip_metadata(name: str, version: str, fields: list[FieldSpec]) -> dict:
               for part in ("user", "support", "candidates") for f in fields]
     inputs.insert(len(fields) * 2, {"name": "support.label", "datatype": "FP32", "shape": [-1]})
     return {"name": name, "versions": [version], "platform": "gmeta_ds", "inputs": inputs,
-            "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1]}]}
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1]} for name in OUTPUTS]}
 
 
 def oip_server_metadata() -> dict:

@@ -122,3 +122,69 @@ def test_an_oip_datatype_that_is_not_a_string_is_a_request_error_naming_it(datat
                        {"name": "candidates.item", "shape": [1], "datatype": datatype, "data": [1]}]}
     with pytest.raises(RequestError, match=r"^inputs\[1\]\.datatype: .*expected one of BYTES"):
         protocol.parse_oip(body, list(FIELDS.values()), 100)
+
+
+def _oip(*inputs, **body) -> dict:
+    """An OIP v2 body of one user: age, one support row, one candidate; ``inputs`` replace the
+    tensor of the same name, ``body`` adds top-level keys."""
+    tensors = {t["name"]: t for t in [
+        {"name": "user.age", "shape": [1], "datatype": "INT64", "data": [3]},
+        {"name": "support.item", "shape": [1], "datatype": "INT64", "data": [4]},
+        {"name": "support.tags", "shape": [1], "datatype": "BYTES", "data": ["a|b"]},
+        {"name": "support.label", "shape": [1], "datatype": "FP32", "data": [1]},
+        {"name": "candidates.item", "shape": [1], "datatype": "INT64", "data": [9]},
+        {"name": "candidates.tags", "shape": [1], "datatype": "BYTES", "data": [""]}, *inputs]}
+    return {"inputs": list(tensors.values()), **body}
+
+
+def test_an_oip_body_of_the_declared_datatypes_is_read():
+    user = protocol.parse_oip(_oip(outputs=[{"name": "scores", "parameters": {"binary_data": True}}],
+                                   parameters={"user_id": 17}), list(FIELDS.values()), 100)
+    assert user.support == {"age": [3], "item": [4], "tags": [["a", "b"]]} and user.labels == [1.0]
+    assert user.candidates == {"age": [3], "item": [9], "tags": [[]]} and user.user_id == "17"
+
+
+@pytest.mark.parametrize("tensor,words", [
+    ({"name": "support.label", "shape": [1], "datatype": "FP32", "data": ["1"]},
+     r"^inputs\[3\]\.data: 'support\.label': element 0 is '1'; datatype FP32 holds numbers"),
+    ({"name": "candidates.item", "shape": [2], "datatype": "BYTES", "data": ["9", 9]},
+     r"^inputs\[4\]\.data: 'candidates\.item': element 1 is 9; datatype BYTES holds strings"),
+    ({"name": "candidates.item", "shape": [1], "datatype": "INT64", "data": [9.5]},
+     r"^inputs\[4\]\.data: 'candidates\.item': element 0 is 9\.5; datatype INT64 holds integers"),
+    ({"name": "user.age", "shape": [1], "datatype": "INT32", "data": [True]},
+     r"^inputs\[0\]\.data: 'user\.age': element 0 is True; datatype INT32 holds integers"),
+    ({"name": "support.label", "shape": [1], "datatype": "FP64", "data": [False]},
+     r"^inputs\[3\]\.data: 'support\.label': element 0 is False; datatype FP64 holds numbers"),
+    ({"name": "user.age", "shape": [True], "datatype": "INT64", "data": [3]},
+     r"^inputs\[0\]\.shape: \[True\]; expected \[rows\] \(one dimension, a non-negative integer, not a boolean"),
+])
+def test_oip_data_not_of_its_declared_datatype_is_refused_naming_the_input(tensor, words):
+    """Issue review (fixes2 item 1): FP32 data holding strings, BYTES holding numbers and a shape
+    of [true] (read as [1]) passed; the Open Inference Protocol's data are of the tensor's
+    datatype (strings for BYTES, numbers for FP*, integers for INT*, never a boolean): a
+    `RequestError` naming ``inputs[i].data`` (or ``.shape``) and the datatype, the server's 400."""
+    with pytest.raises(RequestError, match=words):
+        protocol.parse_oip(_oip(tensor), list(FIELDS.values()), 100)
+
+
+@pytest.mark.parametrize("body,where", [
+    (_oip(parameters={"user_id": True}), r"^parameters\.user_id: expected a string or an integer, got bool"),
+    ({**_body(), "user_id": True}, r"^user_id: expected a string or an integer, got bool"),
+])
+def test_a_boolean_user_id_is_refused_not_read_as_an_id(body, where):
+    """``user_id: true`` became the id "True"; ids are strings or integers."""
+    parse = protocol.parse_oip if "inputs" in body else protocol.parse_json
+    with pytest.raises(RequestError, match=where):
+        parse(body, list(FIELDS.values()), 100)
+
+
+@pytest.mark.parametrize("outputs,words", [
+    ([{"name": "scores"}, {"name": "probabilities"}],
+     r"^outputs\[1\]\.name: 'probabilities': not an output of this model \(outputs: scores\)"),
+    ([{"parameters": {"binary_data": True}}], r"^outputs\[0\]\.name: missing"),
+    ({"name": "scores"}, r"^outputs: expected a list of requested outputs, got dict"),
+])
+def test_an_output_the_model_does_not_have_is_refused_naming_it(outputs, words):
+    """Triton answers 400 for an unknown output name; an unknown name was ignored here."""
+    with pytest.raises(RequestError, match=words):
+        protocol.parse_oip(_oip(outputs=outputs), list(FIELDS.values()), 100)

@@ -129,6 +129,8 @@ BAD = [  # (change to a good request, the gRPC code, words the details hold)
      "inputs[0].contents.bytes_contents: 'user.age': not UTF-8"),
     (lambda r: setattr(r.inputs[2], "name", "support.colour"), "INVALID_ARGUMENT", "inputs[2].name: 'support.colour'"),
     (lambda r: setattr(r.inputs[1], "datatype", "UINT8"), "INVALID_ARGUMENT", "inputs[1].datatype: 'UINT8'"),
+    (lambda r: r.outputs.add(name="probabilities"), "INVALID_ARGUMENT",
+     "outputs[0].name: 'probabilities': not an output of this model (outputs: scores)"),
     (_label(math.nan), "INVALID_ARGUMENT", "support[0].label: expected a finite number"),
     (lambda r: setattr(r, "model_name", "no-such-model"), "NOT_FOUND", "model name: no model 'no-such-model'"),
     (lambda r: setattr(r, "model_version", "0"), "NOT_FOUND", "model_version: no version '0'"),
