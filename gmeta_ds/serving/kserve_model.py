@@ -90,8 +90,9 @@ class GmetaKServeModel(Model):
 
 def oip_body(payload: InferRequest) -> dict:
     """KServe's decoded request as the OIP v2 JSON body `parse_oip` reads: each input's values
-    flat (raw or binary tensors decoded by KServe; BYTES elements as text), the user id from
-    the request's parameters (a gRPC request's typed parameters made plain)."""
+    flat (raw or binary tensors decoded by KServe; BYTES elements as UTF-8 text, else a 400),
+    the user id from the request's parameters (a gRPC request's typed parameters made plain),
+    the outputs it asks for."""
     inputs = []
     for i, tensor in enumerate(payload.inputs):
         try:
@@ -99,12 +100,24 @@ def oip_body(payload: InferRequest) -> dict:
         except (ValueError, TypeError) as exc:  # a raw tensor whose size disagrees with its shape
             raise RequestError(f"inputs[{i}]", f"{tensor.name!r}: {exc}") from None
         if tensor.datatype == "BYTES":
-            values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
+            values = _texts(values, tensor.name, i)
         inputs.append({"name": tensor.name, "shape": list(tensor.shape), "datatype": tensor.datatype,
                        "data": values if isinstance(values, list) else values.tolist()})
     parameters = to_http_parameters(payload.parameters) if payload.parameters else {}
     outputs = [{"name": output.name} for output in payload.request_outputs or ()]
     return {"inputs": inputs, "parameters": parameters, **({"outputs": outputs} if outputs else {})}
+
+
+def _texts(values, name: str, i: int) -> list:
+    """A BYTES input's elements as text; an element that is not UTF-8 is a `RequestError`
+    naming it (`gmeta-ds serve` answers the same 400 for the same bytes)."""
+    texts = []
+    for k, value in enumerate(values):
+        try:
+            texts.append(value.decode() if isinstance(value, bytes) else value)
+        except UnicodeDecodeError:
+            raise RequestError(f"inputs[{i}].data", f"{name!r}: element {k} is not UTF-8 text") from None
+    return texts
 
 
 KNOBS = ("max_batch", "max_wait_ms", "max_rows", "cache_size", "cache_ttl_s", "threads", "model")

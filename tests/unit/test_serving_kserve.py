@@ -227,3 +227,31 @@ def test_kserves_model_server_answers_a_bad_request_with_a_400_naming_the_input(
     v1 = httpx.post(f"{url}/v1/models/melu:predict", json={"instances": [[1, 2]]}, timeout=30)  # KServe's v1 route
     assert v1.status_code == 400 and "/v2/models/melu/infer" in v1.json()["error"]
     assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200  # still serving
+
+
+def test_kserves_model_server_refuses_bytes_that_are_not_utf8_and_an_unknown_output(kserve_server, export):
+    """Invalid UTF-8 in a BYTES input (gRPC's raw_input_contents, tritonclient's default) became
+    replacement characters and was scored, where `gmeta-ds serve` refuses it: INVALID_ARGUMENT
+    naming the input and the element, as `gmeta-ds serve` names it; an output name the model
+    lacks is a 400 naming it (as `gmeta-ds serve` and Triton answer). (Over HTTP, KServe's own
+    binary decoder refuses such bytes before the model sees them.)"""
+    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    url, grpc_address = kserve_server
+    user = users(export, 1, seed=4)[0]
+    inputs = []
+    for name, array in arrays(user).items():
+        if name == "user.age":
+            array = np.array([b"\xff\xfe"], dtype=object)  # not UTF-8
+        inputs.append(grpc.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                      else np_to_triton_dtype(array.dtype)))
+        inputs[-1].set_data_from_numpy(array)
+    with pytest.raises(InferenceServerException) as refused:
+        grpc.InferenceServerClient(grpc_address).infer("melu", inputs)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert refused.value.message().startswith("inputs[0].data: 'user.age': element 0 is not UTF-8 text")
+    body = {**oip_json(user, "outputs"), "outputs": [{"name": "probabilities"}]}
+    answer = httpx.post(f"{url}/v2/models/melu/infer", json=body, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"].startswith("outputs[0].name: 'probabilities': not an output of this model")
