@@ -24,9 +24,10 @@ class TrainConfig:
     keep_last: int = 2                        # complete checkpoints kept (0 = all)
     # Resume: null, "auto" (OUTPUT_DIR/checkpoints/latest when there is one), or a checkpoint path.
     resume: Union[str, None] = None
-    # A new (not resumed) run into an output_dir holding an earlier run's outputs: refused unless
-    # true (CLI --overwrite); then they are removed once every check passed, before meta-step 1.
-    # Refused when its checkpoints/ or tensorboard/ holds anything a run does not write there.
+    # A new (not resumed) run into an output_dir holding an earlier run's outputs (its report.html,
+    # plots/ and profile among them): refused unless true (CLI --overwrite); then they are removed
+    # once every check passed, before meta-step 1. Refused when its checkpoints/, tensorboard/,
+    # plots/ or profile/ holds anything a run does not write there.
     overwrite: bool = False
     # Per-phase time per rank (gmeta_ds/run/profiling.py): profile this many meta-steps after
     # profile_warmup ones; OUTPUT_DIR/profile.json (+ Chrome traces with profile_trace).

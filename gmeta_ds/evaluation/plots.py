@@ -72,6 +72,10 @@ def _check_states(evaluation: dict, path: Path) -> None:
                                     f"{json.dumps(value)[:120]}")])
 
 
+# Every chart `plot_run` may write (RUN_DIR/plots/ by default; `run.outputs` takes them as a run's).
+PLOT_FILES = ("loss.png", "throughput.png", "communication.png", "coldstart.png", "few_shot.png", "inner_steps.png")
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     """Write loss, throughput, communication and (when the run evaluated) cold-start charts;
     returns the files written."""

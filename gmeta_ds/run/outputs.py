@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -16,13 +17,20 @@ from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.config.embedding import OLD_SHARDING
 from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.evaluation.plots import PLOT_FILES
+from gmeta_ds.evaluation.report import REPORT_FILE
+from gmeta_ds.run.profiling import TRACE_FILE
 
 WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`)
 
-# What a run leaves in output_dir (rank 0). A run that does not continue the folder's own
-# checkpoint refuses a folder holding any of them unless train.overwrite (`check_earlier_run`).
+# What a run leaves in output_dir (rank 0), with what later commands write there about it
+# (gmeta-ds report's report.html, gmeta-ds plot's plots/, train.profile_steps' profile.json and
+# train.profile_trace's profile/). A run that does not continue the folder's own checkpoint
+# refuses a folder holding any of them unless train.overwrite (`check_earlier_run`), which
+# removes them all: a new run's folder never shows the earlier run's report, charts or profile.
 EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "per_user.csv", "metrics.jsonl", "tensorboard",
-                   "checkpoints")
+                   "checkpoints", REPORT_FILE, "plots", "profile.json", "profile")
+_TRACE = re.compile(re.escape(TRACE_FILE).replace(r"\{rank\}", r"\d+"))
 
 
 def run_phase(cfg: RunConfig, phase: str):
@@ -87,10 +95,15 @@ def _ours_inside(name: str, entry: str) -> bool:
     """Whether ``entry``, found in the earlier run's folder ``name``, is one gmeta-ds writes
     there: checkpoint steps, ``latest`` and the universal conversion under ``checkpoints``, with
     the recovery scripts DeepSpeed copies beside ZeRO checkpoints (``zero_to_fp32.py``,
-    ``zero_to_torch.py``); TensorBoard's event files under ``tensorboard``."""
+    ``zero_to_torch.py``); TensorBoard's event files under ``tensorboard``; `gmeta-ds plot`'s
+    charts under ``plots``; each rank's Chrome trace under ``profile``."""
     if name == "checkpoints":
         return (checkpoint.TAG.fullmatch(entry) is not None or entry in (checkpoint.LATEST, "universal")
                 or entry == checkpoint.LATEST + ".tmp" or (entry.startswith("zero_to_") and entry.endswith(".py")))
+    if name == "plots":
+        return entry in PLOT_FILES
+    if name == "profile":
+        return _TRACE.fullmatch(entry) is not None
     return entry.startswith("events.out.tfevents.")
 
 
@@ -149,10 +162,10 @@ def remove_earlier_outputs(out_dir: Path, names: list[str]) -> None:
           f"{', '.join(names)} in {out_dir}", flush=True)
 
 
-# What a gmeta-ds run may leave in its folder besides `EARLIER_OUTPUTS`: the report, the plots,
-# the profile. An API run's summary (`write_run_files`) goes only into a folder holding nothing
-# else (a saved model's folder, `saved.is_saved_model`, is ours too).
-RUN_FILES = (*EARLIER_OUTPUTS, "report.html", "plots", "profile.json", "profile")
+# What a gmeta-ds run may leave in its folder: `EARLIER_OUTPUTS` (the report, the plots and the
+# profile among them). An API run's summary (`write_run_files`) goes only into a folder holding
+# nothing else (a saved model's folder, `saved.is_saved_model`, is ours too).
+RUN_FILES = EARLIER_OUTPUTS
 
 
 def run_folder_problems(out_dir: Path) -> list[str]:

@@ -30,6 +30,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from gmeta_ds.files import write_json
 
+TRACE_FILE = "trace_rank{rank}.json"  # each rank's Chrome trace under OUTPUT_DIR/profile (train.profile_trace)
+
 PREFIX = "gmeta_ds/"
 PHASES = ("data", "lookup", "inner_loop", "nonfinite_check", "outer_backward", "optimizer_step",
           "sparse_step")
@@ -91,7 +93,7 @@ class PhaseProfiler:
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             rank = os.environ.get("RANK", "0")
-            self.prof.export_chrome_trace(str(self.trace_dir / f"trace_rank{rank}.json"))
+            self.prof.export_chrome_trace(str(self.trace_dir / TRACE_FILE.format(rank=rank)))
         self.prof = None
         self.overhead_s += time.perf_counter() - started
         self.overhead_cpu_s += time.process_time() - cpu

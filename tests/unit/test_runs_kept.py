@@ -11,20 +11,23 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from gmeta_ds import checkpoint
-from gmeta_ds.run import outputs, run_log, trainer
-from gmeta_ds.meta_engine import NonFiniteLoss
 from gmeta_ds.cli import main
+from gmeta_ds.evaluation import plots
+from gmeta_ds.meta_engine import NonFiniteLoss
+from gmeta_ds.run import outputs, run_log, trainer
 
 TINY = {"model": {"embed_dim": 4, "hidden": [8]},
         "meta": {"tasks_per_micro_batch": 4, "tasks_per_meta_step": 8},
@@ -289,12 +292,13 @@ def test_tensorboard_that_cannot_start_names_its_folder(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("planted", ["checkpoints/my_notes.txt", "checkpoints/best_model",
-                                     "tensorboard/my_plots.png"])
+                                     "tensorboard/my_plots.png", "plots/my_chart.png", "profile/my_trace.json"])
 def test_overwrite_refuses_a_folder_holding_what_no_run_wrote(run_dir, planted, capsys):
     """--overwrite removes the earlier run's checkpoints/ and tensorboard/ whole: anything in
     them that gmeta-ds did not write (a user's own folder of that name) is refused, untouched."""
     out, config = run_dir
     path = out / planted
+    path.parent.mkdir(exist_ok=True)  # plots/ and profile/ are not in the finished run
     if "." in path.name:
         path.write_text("mine")
     else:
@@ -317,3 +321,45 @@ def test_overwrite_takes_what_deepspeed_writes_beside_checkpoints(run_dir, capsy
         (out / "checkpoints" / script).write_text("# DeepSpeed's\n")
     assert main(["validate", "--config", config, "--overwrite"]) == 0
     assert "will be removed once every check has passed" in capsys.readouterr().out
+
+
+def _report_plots_profile(out: Path) -> list[str]:
+    """What `gmeta-ds report`, `gmeta-ds plot` and train.profile_steps/profile_trace leave in a
+    run's folder, planted: the names `earlier_outputs` gives them."""
+    (out / "report.html").write_text("<html>the earlier run's report</html>")
+    (out / "plots").mkdir()
+    for name in ("loss.png", "coldstart.png"):
+        (out / "plots" / name).write_bytes(b"\x89PNG")
+    (out / "profile.json").write_text("{}")
+    (out / "profile").mkdir()
+    (out / "profile" / "trace_rank0.json").write_text("{}")
+    return ["report.html", "plots/", "profile.json", "profile/"]
+
+
+def test_overwrite_removes_the_earlier_runs_report_plots_and_profile_after_every_check(run_dir, capsys):
+    """fixes2 item 3: `train --overwrite` left the earlier run's report.html, plots/, profile.json
+    and profile/ (not in EARLIER_OUTPUTS), so the new run's folder showed the old run's report,
+    charts and profile. They are a run's outputs: a fresh run is refused while they are there,
+    and --overwrite lists them and removes them with the rest, once every check has passed."""
+    out, config = run_dir
+    planted = _report_plots_profile(out)
+    assert outputs.earlier_outputs(out)[-4:] == planted
+    before = hashes(out)
+    assert main(["validate", "--config", config]) == 2
+    assert "report.html, plots/, profile.json, profile/)" in capsys.readouterr().err
+    assert main(["validate", "--config", config, "--overwrite"]) == 0  # theirs, not foreign
+    assert hashes(out) == before
+    cfg = SimpleNamespace(output_dir=str(out), train=SimpleNamespace(resume=None, overwrite=True))
+    held = outputs.check_earlier_run(cfg)
+    assert held[-4:] == planted
+    outputs.remove_earlier_outputs(out, held)
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_only_what_a_run_writes_in_plots_and_profile_is_ours():
+    assert all(outputs._ours_inside("plots", name) for name in plots.PLOT_FILES)
+    assert outputs._ours_inside("profile", "trace_rank0.json") and outputs._ours_inside("profile", "trace_rank12.json")
+    assert not outputs._ours_inside("profile", "trace_rank.json") and not outputs._ours_inside("plots", "mine.png")
+    # every chart plot_run saves is named in PLOT_FILES
+    saved = re.findall(r'save\([^\n]*"(\w+\.png)"\)', Path(plots.__file__).read_text())
+    assert saved and set(saved) <= set(plots.PLOT_FILES)
