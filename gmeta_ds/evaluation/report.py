@@ -252,11 +252,14 @@ def _few_shot_section(plt, curve: dict | None, interval: str = "95% paired boots
 
 
 def _per_user_section(plt, path: Path) -> list[str]:
-    """The distribution of each held-out user's AUC (MAE) per model: chart and quantiles."""
+    """The distribution of each held-out user's AUC (MAE) per model: chart and quantiles, from
+    per_user.csv, the rows of the evaluation summary.json's ``eval`` holds (never `gmeta-ds
+    eval`'s eval_per_user.csv, which pairs with its eval.json)."""
     out = ["<h2>Per-user AUC distribution</h2>"]
     if not path.is_file():
-        return out + ["<p>No per_user.csv in this run (written by evaluations since gmeta-ds wrote it; "
-                      "'gmeta-ds eval --config ...' writes it for a trained run).</p>"]
+        return out + ["<p>No per_user.csv in this run (a run's evaluation writes it beside summary.json; "
+                      "runs from before it have none; 'gmeta-ds eval' writes its own rows to eval_per_user.csv "
+                      "beside its eval.json).</p>"]
     import numpy as np
 
     columns = {c: v for c, v in read_per_user(path).items() if v}

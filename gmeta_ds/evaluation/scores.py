@@ -183,8 +183,10 @@ def paired(meta: dict[str, np.ndarray], baselines: dict[str, dict[str, np.ndarra
     return paired_intervals(meta["labels"], meta["task"], meta["adapted"], preds, kind, resamples, seed)
 
 
-# Each held-out user's metric per model (gmeta_ds/evaluation/report.py draws its distribution).
+# Each held-out user's metric per model (gmeta_ds/evaluation/report.py draws its distribution):
+# the run's evaluation, beside its summary.json; `gmeta-ds eval`'s own, beside its eval.json.
 PER_USER_FILE = "per_user.csv"
+EVAL_PER_USER_FILE = "eval_per_user.csv"
 
 
 def per_user_columns(meta: dict[str, np.ndarray], compared: dict[str, tuple[dict, str]], kind: str) -> dict:

@@ -19,6 +19,7 @@ from gmeta_ds.engine.dist import collective_phase
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.plots import PLOT_FILES
 from gmeta_ds.evaluation.report import REPORT_FILE
+from gmeta_ds.evaluation.scores import EVAL_PER_USER_FILE, PER_USER_FILE
 from gmeta_ds.run.profiling import TRACE_FILE
 
 WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`)
@@ -28,8 +29,8 @@ WEIGHTS_FILE = "model.safetensors"  # the final weights (rank 0, `workloads.ctr`
 # train.profile_trace's profile/). A run that does not continue the folder's own checkpoint
 # refuses a folder holding any of them unless train.overwrite (`check_earlier_run`), which
 # removes them all: a new run's folder never shows the earlier run's report, charts or profile.
-EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", "per_user.csv", "metrics.jsonl", "tensorboard",
-                   "checkpoints", REPORT_FILE, "plots", "profile.json", "profile")
+EARLIER_OUTPUTS = ("summary.json", WEIGHTS_FILE, "eval.json", EVAL_PER_USER_FILE, PER_USER_FILE, "metrics.jsonl",
+                   "tensorboard", "checkpoints", REPORT_FILE, "plots", "profile.json", "profile")
 _TRACE = re.compile(re.escape(TRACE_FILE).replace(r"\{rank\}", r"\d+"))
 
 

@@ -23,6 +23,7 @@ from gmeta_ds import checkpoint
 from gmeta_ds.config import RunConfig, config_to_dict
 from gmeta_ds.config.deepspeed import BatchPlan, zero_stage
 from gmeta_ds.errors import ConfigError
+from gmeta_ds.evaluation.scores import EVAL_PER_USER_FILE
 from gmeta_ds.run.outputs import check_earlier_run, config_changes, continues_run, remove_earlier_outputs, run_phase
 from gmeta_ds.meta_engine import EngineSpec, MetaEngine, arm_fault_stop, fault_stop
 from gmeta_ds.meta_engine import start_engine as start_meta_engine
@@ -259,9 +260,11 @@ def _engine_facts(meta: MetaEngine, plan: BatchPlan) -> dict:
 
 
 def write_summary(out_dir: Path, summary: dict, resumed: bool) -> None:
-    """Rank 0's summary.json; a resumed run's eval.json (the earlier run's weights' scores) goes."""
+    """Rank 0's summary.json; a resumed run's eval.json and eval_per_user.csv (the earlier run's
+    weights' scores) go."""
     write_json(out_dir / "summary.json", summary)
-    if resumed:  # it scored the earlier run's weights, replaced just now
+    if resumed:  # they scored the earlier run's weights, replaced just now
         (out_dir / "eval.json").unlink(missing_ok=True)
+        (out_dir / EVAL_PER_USER_FILE).unlink(missing_ok=True)
 
 

@@ -33,7 +33,7 @@ from gmeta_ds.engine.sites import data_part
 from gmeta_ds.engine.hosts import resolve_topology
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.evaluation.held_out import EvalSettings, evaluate_held_out
-from gmeta_ds.evaluation.scores import PER_USER_FILE, write_per_user
+from gmeta_ds.evaluation.scores import EVAL_PER_USER_FILE, PER_USER_FILE, write_per_user
 from gmeta_ds.models import build_model, resolve_adapt
 from gmeta_ds.models.base import field_tables
 from gmeta_ds.models.popularity import fit as fit_popularity_offset
@@ -84,7 +84,8 @@ class CTRWorkload(Workload):
         data = build_data(cfg)
         learner = build_learner(cfg, data.fields)  # the popularity counts come with the weights
         ds_engine.load_weights(learner, weights or Path(cfg.output_dir) / WEIGHTS_FILE)
-        return run_evaluation(cfg, learner, data, out_dir=Path(cfg.output_dir))
+        # its per-user rows beside its eval.json: per_user.csv stays the pair of the run's summary.json
+        return run_evaluation(cfg, learner, data, out_dir=Path(cfg.output_dir), per_user_file=EVAL_PER_USER_FILE)
 
     def describe(self, cfg: RunConfig, ds_config: dict, plan: BatchPlan) -> list[str]:
         world = plan.world_size
@@ -365,13 +366,14 @@ def eval_settings(cfg: RunConfig) -> EvalSettings:
 
 
 def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, world: int = 1,
-                   out_dir: Path | None = None) -> dict:
+                   out_dir: Path | None = None, per_user_file: str = PER_USER_FILE) -> dict:
     """`evaluate_held_out` of the held-out users ``eval.split`` names, as the ``eval`` section
     asks: the meta-learned model (the tasks split over the ranks), the baselines (rank 0; the
     non-meta one started from the run seed's initial weights), paired intervals, the few-shot
     and inner-steps curves, and, with the four-state split, the scores and intervals per state
     under ``states``. With ``out_dir`` (the CLI's output_dir), each held-out user's AUC (MAE)
-    per model goes to ``out_dir/per_user.csv`` (rank 0). Collective when ``world`` > 1;
+    per model goes to ``out_dir/per_user_file`` (rank 0: per_user.csv for a training run,
+    eval_per_user.csv for `gmeta-ds eval`). Collective when ``world`` > 1;
     returns {} on other ranks."""
     held_out = data.valid if cfg.eval.split == "valid" else data.test
     states = getattr(data, "states", {}) if cfg.eval.split == "test" else {}
@@ -380,7 +382,7 @@ def run_evaluation(cfg: RunConfig, learner: MetaLearner, data, rank: int = 0, wo
         baseline_start=lambda: build_learner(cfg, data.fields, train=data.train), rank=rank, world=world,
         split=cfg.eval.split)
     if out_dir is not None and per_user is not None:
-        write_per_user(out_dir / PER_USER_FILE, per_user)
+        write_per_user(out_dir / per_user_file, per_user)
     return result
 
 

@@ -73,10 +73,15 @@ def test_train_then_eval_in_one_plain_process(tmp_path):
     assert [r["step"] for r in records] == [3] and records[0]["tasks"] == 24
     _check_intervals(summary["eval"], proc.stdout)
     _check_per_user_auc(summary["eval"], proc.stdout, out / "per_user.csv")
+    trained_rows = (out / "per_user.csv").read_bytes()
     proc = subprocess.run([sys.executable, "-m", "gmeta_ds.cli", "eval", "--config", config],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evaluated = json.loads((out / "eval.json").read_text())
+    # eval's per-user rows go beside its eval.json; per_user.csv stays the pair of summary.json's
+    # eval (gmeta-ds report drew eval's rows under the training run's numbers)
+    assert (out / "per_user.csv").read_bytes() == trained_rows
+    _check_per_user_auc(evaluated, proc.stdout, out / "eval_per_user.csv", lines=False)
     assert evaluated["auc"] == pytest.approx(summary["eval"]["auc"], rel=1e-6)
     assert json.loads(proc.stdout)["intervals"] == evaluated["intervals"]
     for metric, d in evaluated["intervals"]["differences"]["baseline_popularity"].items():
@@ -128,10 +133,10 @@ def _check_intervals(ev: dict, printed: str) -> None:
     assert "\n  meta-learned + adaptation: " in printed
 
 
-def _check_per_user_auc(ev: dict, printed: str, per_user: Path) -> None:
+def _check_per_user_auc(ev: dict, printed: str, per_user: Path, lines: bool = True) -> None:
     """Every model's mean per-user AUC is reported (the fine-tuned baseline's too: the mean of
-    the per-user AUCs of its fine-tuned predictions in per_user.csv) and printed on its own
-    line before the global AUC's."""
+    the per-user AUCs of its fine-tuned predictions in ``per_user``) and, with ``lines``,
+    printed on its own line before the global AUC's."""
     with open(per_user, newline="") as f:
         rows = list(csv.DictReader(f))
     for key, column in (("auc_per_task", "meta_auc"), ("auc_per_task_no_adapt", "meta_no_adapt_auc"),
@@ -140,6 +145,8 @@ def _check_per_user_auc(ev: dict, printed: str, per_user: Path) -> None:
                         ("baseline_popularity_auc_per_task", "baseline_popularity_auc")):
         mean = sum(float(r[column]) for r in rows if r[column]) / sum(1 for r in rows if r[column])
         assert ev[key] == pytest.approx(mean, abs=1e-5), key
+    if not lines:
+        return
     per_user_line = (f"cold-start per-user AUC: meta-learned + adaptation {ev['auc_per_task']:.4f} | without adaptation "
                      f"{ev['auc_per_task_no_adapt']:.4f} | non-meta baseline {ev['baseline_auc_per_task']:.4f} | "
                      f"baseline + fine-tune {ev['baseline_finetune_auc_per_task']:.4f} | popularity + user offset "

@@ -212,12 +212,13 @@ def test_overwrite_removes_the_earlier_run_only_after_every_check(run_dir, tmp_p
 def test_a_resume_keeps_the_earlier_summary_until_it_writes_its_own(run_dir):
     out, config = run_dir
     (out / "eval.json").write_text("{}")  # scored the earlier weights
+    (out / "eval_per_user.csv").write_text("task,query_rows,meta_auc\n")  # its per-user rows
     proc = train_apart(config, "train.resume=auto", "train.meta_steps=3", spy=True)
     spied = proc.stdout.split("SPY ", 1)[1].splitlines()[0]
     assert all(name in spied for name in ("'summary.json'", "'model.safetensors'", "'eval.json'"))
     assert json.loads((out / "summary.json").read_text())["meta_steps"] == 3
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    assert not (out / "eval.json").exists()
+    assert not (out / "eval.json").exists() and not (out / "eval_per_user.csv").exists()
 
 
 def test_export_never_writes_into_the_checkpoint_it_reads(run_dir, tmp_path, capsys):
