@@ -24,12 +24,17 @@ pinned to all cores but the last and the generator to the last (``--no-pin``: no
 the table prints each HTTP run's users/s as a fraction of the direct call's at 64 users.
 Results go to ``benchmarks/results/serve.json`` (or ``--out``) and are printed as a table.
 
+``--protocol grpc|both`` instead compares OIP v2 over gRPC (raw and typed tensors) with the
+HTTP routes on one ``gmeta-ds serve --grpc-port``, in alternated rounds, after checking that
+every route scores the same users alike (benchmarks/serve_grpc.py; ``serve_grpc.json``).
+
 ``--startup-rows N`` instead measures start-up: the demo's export with an item table of N rows
 (random), the seconds from starting ``gmeta-ds serve`` to its first ready answer (imports, the
 SHA-256 of every file, the mapping, a warm-up adaptation) and its resident memory against the
 export's size (``benchmarks/results/serve_startup.json``).
 
 Run from the repo root:  python benchmarks/serve.py [--seconds 8] [--clients 1 8 64]
+                         python benchmarks/serve.py --protocol both [--rounds 3]
                          python benchmarks/serve.py --startup-rows 10000000
 """
 from __future__ import annotations
@@ -117,6 +122,19 @@ def user_bodies(fields, count: int, support: int, candidates: int, seed: int, ad
         sup = [{**r, "label": float(rng.random() < 0.3)} for r in rows(support)] if adapt else []
         bodies.append({"user_id": f"bench-{seed}-{u}", "user": user, "support": sup, "candidates": rows(candidates)})
     return bodies
+
+
+def oip_body(body: dict) -> dict:
+    """A plain JSON body (`user_bodies`) as its OIP v2 request: one INT64 tensor per field and
+    part (the demo's fields are integer ids), the labels FP32, the user id a parameter."""
+    inputs = [{"name": f"user.{k}", "shape": [1], "datatype": "INT64", "data": [v]} for k, v in body["user"].items()]
+    for part in ("support", "candidates"):
+        rows = body[part]
+        for name in (rows[0] if rows else {}):
+            datatype = "FP32" if name == "label" else "INT64"
+            inputs.append({"name": f"{part}.{name}", "shape": [len(rows)], "datatype": datatype,
+                           "data": [r[name] for r in rows]})
+    return {"id": body["user_id"], "parameters": {"user_id": body["user_id"]}, "inputs": inputs}
 
 
 def direct(export: Path, bodies: list[dict], batch: int, seconds: float) -> dict:
@@ -287,7 +305,11 @@ def load_arguments(doc: str) -> argparse.ArgumentParser:
 def main() -> int:
     parser = load_arguments(__doc__)
     parser.add_argument("--out", default=None, help="default benchmarks/results/serve.json "
-                        "(serve_startup.json with --startup-rows)")
+                        "(serve_startup.json with --startup-rows, serve_grpc.json with --protocol grpc|both)")
+    parser.add_argument("--protocol", choices=("http", "grpc", "both"), default="http",
+                        help="grpc / both: OIP v2 over gRPC (and HTTP's routes) on one gmeta-ds serve --grpc-port, "
+                        "in alternated rounds (benchmarks/serve_grpc.py)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --protocol grpc|both: rounds of the routes")
     parser.add_argument("--startup-rows", type=int, default=0,
                         help="only the start-up check, on an item table of this many rows (e.g. 10000000)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the server (and the direct calls) to "
@@ -300,6 +322,10 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         Path(args.out or REPO / "benchmarks/results/serve_startup.json").write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    if args.protocol != "http":
+        from serve_grpc import compare
+
+        return compare(args)
     server_cores, client_cores = core_split(not args.no_pin)
     results: dict = {"machine": machine(), "support": args.support, "candidates": args.candidates,
                      "seconds": args.seconds, "server_cores": sorted(server_cores or []),

@@ -38,6 +38,7 @@ from serve import (
     core_split,
     http_run,
     load_arguments,
+    oip_body,
     process_cpu_s,
     request_bytes,
     start_command,
@@ -59,16 +60,8 @@ def commands(export: Path, port: int) -> dict[str, list[str]]:
 
 
 def oip_json(body: dict) -> bytes:
-    """A plain JSON body (serve.py's `user_bodies`) as its OIP v2 request: one INT64 tensor per field
-    and part (the demo's fields are integer ids), the labels FP32, the user id a parameter."""
-    inputs = [{"name": f"user.{k}", "shape": [1], "datatype": "INT64", "data": [v]} for k, v in body["user"].items()]
-    for part in ("support", "candidates"):
-        rows = body[part]
-        for name in (rows[0] if rows else {}):
-            datatype = "FP32" if name == "label" else "INT64"
-            inputs.append({"name": f"{part}.{name}", "shape": [len(rows)], "datatype": datatype,
-                           "data": [r[name] for r in rows]})
-    return json.dumps({"id": body["user_id"], "parameters": {"user_id": body["user_id"]}, "inputs": inputs}).encode()
+    """A plain JSON body (serve.py's `user_bodies`) as its OIP v2 request (`serve.oip_body`), serialised."""
+    return json.dumps(oip_body(body)).encode()
 
 
 def measure(name: str, cmd: list[str], port: int, bodies: list[dict], args, cores, client_cores, tmp: Path) -> dict:
