@@ -96,9 +96,12 @@ def score_mismatches(port: int, grpc_port: int, bodies: list[dict]) -> list[str]
                       "grpc typed": typed.outputs[0].contents.fp32_contents}
             for route, got in scores.items():
                 got = np.asarray(got)
-                if got.shape != reference.shape or not np.allclose(got, reference, rtol=0, atol=1e-5):
+                if got.shape != reference.shape:
+                    problems.append(f"{route} {body['user_id']}: {got.shape[0]} scores, http v2 {reference.shape[0]}")
+                elif not np.allclose(got, reference, rtol=0, atol=1e-5):
                     problems.append(f"{route} {body['user_id']}: scores {got[:3]}... against http v2's "
-                                    f"{reference[:3]}... (max difference past 1e-5)")
+                                    f"{reference[:3]}...: max difference {np.abs(got - reference).max():.2e}, "
+                                    "expected at most 1e-5")
     return problems
 
 
