@@ -242,6 +242,62 @@ def parse_oip(body, fields: list[FieldSpec], max_rows: int) -> UserRequest:
     return parse_json(plain, fields, max_rows)
 
 
+def fast_oip(tensors: list[tuple], user_id, outputs: list, fields: list[FieldSpec], max_rows: int) -> UserRequest | None:
+    """`parse_oip`'s `UserRequest` of a well-formed request given as its inputs (``(name,
+    datatype, shape, data)`` each, ``data`` a flat list), its ``parameters.user_id`` (None
+    when absent) and the names of the outputs it asks for, read column by column without the
+    row objects `parse_oip` builds for `parse_json` (most of its time on a 120-row user);
+    None when anything is not plainly well-formed, and then `parse_oip` of the same request
+    finds the problem and names it (the errors are its own). The gRPC front's hot path."""
+    specs = {f.name: f for f in fields}
+    if not _OUTPUT_NAMES.issuperset(outputs) or "label" in specs:
+        return None
+    parts: dict[str, dict[str, list]] = {"user": {}, "support": {}, "candidates": {}}
+    for name, datatype, shape, data in tensors:
+        allowed = _OIP_VALUES.get(datatype) if type(datatype) is str else None
+        part, _, field = name.partition(".") if type(name) is str else ("", "", "")
+        if (allowed is None or type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int
+                or type(data) is not list or len(data) != shape[0] or part not in parts
+                or (field not in specs and name != "support.label") or not allowed[0].issuperset(map(type, data))):
+            return None
+        if field in specs and specs[field].multi_hot:
+            data = [str(v).split("|") if v != "" else [] for v in data]
+        parts[part][field] = data
+    if any(len(values) != 1 for values in parts["user"].values()) or type(user_id) not in (str, int, type(None)):
+        return None
+    user = {k: v[0] for k, v in parts["user"].items()}
+    support = _fast_columns(parts["support"], specs, user, True, max_rows)
+    candidates = _fast_columns(parts["candidates"], specs, user, False, max_rows)
+    if support is None or candidates is None or not candidates[2]:
+        return None
+    return UserRequest(support[0], support[1], candidates[0], None if user_id is None else str(user_id))
+
+
+_OUTPUT_NAMES = frozenset(OUTPUTS)
+
+
+def _fast_columns(given: dict[str, list], specs: dict[str, FieldSpec], user: dict, labels: bool, max_rows: int):
+    """(columns, labels, rows) of one part's tensors as `parse_json` reads its rows (a user
+    field filled from ``user`` where the part does not give it), or None where `parse_json`
+    would refuse them or not read them so (`fast_oip`)."""
+    lengths = set(map(len, given.values()))
+    n = lengths.pop() if len(lengths) == 1 else 0 if not lengths else -1
+    if not 0 <= n <= max_rows:
+        return None
+    if n == 0:
+        return {name: [] for name in specs}, [], 0
+    ys = given.get("label", []) if labels else []
+    try:
+        if len(ys) != n * labels or not (_NUMBER.issuperset(map(type, ys)) and all(map(math.isfinite, ys))):
+            return None
+    except OverflowError:
+        return None
+    # every value came from a tensor whose datatype `fast_oip` checked (strings and numbers; a
+    # multi-hot field's, lists of strings): what `parse_json` checks each column for
+    columns = {name: given[name] if name in given else [user[name]] * n for name in specs if name in given or name in user}
+    return (columns, list(map(float, ys)), n) if len(columns) == len(specs) else None
+
+
 def json_response(result: Scored, name: str, version: str) -> dict:
     return {"model_name": name, "model_version": version, "scores": result.scores, "cached": result.cached,
             "adapted": result.adapted, "unknown_values": result.unknown}
