@@ -15,8 +15,10 @@ Variants (all compute the same numbers; this is checked before timing, exit 1 if
   the MLP, no gmeta_ds code: the reference gmeta_ds vmap aims to be within 1.1x of;
 - with ``--compiled`` (``meta.compile: true``): ``gmeta_ds compiled``, the vmap variant under
   `torch.compile` (inductor, the row dimensions marked dynamic from the first call: one graph),
-  and ``compiled automatic``, with Dynamo's automatic dynamic shapes instead (a static graph for
-  the first micro-batch's lengths, then one per dimension that changes). They are built afresh for each
+  ``compiled automatic``, with Dynamo's automatic dynamic shapes instead (a static graph for
+  the first micro-batch's lengths, then one per dimension that changes), and ``compiled static``,
+  a static graph per bucket of lengths (rows padded to the bucket's edge, masked out of the
+  losses: `functional.compiled.pad_to_buckets`). They are built afresh for each
   ``--threads`` value (inductor fixes a kernel's threads when it compiles it); their compile
   time (untimed warm-up) and graph count are reported beside the speed.
 
@@ -36,32 +38,32 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
+import argparse
+import dataclasses
 import functools
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.func import functional_call, grad, vmap  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
 
 try:
     import gmeta_ds  # noqa: F401
 except ImportError:  # not installed: run from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gmeta_ds.algorithms.base import MetaLearner  # noqa: E402
-from gmeta_ds.algorithms.maml import MAML  # noqa: E402
-from gmeta_ds.config import EmbeddingConfig, ModelConfig, SyntheticConfig  # noqa: E402
-from gmeta_ds.data.synthetic import generate_synthetic, synthetic_fields  # noqa: E402
-from gmeta_ds.data.tasks import collate  # noqa: E402
+from gmeta_ds.algorithms.base import MetaLearner
+from gmeta_ds.algorithms.maml import MAML
+from gmeta_ds.config import EmbeddingConfig, ModelConfig, SyntheticConfig
+from gmeta_ds.data.synthetic import generate_synthetic, synthetic_fields
+from gmeta_ds.data.tasks import collate
 from gmeta_ds.functional.compiled import CompiledTasks
-from gmeta_ds.models.melu import build_melu  # noqa: E402
+from gmeta_ds.models.melu import build_melu
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inner_loop.json"
 ROUNDS_SHOWN = 3  # a variant's timings are shown as the medians of this many consecutive parts
@@ -139,9 +141,10 @@ def make_variants(net, steps, lr, compiled=False):
         "bare torch.func": lambda b: bare_func_loss(net, b, steps, lr),
     }
     if compiled:
-        for name, marked in (("gmeta_ds compiled", True), ("compiled automatic", False)):
+        for name, how in (("gmeta_ds compiled", {}), ("compiled automatic", {"mark_dynamic": False}),
+                          ("compiled static", {"static": True})):
             algorithm = MAML(steps, lr, ["mlp.*"], vectorize=True)
-            algorithm.compiled = CompiledTasks(mark_dynamic=marked)
+            algorithm.compiled = CompiledTasks(**how)
             learner = MetaLearner(net, algorithm)
             variants[name] = functools.partial(lambda learner, b: learner(b).loss, learner)
             variants[name].compiled = algorithm.compiled

@@ -30,13 +30,18 @@ from collections.abc import Callable
 
 import torch
 
-from gmeta_ds.functional.inner import LearningRates, Params, TaskOutputs, vmap_tasks
+from gmeta_ds.functional.inner import ROW_PREFIX, LearningRates, Params, TaskOutputs, vmap_tasks
 
 # Graphs one runner may compile before it runs eager: one with the row dimensions dynamic, and
 # room for specialisations (a length of 1, Dynamo's automatic dynamic shapes: 2-3 graphs).
 MAX_GRAPHS = 6
 # The compiler: inductor (C++/OpenMP kernels on CPU, Triton on GPUs).
 BACKEND = "inductor"
+# Inductor's settings for our graphs only (compile_fx's config_patches, not inductor's global
+# config): the C++ wrapper calls the kernels without a Python wrapper; measured on the demo's
+# meta-step (docs/performance.md): as fast per call, its cold compile 88 s against 121 s, a
+# warm cache's 2 s against 14 s.
+INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 # meta.compile: auto resolves to this: measured slower end to end on the shipped configs on CPU
 # (compile time not amortised, docs/performance.md "Compiled meta-step"); not measured on GPUs.
 AUTO_COMPILES = False
@@ -98,6 +103,52 @@ def mark_rows_dynamic(theta: Params, support: tuple, query: tuple) -> None:
             torch._dynamo.maybe_mark_dynamic(value, 0)
 
 
+def bucket_edge(n: int) -> int:
+    """The smallest bucket edge >= ``n``: 4, then m x 2**k for m in 4..7 (4, 5, 6, 7, 8, 10, 12,
+    14, 16, 20, ...): four edges per doubling, so padding adds under a quarter of the rows."""
+    if n <= 4:
+        return 4
+    k = (n - 1).bit_length() - 3  # n - 1 < 8 x 2**k: the edges m x 2**k with m in 4..8 cover n
+    return -(-n // (1 << k)) << k
+
+
+def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size`` (autograd flows to ``x``'s part)."""
+    missing = size - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _pad_part(part: tuple, rows: int) -> tuple:
+    """One side's inputs (x, labels (T, N), mask (T, N)), every tensor of two or more dimensions
+    whose dimension 1 holds the N rows padded to ``rows``: padded rows have mask 0, label 0, id
+    index 0, so every masked loss leaves them out."""
+    n = part[1].shape[1]
+
+    def pad(x):
+        if isinstance(x, tuple):
+            return tuple(pad(a) for a in x)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == n:
+            return _pad_dim(x, 1, rows)
+        return x
+    return pad(part)
+
+
+def pad_to_buckets(theta: Params, support: tuple, query: tuple) -> tuple[Params, tuple, tuple, dict[str, int]]:
+    """Support and query rows padded to their `bucket_edge`, and each adapted row table
+    (``embedding.<field>`` (M, d)) to the edge of M: a static graph per bucket serves every
+    length in it. Returns the padded (theta, support, query) and the row tables' own counts M
+    (the adapted rows past M are padding: their ids are never indexed)."""
+    counts = {n: v.shape[0] for n, v in theta.items() if n.startswith(ROW_PREFIX)}
+    theta = {n: _pad_dim(v, 0, bucket_edge(counts[n])) if n in counts else v for n, v in theta.items()}
+    support = _pad_part(support, bucket_edge(support[1].shape[1]))
+    query = _pad_part(query, bucket_edge(query[1].shape[1]))
+    return theta, support, query, counts
+
+
 class CompiledTasks:
     """`vmap_tasks` compiled with ``backend`` (None: `BACKEND`), falling back to eager.
 
@@ -105,19 +156,29 @@ class CompiledTasks:
     the calls that compiled (tracing, both graphs' compilation, one run), ``failure`` is None
     or the one-line reason the runner went eager. ``mark_dynamic``: mark the row dimensions
     dynamic from the first call (`mark_rows_dynamic`); False: Dynamo's automatic dynamic shapes.
+    ``static``: instead, a static graph per bucket of lengths (`pad_to_buckets`; measured no
+    faster than one dynamic graph, and a compile per bucket: benchmarks/inner_loop.py --compiled).
+    ``options``: inductor's config patches for these graphs (None: `INDUCTOR_OPTIONS` with
+    inductor, none with another backend).
     """
 
     def __init__(self, backend: str | Callable | None = None, mark_dynamic: bool = True,
-                 max_graphs: int = MAX_GRAPHS):
+                 max_graphs: int = MAX_GRAPHS, static: bool = False, options: dict | None = None):
         use_temporary_cache()
         backend = BACKEND if backend is None else backend
+        if options is None:
+            options = INDUCTOR_OPTIONS if backend == "inductor" else {}
         self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        self.mark_dynamic, self.max_graphs = mark_dynamic, max_graphs
+        self.static, self.options = static, dict(options)
+        self.mark_dynamic, self.max_graphs = mark_dynamic and not static, max_graphs
         self.graphs, self.seconds, self.failure = 0, 0.0, None
-        self._compiled = torch.compile(_own_code(vmap_tasks), backend=self._count, fullgraph=True)
+        self._compiled = torch.compile(_own_code(vmap_tasks), backend=self._count, fullgraph=True,
+                                       dynamic=False if static else None)
 
     def _count(self, graph, example_inputs):
         self.graphs += 1
+        if self.options:  # inductor's settings for our graphs only (compile_fx's config_patches)
+            return self.backend(graph, example_inputs, config_patches=self.options)
         return self.backend(graph, example_inputs)
 
     def __call__(self, inner, theta: Params, lrs: LearningRates, support: tuple, query: tuple,
@@ -128,10 +189,7 @@ class CompiledTasks:
         if self.mark_dynamic and not self.graphs:
             mark_rows_dynamic(theta, support, query)
         try:
-            # the backward graph is compiled now, not at the outer backward: a failure is caught here
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                    torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
-                out = self._compiled(inner, theta, lrs, support, query, detach_query)
+            out = self._run(inner, theta, lrs, support, query, detach_query)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: eager, named once
             # the model's own errors (its contract, its shapes) raise here, from eager code
             out = vmap_tasks(inner, theta, lrs, support, query, detach_query)
@@ -142,6 +200,21 @@ class CompiledTasks:
             if self.graphs > self.max_graphs:
                 self._fall_back(f"{self.graphs} graphs compiled, more than {self.max_graphs} (the inputs' "
                                 "shapes or settings keep changing)")
+        return out
+
+    def _run(self, inner, theta: Params, lrs: LearningRates, support: tuple, query: tuple,
+             detach_query: bool) -> TaskOutputs:
+        """The compiled call; static: on inputs padded to their bucket edges (`pad_to_buckets`),
+        the adapted rows' fast weights cut back to their own count."""
+        rows = {}
+        if self.static:
+            theta, support, query, rows = pad_to_buckets(theta, support, query)
+        # the backward graph is compiled now, not at the outer backward: a failure is caught here
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                torch._dynamo.config.patch(recompile_limit=self.max_graphs + 1):
+            out = self._compiled(inner, theta, lrs, support, query, detach_query)
+        if rows:
+            out.fast = {n: v[:, :rows[n]] if n in rows else v for n, v in out.fast.items()}
         return out
 
     def _fall_back(self, reason: str) -> None:

@@ -25,7 +25,7 @@ from gmeta_ds.algorithms.base import MetaLearner
 from gmeta_ds.config import config_from_dict
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import compiled as compiled_module
-from gmeta_ds.functional.compiled import CompiledTasks, use_temporary_cache
+from gmeta_ds.functional.compiled import CompiledTasks, bucket_edge, use_temporary_cache
 from tests.helpers import tiny_batch, tiny_melu
 
 # micro-batches of other support and query lengths, as padding to each batch's longest task makes them
@@ -71,6 +71,32 @@ def test_compiled_outer_gradients_equal_eager(cls, adapt, steps):
     for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, compiled):
         assert torch.allclose(loss_c, loss_e, atol=1e-6)
         assert grads_c.keys() == grads_e.keys() and "net.embedding.weights.item_id" in grads_c
+        for name in grads_e:
+            assert torch.allclose(grads_c[name], grads_e[name], atol=1e-5, rtol=0), name
+
+
+def test_bucket_edges_pad_by_under_a_quarter():
+    assert [bucket_edge(n) for n in (0, 4, 5, 8, 9, 11, 17, 75, 81, 96, 97)] == [4, 4, 5, 8, 10, 12, 20, 80, 96, 96, 112]
+    assert all(n <= bucket_edge(n) < 1.25 * n for n in range(5, 2000))
+
+
+# (support, query, seed): 3 lengths in 2 buckets of (support, query, distinct item ids): (12, 5, 12) twice, (10, 4, 10)
+BUCKETED = [(11, 5, 2), (12, 5, 3), (9, 4, 0)]
+
+
+@pytest.mark.parametrize("cls", [MAML, Reptile], ids=["maml-second-order", "reptile"])
+def test_static_buckets_give_eager_gradients_with_one_graph_per_bucket(cls):
+    # Dynamo's own graphs run eagerly (backend "eager"): what is tested is the padding, and the
+    # graphs' count; inductor's gradients are checked by the test above and by the benchmarks
+    batches = [tiny_batch(support=s, query=q, seed=i) for s, q, i in BUCKETED]
+    adapt = ["mlp.*", "embedding.item_id"]  # adapted rows: their table padded too, fast rows cut back
+    eager = _outer_grads(cls(inner_steps=1, inner_lr=0.3, adapt=adapt, vectorize=True), batches)
+    algorithm = _compiled(cls, adapt, backend="eager", steps=1, static=True)
+    compiled = _outer_grads(algorithm, batches)
+    assert algorithm.compiled.failure is None and algorithm.compiled.graphs == 2
+    for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, compiled):
+        assert torch.allclose(loss_c, loss_e, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys()
         for name in grads_e:
             assert torch.allclose(grads_c[name], grads_e[name], atol=1e-5, rtol=0), name
 
