@@ -10,17 +10,26 @@ EXTRAS ?= dev
 # With JUNIT_DIR set (.ci/run sets it), each pytest stage writes JUNIT_DIR/<stage>.xml.
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
+# --no-compile: pip byte-compiles every module of every package it installs (torch's alone take
+# ~40 s on 2 cores); Python compiles the modules a run imports instead, once, on first import.
+PIP_INSTALL := -m pip install -q --no-compile
 
-.PHONY: install demo test test-fast test-ci test-slow test-all test-docs docs bench wheel-check proto clean
+.PHONY: install ops demo test test-fast test-ci test-slow test-all test-docs docs bench wheel-check proto clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) $(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PY) $(PIP_INSTALL) -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed
+
+# DeepSpeed's CPU ops the slow tests use (CPU Adam, FusedAdam), JIT-built now rather than inside
+# the first test that needs them (~3 CPU-minutes each on 2 cores); PATH as test-ci's, or they rebuild.
+ops: export PATH := $(abspath $(VENV))/bin:$(PATH)
+ops: install
+	$(PY) tests/build_ops.py
 
 # The venv's bin first on PATH, as for bench: the deepspeed launcher starts ranks with the
 # interpreter it finds there (and offload configs' CPU Adam op is rebuilt when PATH changes).
@@ -58,7 +67,7 @@ test-slow: install
 # The documentation site (mkdocs.yml) into site/ (ignored): the docs extra into the venv, then a
 # strict build, where a broken link, anchor or API reference fails.
 docs: install
-	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) $(PIP_INSTALL) -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site/
 
 test-all: install
@@ -66,7 +75,7 @@ test-all: install
 
 # A wheel that works anywhere: build it, install it (not editable) into a fresh virtualenv with
 # TORCH_SPEC, and run gmeta-ds validate / train (CTR and text) from a directory outside the
-# checkout (tests/wheel/check_wheel.sh; ~3.5 min on 2 cores, mostly pip installing the dependencies).
+# checkout (tests/wheel/check_wheel.sh; ~2 min on 2 cores, half of it pip installing the dependencies).
 wheel-check:
 	TORCH_SPEC="$(TORCH_SPEC)" tests/wheel/check_wheel.sh
 
