@@ -5,10 +5,12 @@ grpc_predict_v2.proto): ServerLive, ServerReady, ModelReady, ServerMetadata, Mod
 ModelInfer, and Triton's RepositoryIndex (tritonclient.grpc's ``get_model_repository_index``).
 grpc.aio serves it on the event loop uvicorn runs, through the HTTP server's `App`: a gRPC user
 joins the same batches as HTTP users, and the cache, metrics (endpoint ``grpc/<Call>``, status
-the gRPC code's name) and request checks are the same. A ModelInferRequest becomes the JSON
-form of an OIP infer request (`request_body`: each input's typed ``contents``, or its entry of
-``raw_input_contents`` decoded as Triton's binary extension lays it out), which
-`protocol.parse_oip` reads as for HTTP, so an error names the same field. The scores go back
+the gRPC code's name) and request checks are the same. A ModelInferRequest's inputs are
+decoded (`request_tensors`: each input's typed ``contents``, or its entry of
+``raw_input_contents`` as Triton's binary extension lays it out) and read column by column into
+the user (`read_user`, `protocol.fast_oip`); a request that is not plainly well-formed is read
+from its JSON form (`request_body`) by `protocol.parse_oip`, as for HTTP, so an error names the
+same field. The scores go back
 raw (``raw_output_contents``) when the request came raw, as tritonclient.grpc sends by
 default, else in ``contents.fp32_contents``.
 
