@@ -43,10 +43,12 @@ Nothing runs twice (issue 34), and each shortcut is named in the report and in `
   doc's work folder (e.g. a saved ``data.cache_dir``); it lives until the session ends.
 - **Seed loops.** ``for s in 0 1 2; do ... seed=$s ... done`` runs its first value only, the
   body unchanged ("first seed only"): the seeds repeat one training; other loops run whole.
-- **Benchmark rounds.** ``benchmarks/zoo_speed.py`` runs one round of 4 meta-steps logged every 2
-  (``--rounds 1 --steps 4 --set train.log_every=2`` appended, the last wins): its rounds repeat
-  the same trainings for a median ("first round only"); one round runs every model it names, and
-  two logged windows still give it a timed window after the warm-up one.
+- **Benchmark rounds.** ``benchmarks/zoo_speed.py`` runs one round of 4 meta-steps logged every 2,
+  of two models (``--rounds 1 --steps 4 --set train.log_every=2 --models melu dlrm`` appended,
+  the last wins): its rounds repeat the same trainings for a median ("first round only"); two
+  logged windows still give it a timed window after the warm-up one; each further model is one
+  more start-up of the same loop (every zoo model trains through the CLI in
+  tests/launch/test_model_zoo.py).
 - **Search trials.** ``gmeta-ds tune`` runs two trials (``--trials 2`` appended, the last wins):
   every trial is the same small training with other values ("two trials only"); two show the
   search, its study and its tune.json.
@@ -105,7 +107,10 @@ EXTRA_ARGS = {"examples/movielens/prepare_ml100k.py": ["--wheel", "{fixtures}/" 
 # same runs to take a median, so one round checks the command (as the first seed of a seed loop).
 # zoo_speed's --steps 4 logged every 2: two windows, the second timed (60 steps logged every 10 by
 # default; each of its models per round is a full run, so the check costs one start-up per model).
-FIRST_ROUND = {"benchmarks/zoo_speed.py": ["--rounds", "1", "--steps", "4", "--set", "train.log_every=2"]}
+# Its two models: the baseline and one more; every zoo model trains through the CLI in
+# tests/launch/test_model_zoo.py, and each model here is one more start-up of the same loop.
+FIRST_ROUND = {"benchmarks/zoo_speed.py": ["--rounds", "1", "--steps", "4", "--set", "train.log_every=2",
+                                           "--models", "melu", "dlrm"]}
 # Appended to `gmeta-ds tune` (argparse: the last --trials wins): each trial is one more small training.
 TUNE_TRIALS = ["--trials", "2"]
 # Applied in one pass (a replacement is never rewritten again); /tmp/ only where a path starts.
@@ -662,8 +667,8 @@ def test_extractor_joins_continuations_keeps_loops_and_drops_comments(tmp_path):
                   work, fx)
     assert braces.run == "for seed in 3; do gmeta-ds plot runs/s${seed} --set seed=${seed}; done"
     bench = plan(Command("f", 1, "python benchmarks/zoo_speed.py --models melu --rounds 5"), work, fx)
-    assert bench.run.endswith("--rounds 5 --rounds 1 --steps 4 --set train.log_every=2")
-    assert bench.reason == "first round only (--rounds 1 --steps 4 --set train.log_every=2)"
+    assert bench.run.endswith("--rounds 5 --rounds 1 --steps 4 --set train.log_every=2 --models melu dlrm")
+    assert bench.reason == "first round only (--rounds 1 --steps 4 --set train.log_every=2 --models melu dlrm)"
     assert planned[4].run == "gmeta-ds plot runs/x"
     skipped = plan(Command("f", 1, "launch/torchrun.sh 8 RUN.yaml"), work, fx)
     assert skipped.run is None and "RUN.yaml" in skipped.reason
