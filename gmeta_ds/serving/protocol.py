@@ -38,6 +38,8 @@ OIP_TYPES = {"BYTES": str, "FP32": float, "FP64": float, "INT64": int, "INT32": 
 _OIP_VALUES = {"BYTES": (frozenset({str}), "strings"), "FP32": (frozenset({int, float}), "numbers"),
                "FP64": (frozenset({int, float}), "numbers"), "INT64": (frozenset({int}), "integers"),
                "INT32": (frozenset({int}), "integers")}
+# the values an integer datatype can hold (Triton refuses a JSON value past them)
+_INT_RANGE = {"INT32": (-(1 << 31), (1 << 31) - 1), "INT64": (-(1 << 63), (1 << 63) - 1)}
 OUTPUTS = ("scores",)  # the outputs an infer request may ask for (`oip_metadata`)
 
 
@@ -188,6 +190,11 @@ def _oip_tensor(i: int, tensor) -> tuple[str, list]:
         k, bad = next((k, v) for k, v in enumerate(data) if type(v) not in allowed)
         raise RequestError(f"{where}.data", f"{name!r}: element {k} is {bad!r:.40}; datatype {tensor['datatype']} "
                                             f"holds {kind}")
+    bounds = _INT_RANGE.get(tensor["datatype"])
+    if bounds and data and (min(data) < bounds[0] or max(data) > bounds[1]):
+        k, bad = next((k, v) for k, v in enumerate(data) if not bounds[0] <= v <= bounds[1])
+        raise RequestError(f"{where}.data", f"{name!r}: element {k} is {bad!r:.40}; past datatype "
+                                            f"{tensor['datatype']}'s range [{bounds[0]}, {bounds[1]}]")
     return name, data
 
 

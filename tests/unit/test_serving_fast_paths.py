@@ -157,12 +157,18 @@ def test_an_oip_body_of_the_declared_datatypes_is_read():
      r"^inputs\[3\]\.data: 'support\.label': element 0 is False; datatype FP64 holds numbers"),
     ({"name": "user.age", "shape": [True], "datatype": "INT64", "data": [3]},
      r"^inputs\[0\]\.shape: \[True\]; expected \[rows\] \(one dimension, a non-negative integer, not a boolean"),
+    ({"name": "user.age", "shape": [2], "datatype": "INT32", "data": [3, 2 ** 31]},
+     r"^inputs\[0\]\.data: 'user\.age': element 1 is 2147483648; past datatype INT32's range "
+     r"\[-2147483648, 2147483647\]"),
+    ({"name": "candidates.item", "shape": [1], "datatype": "INT64", "data": [-(2 ** 63) - 1]},
+     r"^inputs\[4\]\.data: 'candidates\.item': element 0 is -9223372036854775809; past datatype INT64's"),
 ])
 def test_oip_data_not_of_its_declared_datatype_is_refused_naming_the_input(tensor, words):
     """Issue review (fixes2 item 1): FP32 data holding strings, BYTES holding numbers and a shape
     of [true] (read as [1]) passed; the Open Inference Protocol's data are of the tensor's
-    datatype (strings for BYTES, numbers for FP*, integers for INT*, never a boolean): a
-    `RequestError` naming ``inputs[i].data`` (or ``.shape``) and the datatype, the server's 400."""
+    datatype (strings for BYTES, numbers for FP*, integers for INT* within the datatype's range,
+    never a boolean): a `RequestError` naming ``inputs[i].data`` (or ``.shape``) and the datatype,
+    the server's 400."""
     with pytest.raises(RequestError, match=words):
         protocol.parse_oip(_oip(tensor), list(FIELDS.values()), 100)
 
