@@ -158,8 +158,8 @@ def test_an_oip_body_of_the_declared_datatypes_is_read():
     ({"name": "user.age", "shape": [True], "datatype": "INT64", "data": [3]},
      r"^inputs\[0\]\.shape: \[True\]; expected \[rows\] \(one dimension, a non-negative integer, not a boolean"),
     ({"name": "user.age", "shape": [2], "datatype": "INT32", "data": [3, 2 ** 31]},
-     r"^inputs\[0\]\.data: 'user\.age': element 1 is 2147483648; past datatype INT32's range "
-     r"\[-2147483648, 2147483647\]"),
+     (r"^inputs\[0\]\.data: 'user\.age': element 1 is 2147483648; past datatype INT32's range "
+      r"\[-2147483648, 2147483647\]")),
     ({"name": "candidates.item", "shape": [1], "datatype": "INT64", "data": [-(2 ** 63) - 1]},
      r"^inputs\[4\]\.data: 'candidates\.item': element 0 is -9223372036854775809; past datatype INT64's"),
 ])
