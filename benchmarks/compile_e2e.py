@@ -6,7 +6,9 @@ MAML, 2 inner steps, the ranking and anchor terms; ``--set KEY=VALUE`` overrides
 process (world 1) with only what keeps a run short changed: ``train.meta_steps`` (default 80), ``train.log_every=10``, ``train.threads``
 (default 1), evaluation, TensorBoard and the progress bar off. Compiled and eager runs alternate
 in ``--rounds`` rounds (the order swapped each round). A run's speed is the median ``tasks_per_s``
-of its logged windows after the first (the first holds the compile); its compile time is
+of its logged windows after the first (the first holds the compile), beside the median CPU time
+per task of the same windows (``cpu_s_per_task``: less moved by other work on shared cores than
+wall time); its compile time is
 summary.json's ``compile.compile_s``: inductor's cache is a fresh temporary folder for each
 invocation, so the first round's compile is cold and later rounds' warm (the cache the first
 filled). The break-even is the meta-steps after which the cold compile has paid for itself at
@@ -52,6 +54,7 @@ def run(config: str, compiled: bool, threads: int, steps: int, out: Path, extra:
     summary = json.loads((out / "summary.json").read_text())
     return {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in timed),
             "windows": [round(r["tasks_per_s"], 1) for r in timed], "compile": summary["compile"],
+            "cpu_ms_per_task": 1e3 * statistics.median(r["cpu_s_per_task"] for r in timed),
             "elapsed_s": summary["elapsed_s"], "final_query_loss": summary["final_query_loss"],
             "tasks_per_meta_step": summary["tasks_seen"] / summary["meta_steps"]}
 
@@ -73,13 +76,21 @@ def main() -> None:
             order = (False, True) if i % 2 == 0 else (True, False)
             got = {c: run(args.config, c, args.threads, args.steps, Path(tmp) / f"{c}_{i}", args.sets) for c in order}
             ratio = got[True]["tasks_per_s"] / got[False]["tasks_per_s"]
+            cpu_ratio = got[False]["cpu_ms_per_task"] / got[True]["cpu_ms_per_task"]
             load = round(os.getloadavg()[0], 2)
-            rounds.append({"eager": got[False], "compiled": got[True], "compiled_vs_eager": ratio, "load_avg_1min": load})
+            rounds.append({"eager": got[False], "compiled": got[True], "compiled_vs_eager": ratio,
+                           "compiled_vs_eager_cpu": cpu_ratio, "load_avg_1min": load})
             print(f"round {i + 1}: eager {got[False]['tasks_per_s']:.0f} tasks/s, compiled "
-                  f"{got[True]['tasks_per_s']:.0f} tasks/s ({ratio:.2f}x), compile "
+                  f"{got[True]['tasks_per_s']:.0f} tasks/s ({ratio:.2f}x; by CPU time per task {cpu_ratio:.2f}x), compile "
                   f"{got[True]['compile']['compile_s']:.1f} s ({'cold' if i == 0 else 'warm'}), "
-                  f"{got[True]['compile']['graphs']} graph(s), load average {load}", flush=True)
+                  f"{got[True]['compile']['graphs']} graph(s){fallback(got[True])}, load average {load}", flush=True)
     summarize(args, rounds)
+
+
+def fallback(run: dict) -> str:
+    """A compiled run that went eager (its speed is then eager's): the reason, else nothing."""
+    reason = run["compile"].get("eager_fallback")
+    return f" - WENT EAGER: {reason}" if reason else ""
 
 
 def summarize(args, rounds: list[dict]) -> None:
@@ -92,8 +103,10 @@ def summarize(args, rounds: list[dict]) -> None:
     saved_per_step = tasks_per_step / eager * (1 - 1 / ratio)  # seconds a compiled meta-step saves
     break_even = round(cold / saved_per_step) if saved_per_step > 0 else None
     each = ", ".join(f"{r['compiled_vs_eager']:.2f}" for r in rounds)
+    cpu_each = ", ".join(f"{r['compiled_vs_eager_cpu']:.2f}" for r in rounds)
     verdict = f"break-even after {break_even} meta-steps" if break_even else "not faster: no break-even"
-    print(f"compiled vs eager: {ratio:.2f}x (median of {len(rounds)} rounds: {each}); compile {cold:.1f} s cold, "
+    print(f"compiled vs eager: {ratio:.2f}x (median of {len(rounds)} rounds: {each}; by CPU time per task: "
+          f"{cpu_each}); compile {cold:.1f} s cold, "
           f"warm {', '.join(f'{w:.1f}' for w in warm) or '-'} s; {verdict}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

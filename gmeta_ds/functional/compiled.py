@@ -11,10 +11,12 @@ Shapes: a micro-batch is padded to its longest task, so the row dimensions (S, Q
 number M of deduplicated adapted rows) change from one micro-batch to the next. They are marked
 dynamic before the first call (`mark_rows_dynamic`): one graph serves every length. Dynamo's
 automatic dynamic shapes (a static graph for the first lengths, then one per dimension that
-changes: 2-3 graphs) ran no faster per micro-batch and compiled 2-3 times as long
-(benchmarks/inner_loop.py --compiled, docs/performance.md); a static graph per length (or per
-padded length bucket) would compile once per bucket and was not built. `MAX_GRAPHS` bounds the
-graphs one runner compiles; past it (inputs that keep changing what the graph specialises on)
+changes: 2-3 graphs) ran no faster per micro-batch and compiled 2-3 times as long, and static
+graphs per bucket of lengths (`pad_to_buckets`: rows padded to the bucket's edge and masked out)
+ran no faster than the one dynamic graph (benchmarks/compile_options.py, docs/performance.md).
+A model whose graph specialises the marked dimensions (DCN-v2) would compile a graph per length:
+from its second graph the runner compiles a static graph per bucket instead. `MAX_GRAPHS` bounds
+the graphs one runner compiles; past it (inputs that keep changing what the graph specialises on)
 it runs eager with one warning. A compile that fails (no C++ compiler, an operation the compiler refuses)
 runs eager too, with one warning naming the reason: ``meta.compile: true`` never ends a run.
 """
@@ -169,9 +171,15 @@ class CompiledTasks:
         if options is None:
             options = INDUCTOR_OPTIONS if backend == "inductor" else {}
         self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-        self.static, self.options = static, dict(options)
+        self.options = dict(options)
         self.mark_dynamic, self.max_graphs = mark_dynamic and not static, max_graphs
         self.graphs, self.seconds, self.failure = 0, 0.0, None
+        self._use(static)
+
+    def _use(self, static: bool) -> None:
+        """Compile from here on one graph for every length (rows marked dynamic or Dynamo's
+        automatic dynamic shapes), or a static graph per bucket (``static``)."""
+        self.static = static
         self._compiled = torch.compile(_own_code(vmap_tasks), backend=self._count, fullgraph=True,
                                        dynamic=False if static else None)
 
@@ -200,6 +208,10 @@ class CompiledTasks:
             if self.graphs > self.max_graphs:
                 self._fall_back(f"{self.graphs} graphs compiled, more than {self.max_graphs} (the inputs' "
                                 "shapes or settings keep changing)")
+            elif self.mark_dynamic and not self.static and self.graphs > 1:
+                # the model specialised the marked row dimensions (DCN-v2 does, through its
+                # concatenation): a graph per length would follow, so a static graph per bucket
+                self._use(static=True)
         return out
 
     def _run(self, inner, theta: Params, lrs: LearningRates, support: tuple, query: tuple,

@@ -6,7 +6,9 @@ The graphs are compiled with the ``aot_eager`` backend: AOTAutograd traces the i
 ``torch.func.grad`` and the outer backward exactly as for inductor, without inductor's C++
 build (tens of seconds per graph on 2 shared cores; benchmarks/inner_loop.py --compiled
 measures inductor itself, and checks its gradients against eager's before timing). 1-11 s
-each (the first pays Dynamo's one-off start), 49 s for the file at a load average of 2.
+each (the first pays Dynamo's one-off start), 49 s for the file at a load average of 2. With the
+static buckets' tests (backend "eager": padding and graph counts, not inductor), 84 s of CPU
+for the file (362 s wall at a load average of 8-10; 63 s of CPU before the DCN-v2 test).
 """
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ import yaml
 import gmeta_ds as gm
 from gmeta_ds.algorithms import FOMAML, MAML, Reptile, set_compile
 from gmeta_ds.algorithms.base import MetaLearner
-from gmeta_ds.config import config_from_dict
+from gmeta_ds.config import EmbeddingConfig, config_from_dict
+from gmeta_ds.embedding.tables import EmbeddingCollection
 from gmeta_ds.errors import ConfigError
 from gmeta_ds.functional import compiled as compiled_module
 from gmeta_ds.functional.compiled import CompiledTasks, bucket_edge, use_temporary_cache
-from tests.helpers import tiny_batch, tiny_melu
+from gmeta_ds.models.base import field_tables
+from gmeta_ds.models.dcn_v2 import DCNv2
+from tests.helpers import FIELDS, tiny_batch, tiny_melu
 
 # micro-batches of other support and query lengths, as padding to each batch's longest task makes them
 SHAPES = [(6, 4), (7, 4), (9, 5), (5, 3)]
@@ -36,10 +41,10 @@ def _batches():
     return [tiny_batch(support=s, query=q, seed=i) for i, (s, q) in enumerate(SHAPES)]
 
 
-def _outer_grads(algorithm, batches):
+def _outer_grads(algorithm, batches, model=tiny_melu):
     """Each batch's loss and outer gradients of every learner parameter, from one learner."""
     torch.manual_seed(0)
-    learner = MetaLearner(tiny_melu(), algorithm)
+    learner = MetaLearner(model(), algorithm)
     results = []
     for batch in batches:
         learner.zero_grad(set_to_none=True)
@@ -99,6 +104,23 @@ def test_static_buckets_give_eager_gradients_with_one_graph_per_bucket(cls):
         assert grads_c.keys() == grads_e.keys()
         for name in grads_e:
             assert torch.allclose(grads_c[name], grads_e[name], atol=1e-5, rtol=0), name
+
+
+def test_a_model_that_specialises_the_row_dimensions_gets_static_buckets_not_a_graph_per_length():
+    # DCN-v2's concatenation specialises the marked row dimensions: a graph per length until the
+    # bound (the demo's ~16 lengths went eager after 7 graphs); from the second graph, buckets
+    def dcn():
+        return DCNv2(FIELDS, 3, hidden=[4], embedding=EmbeddingCollection(field_tables(FIELDS, 3, EmbeddingConfig()), 0))
+
+    batches = [tiny_batch(support=s, query=4, seed=i) for i, s in enumerate((9, 11, 13, 14))]
+    want = _outer_grads(MAML(inner_steps=1, inner_lr=0.3, adapt=["mlp.*"], vectorize=True), batches, dcn)
+    algorithm = _compiled(MAML, ["mlp.*"], backend="eager", steps=1)
+    got = _outer_grads(algorithm, batches, dcn)
+    # lengths 9 and 11 one graph each, then static: 13 and 14 share the bucket of edge 14
+    assert algorithm.compiled.failure is None and algorithm.compiled.static and algorithm.compiled.graphs == 3
+    for (loss_g, grads_g), (loss_w, grads_w) in zip(got, want):
+        assert torch.allclose(loss_g, loss_w, atol=1e-6)
+        assert all(torch.allclose(grads_g[n], grads_w[n], atol=1e-5, rtol=0) for n in grads_w)
 
 
 def test_micro_batches_of_other_lengths_compile_a_bounded_number_of_graphs():
