@@ -154,6 +154,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--header-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
                    help="close a connection whose request head is not whole this long after it connected or "
                         "began its request (default 10)")
+    p.add_argument("--body-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                   help="answer 408 to a request whose body is not whole this long after its head (default 60)")
 
 
 def _tune_parser(sub) -> None:
@@ -455,9 +457,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             max_body_bytes=args.max_body_bytes, cache_size=args.cache_size,
                             cache_ttl_s=args.cache_ttl_s, model=args.model, threads=args.threads,
                             allow_reload=args.allow_reload, model_roots=tuple(args.model_roots),
-                            header_timeout_s=args.header_timeout)
+                            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     problems = option_problems(options, {n: "--" + n.replace("_", "-") for n in BOUNDS} |
-                               {"header_timeout_s": "--header-timeout"})
+                               {"header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout"})
     if problems:
         raise ConfigError(problems)
     serve(args.export, args.host, args.port, options, services)

@@ -29,7 +29,9 @@ With ``--grpc-port``, the same `App` also answers OIP v2 over gRPC on the same e
 (`gmeta_ds.serving.grpc_server`, one of `create_app`'s ``services``).
 
 A connection whose request head is not whole ``--header-timeout`` seconds after it connected
-or began its request is closed (`access.header_deadline_protocol`).
+or began its request is closed (`access.header_deadline_protocol`); a body not whole
+``--body-timeout`` seconds after its head is a 408 (`App.body`), its connection closed after
+the answer.
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ class ServerOptions:
     allow_reload: bool = False  # the reload endpoint loads a folder a request names: off unless asked
     model_roots: tuple[str, ...] = ()  # folders whose exports a reload may load (besides the one served)
     header_timeout_s: float = 10.0  # a request head not whole this long after it began: closed
+    body_timeout_s: float = 60.0  # a body not whole this long after its head: 408, then closed
 
 
 def options_from_arguments(args: dict, where: str) -> ServerOptions:
@@ -111,7 +114,8 @@ BOUNDS = {"max_batch": (1, None, "an integer >= 1"), "max_rows": (1, None, "an i
           "threads": (1, None, "an integer >= 1"),
           "max_wait_ms": (0, 60_000, "a number of milliseconds in [0, 60000]"),
           "cache_ttl_s": (0, float("inf"), "a number of seconds >= 0 (inf: never expire)"),
-          "header_timeout_s": (1e-9, 3600, "a number of seconds > 0 and at most 3600")}
+          "header_timeout_s": (1e-9, 3600, "a number of seconds > 0 and at most 3600"),
+          "body_timeout_s": (1e-9, 3600, "a number of seconds > 0 and at most 3600")}
 
 
 def option_problems(options: ServerOptions, flags: dict[str, str] | None = None) -> list[str]:
@@ -245,7 +249,9 @@ class App:
         self.metrics.count(endpoint, status)
         if type(content) is binary.BinaryReply:
             return status, *binary.reply_body(content)
-        return status, orjson.dumps(content), _JSON
+        # a 408's connection still holds the rest of a body: closed after the answer (uvicorn
+        # cancels its keep-alive timer on every byte that comes, so a trickle held it open)
+        return status, orjson.dumps(content), _JSON if status != 408 else [*_JSON, (b"connection", b"close")]
 
     async def answer(self, endpoint: str, work) -> Response:
         """`outcome` as a Starlette response."""
@@ -256,15 +262,22 @@ class App:
         """The JSON body of a request (its Content-Length header, "" when none, and an async
         iterator of its bytes), refused past ``max_body_bytes`` (413) or when not JSON (400);
         with ``header_length`` (Triton's Inference-Header-Content-Length), a JSON header and the
-        binary tensors after it (`gmeta_ds.serving.binary`), decoded into the header's inputs."""
+        binary tensors after it (`gmeta_ds.serving.binary`), decoded into the header's inputs.
+        A body not whole ``body_timeout_s`` after the head is a 408 (a client trickling its body
+        held the connection and the handler for ever)."""
         limit = self.options.max_body_bytes
         if length.isdigit() and int(length) > limit:
             raise HTTPProblem(413, "body", f"{length} bytes; at most {limit} (gmeta-ds serve --max-body-bytes)")
         data = bytearray()
-        async for chunk in chunks:
-            data += chunk
-            if len(data) > limit:
-                raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
+        try:
+            async with asyncio.timeout(self.options.body_timeout_s):
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) > limit:
+                        raise HTTPProblem(413, "body", f"over {limit} bytes (gmeta-ds serve --max-body-bytes)")
+        except TimeoutError:
+            raise HTTPProblem(408, "body", f"{len(data)} bytes {self.options.body_timeout_s:g} s after the request "
+                                           "head, not the whole body (gmeta-ds serve --body-timeout)") from None
         if header_length:
             header, tensors = binary.split_body(data, header_length)
             return binary.fill_inputs(_json(header), tensors)

@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "gmeta_ds.cli", "serve", str(root / "v1"), "--port", str(port),
            "--grpc-port", str(grpc_port),
            "--model", "tests.unit.test_serving_server:dcn", "--max-rows", "50", "--max-body-bytes", "200000",
-           "--allow-reload", "--model-root", str(root), "--header-timeout", "2"]
+           "--allow-reload", "--model-root", str(root), "--header-timeout", "2", "--body-timeout", "2"]
     with open(root / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
