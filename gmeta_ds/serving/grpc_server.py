@@ -22,7 +22,6 @@ over ``--max-body-bytes`` (grpc's own receive limit), INTERNAL for a bug (the se
 from __future__ import annotations
 
 import math
-import socket
 from contextlib import asynccontextmanager
 
 import grpc
@@ -43,7 +42,7 @@ from gmeta_ds.serving.protocol import (
     oip_server_metadata,
     parse_oip,
 )
-from gmeta_ds.serving.server import App, HTTPProblem
+from gmeta_ds.serving.server import App, HTTPProblem, check_listenable
 
 # each OIP datatype the server reads -> its field of InferTensorContents
 CONTENTS = {"INT64": "int64_contents", "INT32": "int_contents", "FP32": "fp32_contents",
@@ -230,7 +229,7 @@ def grpc_service(host: str, port: int):
     here already when it is taken (before the export loads and uvicorn starts)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if port:
-        _check_free(host, port, address)
+        check_listenable(host, port, "--grpc-port")
 
     @asynccontextmanager
     async def run(app: App):
@@ -254,11 +253,3 @@ def grpc_service(host: str, port: int):
     return run
 
 
-def _check_free(host: str, port: int, address: str) -> None:
-    """A `ConfigError` naming ``--grpc-port`` when ``host:port`` cannot be listened on now."""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds: TIME_WAIT is no obstacle
-            probe.bind((host, port))
-    except OSError as exc:
-        raise ConfigError([f"--grpc-port {port}: cannot listen on {address} ({exc.strerror or exc})"]) from None

@@ -487,6 +487,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
     import uvicorn
 
     options = options or ServerOptions()
+    if port:  # a taken port is refused now, not after the export has loaded
+        check_listenable(host, port, "--port")
     torch.set_num_threads(options.threads)
     app = create_app(path, options, services=services)
     model = app.state.served.holder.model
@@ -496,6 +498,20 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, options: 
     # no proxy-headers middleware: the server listens on its own address and logs no client
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, proxy_headers=False,
                 http=header_deadline_protocol(options.header_timeout_s))
+
+
+def check_listenable(host: str, port: int, flag: str) -> None:
+    """A `ConfigError` naming ``flag`` when ``host:port`` cannot be listened on now (taken, or
+    an address this host lacks): the CLI's exit 2 before the export loads."""
+    import socket
+
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and grpc bind: TIME_WAIT is fine
+            probe.bind((host, port))
+    except OSError as exc:
+        raise ConfigError([f"{flag} {port}: cannot listen on {address} ({exc.strerror or exc})"]) from None
 
 
 def quiet_gc() -> None:

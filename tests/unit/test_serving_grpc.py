@@ -202,6 +202,20 @@ def test_a_taken_grpc_port_is_refused_naming_it():
             grpc_service("127.0.0.1", port)
 
 
+def test_a_taken_http_port_is_refused_naming_it_before_the_export_loads(tmp_path):
+    """``gmeta-ds serve --port`` on a taken port: a one-line `ConfigError` naming ``--port``
+    before the export is read (here there is none: the port's error comes first), not uvicorn's
+    bind failure after seconds of loading."""
+    from gmeta_ds.serving.server import serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"- --port {port}: cannot listen on 127.0.0.1:{port} \(Address already"):
+            serve(tmp_path / "no-export", "127.0.0.1", port)
+
+
 def test_the_checked_in_generated_modules_equal_a_fresh_generation():
     pytest.importorskip("grpc_tools", reason="grpcio-tools is in the dev extra")
     from gmeta_ds.serving.proto.generate import stale
