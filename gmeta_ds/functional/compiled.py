@@ -41,11 +41,12 @@ MAX_GRAPHS = 6
 BACKEND = "inductor"
 # Inductor's settings for our graphs only (compile_fx's config_patches, not inductor's global
 # config): the C++ wrapper calls the kernels without a Python wrapper; measured on the demo's
-# meta-step (docs/performance.md): as fast per call, its cold compile 88 s against 121 s, a
-# warm cache's 2 s against 14 s.
+# meta-step (docs/performance.md, "Second pass"): at least as fast per call, its cold compile
+# 88 s against 121 s, 161 s against 416 s, 47 s against 71 s (pairs at the same load).
 INDUCTOR_OPTIONS = {"cpp_wrapper": True}
-# meta.compile: auto resolves to this: measured slower end to end on the shipped configs on CPU
-# (compile time not amortised, docs/performance.md "Compiled meta-step"); not measured on GPUs.
+# meta.compile: auto resolves to this: on CPU no faster end to end (the demo 0.93-1.04x eager on
+# a quiet machine; no zoo model 1.5x in every round) and a cold compile of 30-60% of the demo's
+# training (docs/performance.md "Compiled meta-step"); not measured on GPUs.
 AUTO_COMPILES = False
 _RUNNERS = itertools.count()  # numbers each runner's own copy of vmap_tasks (`_own_code`)
 
