@@ -30,7 +30,7 @@ cleanup() {
 trap cleanup EXIT
 
 # Nothing from the checkout or the caller's environment may leak into the installed runs.
-unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV PYTHONDONTWRITEBYTECODE
 export PYTHONNOUSERSITE=1 PYTHONUNBUFFERED=1 PIP_NO_INPUT=1
 export TORCH_EXTENSIONS_DIR="$WORK/torch_extensions"   # DeepSpeed's JIT builds, never a shared lock
 export TMPDIR="$WORK/tmp"
@@ -114,7 +114,8 @@ step "check the wheel's contents" 60 check_wheel_contents
 VENV="$WORK/venv"
 step "create a fresh virtualenv" 180 "$PYTHON" -m venv "$VENV"
 # --no-compile: byte-compiling every installed module costs more than the install (torch: 62 vs
-# 20 s here); the runs below compile what they import.
+# 20 s here); the runs below compile what they import and keep it (PYTHONDONTWRITEBYTECODE unset
+# for this throwaway virtualenv: the first run writes the .pyc files the later ones read).
 step "install $TORCH_SPEC" 900 "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
 step "install the wheel and its dependencies" 900 "$VENV/bin/python" -m pip install -q --no-compile "$WHEEL"
 # The venv's bin first: DeepSpeed JIT-rebuilds its CPU ops when it sees another PATH.
